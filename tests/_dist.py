@@ -1,0 +1,110 @@
+"""Run a function on N gloo processes and turn any rank's failure into a test failure.
+
+    results = run_distributed(fn, world_size, *args, timeout=120)
+
+`fn(rank, world_size, *args, **kwargs)` runs in a fresh (spawned) process per rank with the
+default process group initialised (gloo, file:// rendezvous in a private temporary folder).
+Its return value must be picklable; the list of them, indexed by rank, is returned.
+
+Failure modes, each an AssertionError carrying the details:
+  - a rank raises: its traceback (and those of any other rank that failed) is in the message;
+    ranks still blocked in a collective are killed after a short grace period;
+  - a rank dies without reporting (segfault, os._exit): its exit code is reported;
+  - nothing finished within `timeout` seconds: the ranks that did not finish are named.
+The helper never waits longer than `timeout` plus a few seconds of cleanup.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+# After the first rank fails, how long the others get to report their own error before they
+# are killed (a rank blocked in a collective with a dead peer would otherwise wait for the
+# gloo timeout).
+_GRACE_S = 5.0
+
+
+def _worker(fn, rank, world_size, init_file, results, args, kwargs, timeout):
+    import torch
+    import torch.distributed as dist
+
+    # 2-4 ranks share a 2-core machine: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put(("ok", rank, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put(("err", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs):
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="elastic_dist_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, init_file, results, args, kwargs, timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        ok, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(ok) + len(errors) < world_size:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                try:
+                    kind, rank, payload = results.get(timeout=min(0.2, deadline - now))
+                except queue.Empty:
+                    for rank, p in enumerate(procs):
+                        if p.exitcode is not None and rank not in ok and rank not in errors:
+                            # Give its queued message a moment to arrive before calling it lost.
+                            try:
+                                kind, r, payload = results.get(timeout=1.0)
+                                (ok if kind == "ok" else errors)[r] = payload
+                            except queue.Empty:
+                                errors[rank] = f"rank {rank} exited with code {p.exitcode} without reporting"
+                    continue
+                (ok if kind == "ok" else errors)[rank] = payload
+                if errors:
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        missing = sorted(set(range(world_size)) - set(ok) - set(errors))
+        if missing:
+            msg += f"\n(ranks {missing} were still running and were killed)"
+        raise AssertionError(f"{len(errors)} of {world_size} ranks failed:\n{msg}")
+    if len(ok) < world_size:
+        missing = sorted(set(range(world_size)) - set(ok))
+        raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
+    return [ok[r] for r in range(world_size)]

@@ -1,0 +1,26 @@
+"""Test configuration shared by every test module.
+
+Triton kernels run under the interpreter on machines without a GPU: TRITON_INTERPRET must be
+set before `triton` is first imported, so it is decided here, in pytest_configure, which runs
+before any test module (and so any `import triton`) is collected. The GPU check reads the
+device nodes instead of asking CUDA, so nothing initialises CUDA at collection time.
+"""
+
+import os
+
+import pytest
+
+from tests import _skips
+
+
+def pytest_configure(config):
+    if "TRITON_INTERPRET" not in os.environ and not _skips.gpu_present():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = _skips.gpu_skip_reason()
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
