@@ -44,15 +44,18 @@ def _default_max_jobs() -> str:
 
 
 def _cuda_home():
-    """The CUDA toolkit torch would use, or None."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return home
+    """The CUDA toolkit to build with, or None: CUDA_HOME/CUDA_PATH, else the toolkit of the
+    nvcc on PATH (which may be a wrapper script), else /usr/local/cuda."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    if os.path.exists("/usr/local/cuda/bin/nvcc"):
-        return "/usr/local/cuda"
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+            os.path.join(home, "include", "cuda_runtime.h")
+        ):
+            return home
     return None
 
 
@@ -73,6 +76,11 @@ def _extensions():
         return [], {}
 
     import torch
+
+    # torch.utils.cpp_extension reads CUDA_HOME once, at import: settle it first.
+    cuda_home = _cuda_home()
+    if cuda_home is not None:
+        os.environ["CUDA_HOME"] = cuda_home
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", _default_max_jobs())
@@ -83,10 +91,10 @@ def _extensions():
     cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
 
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
-    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
-    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    # No -std flag: torch's cpp_extension picks the standard its headers need (C++20 since 2.10).
+    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
-    cuda_home = _cuda_home()
     build_cuda = bool(torch.version.cuda) and cuda_home is not None and not _flag("ELASTIC_SKIP_CUDA")
     if _flag("ELASTIC_FORCE_CUDA") and not build_cuda:
         why = (
@@ -97,7 +105,6 @@ def _extensions():
         raise RuntimeError(f"ELASTIC_FORCE_CUDA=1 but the CUDA part cannot be built: {why}")
 
     if build_cuda:
-        os.environ["CUDA_HOME"] = cuda_home
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         include_dirs += _extra_cuda_include_dirs()

@@ -41,6 +41,8 @@ def load():
         _error = "ELASTIC_SKIP_EXT=1 is set, so the extension is neither built nor loaded"
         return None
     try:
+        import torch  # noqa: F401 - loads libc10/libtorch, which _C links against
+
         _module = importlib.import_module("elastic_kernels._C")
     except (ImportError, OSError) as exc:  # missing build, ABI mismatch, missing libcudart...
         _error = f"{type(exc).__name__}: {exc}"
