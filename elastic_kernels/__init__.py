@@ -9,8 +9,11 @@ from elastic_kernels import _ext
 
 _ext.load()
 
+from elastic_kernels.layout import ChunkLayout  # noqa: E402
+from elastic_kernels.ops import pack_shards, unpack_gathered  # noqa: E402 - after _ext.load(): registers fakes
+
 # Ops of the `elastic` namespace that must carry a CUDA kernel when the CUDA part is built.
-CUDA_OPS = ()
+CUDA_OPS = ("pack_shards", "unpack_gathered")
 
 
 def registered_ops():
@@ -21,4 +24,4 @@ def registered_ops():
     return sorted({n.split("::", 1)[1].split(".")[0] for n in names if n.startswith("elastic::")})
 
 
-__all__ = ["CUDA_OPS", "registered_ops"]
+__all__ = ["CUDA_OPS", "ChunkLayout", "pack_shards", "registered_ops", "unpack_gathered"]

@@ -45,3 +45,11 @@ def require_cuda_ext():
     if not mod.cuda_built():
         raise AssertionError("a GPU is visible but elastic_kernels._C was built without CUDA")
     return mod
+
+
+def require_triton_on_cpu():
+    """Triton kernels on CPU tensors run only under the interpreter, which conftest turns on
+    exactly on machines without a GPU; where a GPU is visible the GPU tests cover Triton."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1, which is set only on "
+                    "machines without a GPU (the gpu-marked tests cover Triton there)")

@@ -1,0 +1,188 @@
+// Schemas of the elastic:: namespace (the one TORCH_LIBRARY block; later ops add theirs here)
+// and the argument checks shared by the C++ impls. Fake impls live in Python
+// (elastic_kernels/ops.py, named by set_python_module below).
+#include "ops.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+
+#include "elastic/chunk_layout.h"
+
+namespace elastic {
+namespace {
+
+bool supported_elem_size(int64_t n) { return n == 1 || n == 2 || n == 4 || n == 8; }
+
+void check_elem_size(const at::Tensor& t, const char* op, const std::string& name) {
+  TORCH_CHECK_VALUE(supported_elem_size(t.element_size()), op, ": ", name, " has dtype ",
+                    t.scalar_type(), " with ", t.element_size(),
+                    "-byte elements; supported element sizes are 1, 2, 4 and 8 bytes");
+}
+
+void check_list_len(const char* op, const char* name, size_t got, const char* ref, size_t want) {
+  TORCH_CHECK_VALUE(got == want, op, ": ", name, " has ", got, " entries but ", ref, " has ", want,
+                    " (one per weight)");
+}
+
+// Raise if two of the byte ranges [start, end) overlap; names say which arguments they are.
+void check_no_overlap(const char* op, std::vector<std::tuple<uintptr_t, uintptr_t, std::string>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  // Sorted by start: range k overlaps an earlier one iff it starts before the furthest end so
+  // far; `far` is the earlier range reaching furthest, named in the error.
+  size_t far = 0;
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    TORCH_CHECK_VALUE(std::get<0>(ranges[k]) >= std::get<1>(ranges[far]), op, ": ",
+                      std::get<2>(ranges[far]), " and ", std::get<2>(ranges[k]),
+                      " overlap in memory; every dest must have memory of its own, apart from "
+                      "gathered and from the other dests");
+    if (std::get<1>(ranges[k]) > std::get<1>(ranges[far])) far = k;
+  }
+}
+
+}  // namespace
+
+PackPlan check_pack_args(at::TensorList shards, c10::IntArrayRef slice_numels,
+                         c10::IntArrayRef chunk_begins, c10::IntArrayRef chunk_ends) {
+  constexpr const char* op = "elastic::pack_shards";
+  const size_t n = shards.size();
+  TORCH_CHECK_VALUE(n > 0, op, ": shards must not be empty (the send buffer takes its dtype and "
+                    "device from shards[0])");
+  check_list_len(op, "slice_numels", slice_numels.size(), "shards", n);
+  check_list_len(op, "chunk_begins", chunk_begins.size(), "shards", n);
+  check_list_len(op, "chunk_ends", chunk_ends.size(), "shards", n);
+  const at::Tensor& first = shards[0];
+  PackPlan plan;
+  plan.out_offset.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = shards[i];
+    const std::string name = "shards[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+    TORCH_CHECK_VALUE(t.scalar_type() == first.scalar_type(), op, ": ", name, " has dtype ",
+                      t.scalar_type(), " but shards[0] has dtype ", first.scalar_type(),
+                      "; all shards must have one dtype");
+    TORCH_CHECK_VALUE(t.device() == first.device(), op, ": ", name, " is on device ", t.device(),
+                      " but shards[0] is on ", first.device(), "; all shards must be on one device");
+    check_elem_size(t, op, name);
+    TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D (a flat shard), got shape ",
+                      t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+    const int64_t s = slice_numels[i];
+    TORCH_CHECK_VALUE(s >= 1, op, ": slice_numels[", i, "] must be >= 1, got ", s);
+    TORCH_CHECK_VALUE(t.numel() % s == 0, op, ": ", name, " has ", t.numel(),
+                      " elements, not a multiple of slice_numels[", i, "] = ", s);
+    const int64_t chunks = t.numel() / s;
+    const int64_t cb = chunk_begins[i], ce = chunk_ends[i];
+    TORCH_CHECK_VALUE(0 <= cb && cb <= ce && ce <= chunks, op, ": chunk range [chunk_begins[", i,
+                      "], chunk_ends[", i, "]) = [", cb, ", ", ce, ") is not within the ", chunks,
+                      " chunks of ", name, " (need 0 <= begin <= end <= ", chunks, ")");
+    plan.out_offset[i] = plan.total;
+    plan.total += layout::segment_numel(ce - cb, s);
+  }
+  return plan;
+}
+
+UnpackPlan check_unpack_args(const at::Tensor& gathered, int64_t world_size,
+                             c10::IntArrayRef slice_numels, c10::IntArrayRef chunk_counts,
+                             at::TensorList dests) {
+  constexpr const char* op = "elastic::unpack_gathered";
+  TORCH_CHECK_VALUE(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
+  check_list_len(op, "chunk_counts", chunk_counts.size(), "slice_numels", slice_numels.size());
+  TORCH_CHECK_VALUE(gathered.defined(), op, ": gathered is undefined");
+  check_elem_size(gathered, op, "gathered");
+  TORCH_CHECK_VALUE(gathered.is_contiguous(), op, ": gathered must be contiguous");
+
+  UnpackPlan plan;
+  std::vector<int64_t> seg_offset(slice_numels.size());
+  int64_t num_dests = 0;
+  for (size_t i = 0; i < slice_numels.size(); ++i) {
+    TORCH_CHECK_VALUE(slice_numels[i] >= 1, op, ": slice_numels[", i, "] must be >= 1, got ",
+                      slice_numels[i]);
+    TORCH_CHECK_VALUE(chunk_counts[i] >= 0, op, ": chunk_counts[", i, "] must be >= 0, got ",
+                      chunk_counts[i]);
+    seg_offset[i] = plan.per_rank;
+    plan.per_rank += layout::segment_numel(chunk_counts[i], slice_numels[i]);
+    num_dests += chunk_counts[i];
+  }
+  TORCH_CHECK_VALUE(gathered.dim() == 1 || (gathered.dim() == 2 && gathered.size(0) == world_size),
+                    op, ": gathered must be 1-D or [world_size, per_rank] = [", world_size, ", ",
+                    plan.per_rank, "], got shape ", gathered.sizes());
+  TORCH_CHECK_VALUE(gathered.numel() == world_size * plan.per_rank, op, ": gathered has ",
+                    gathered.numel(), " elements but world_size * per_rank = ", world_size, " * ",
+                    plan.per_rank, " = ", world_size * plan.per_rank,
+                    " (per_rank = sum of chunk_counts[i] * slice_numels[i])");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(dests.size()) == num_dests, op, ": dests has ",
+                    dests.size(), " tensors but sum(chunk_counts) = ", num_dests,
+                    " (one dest per chunk)");
+
+  plan.dest_weight.resize(dests.size());
+  plan.dest_base.resize(dests.size());
+  std::vector<std::tuple<uintptr_t, uintptr_t, std::string>> ranges;
+  ranges.reserve(dests.size() + 1);
+  auto add_range = [&](const at::Tensor& t, std::string name) {
+    const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+    ranges.emplace_back(start, start + t.numel() * t.element_size(), std::move(name));
+  };
+  if (gathered.numel() > 0) add_range(gathered, "gathered");
+  size_t k = 0;
+  for (size_t i = 0; i < slice_numels.size(); ++i) {
+    const int64_t s = slice_numels[i];
+    for (int64_t j = 0; j < chunk_counts[i]; ++j, ++k) {
+      const at::Tensor& d = dests[k];
+      const std::string name = "dests[" + std::to_string(k) + "]";
+      TORCH_CHECK_VALUE(d.defined(), op, ": ", name, " is undefined");
+      TORCH_CHECK_VALUE(d.scalar_type() == gathered.scalar_type(), op, ": ", name, " has dtype ",
+                        d.scalar_type(), " but gathered has dtype ", gathered.scalar_type());
+      TORCH_CHECK_VALUE(d.device() == gathered.device(), op, ": ", name, " is on device ",
+                        d.device(), " but gathered is on ", gathered.device());
+      TORCH_CHECK_VALUE(d.is_contiguous(), op, ": ", name, " must be contiguous");
+      TORCH_CHECK_VALUE(d.numel() > 0 && d.numel() <= world_size * s, op, ": ", name, " (chunk ", j,
+                        " of weight ", i, ") has ", d.numel(),
+                        " elements; a chunk has between 1 and world_size * slice_numels[", i,
+                        "] = ", world_size * s, " elements");
+      plan.dest_weight[k] = static_cast<int64_t>(i);
+      plan.dest_base[k] = layout::chunk_base(seg_offset[i], j, s);
+      add_range(d, name);
+    }
+  }
+  check_no_overlap(op, std::move(ranges));
+  return plan;
+}
+
+namespace {
+
+// pack_shards([]) has no tensor, so the dispatcher has no device to pick a kernel by: it runs
+// the CompositeExplicitAutograd kernel, which is also what a device without a kernel of its own
+// gets. Either way the arguments are checked first, so the error names the argument at fault.
+at::Tensor pack_shards_no_kernel(at::TensorList shards, c10::IntArrayRef slice_numels,
+                                 c10::IntArrayRef chunk_begins, c10::IntArrayRef chunk_ends) {
+  check_pack_args(shards, slice_numels, chunk_begins, chunk_ends);
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "elastic::pack_shards has no kernel for device ",
+                              shards[0].device());
+}
+
+}  // namespace
+}  // namespace elastic
+
+TORCH_LIBRARY(elastic, m) {
+  // Fake (meta) impls of these ops are registered from this Python module.
+  m.set_python_module("elastic_kernels.ops");
+  // Copy the slices of chunks [chunk_begins[i], chunk_ends[i]) of every shard into one new 1-D
+  // send buffer, weight after weight (layout.py [Note: chunk-major shard layout]).
+  m.def(
+      "pack_shards(Tensor[] shards, int[] slice_numels, int[] chunk_begins, int[] chunk_ends) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // Write a rank-major all-gather of pack_shards outputs into one destination per chunk,
+  // dropping the padding of ragged chunks.
+  m.def(
+      "unpack_gathered(Tensor gathered, int world_size, int[] slice_numels, int[] chunk_counts, "
+      "Tensor(a!)[] dests) -> ()",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(elastic, CompositeExplicitAutograd, m) {
+  m.impl("pack_shards", &elastic::pack_shards_no_kernel);
+}
