@@ -213,7 +213,7 @@ def _resolve(impl: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
 
 
-def _device_of(tensors, what: str) -> torch.device:
+def _device_of(tensors) -> torch.device:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             return t.device
@@ -231,7 +231,7 @@ def pack_shards(
     """The send buffer of one (possibly coalesced) chunked all-gather: for each weight i in
     order, ``shards[i][chunk_begins[i]*slice_numels[i] : chunk_ends[i]*slice_numels[i]]``,
     concatenated into a new 1-D tensor."""
-    which = _resolve(impl, _device_of(shards if isinstance(shards, Sequence) else (), "shards"))
+    which = _resolve(impl, _device_of(shards if isinstance(shards, Sequence) else ()))
     if which == "cpp":
         _ext.require()
         return torch.ops.elastic.pack_shards(list(shards), list(slice_numels), list(chunk_begins), list(chunk_ends))
@@ -256,7 +256,7 @@ def unpack_gathered(
     """Write a rank-major all-gather of ``pack_shards`` outputs (``world_size`` blocks) into
     ``dests``: one contiguous tensor per chunk (weight 0's chunks, then weight 1's, ...), each
     holding the chunk's real elements (padding of a ragged chunk is dropped, never written)."""
-    which = _resolve(impl, _device_of([gathered], "gathered"))
+    which = _resolve(impl, _device_of([gathered]))
     if which == "cpp":
         _ext.require()
         torch.ops.elastic.unpack_gathered(gathered, world_size, list(slice_numels), list(chunk_counts), list(dests))

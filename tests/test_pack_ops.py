@@ -39,6 +39,8 @@ CASES = {
     "tiny": [(1, 1, 1, "all"), (3, 2, 5, "all"), (5, 3, 1, "head")],  # chunks smaller than W
     "long_runs": [(300, 100, 128, "all")],  # runs of up to 6400 elements: several tiles/programs
 }
+# Over 1 MiB per call: the C++ CPU impl's multi-threaded path [Note: CPU copies] (cpp only).
+LARGE_CASE = [(1000, 1100, 300, "all"), (513, 700, 64, "tail")]
 
 
 def _chunk_range(kind: str, n: int) -> tuple[int, int]:
@@ -93,7 +95,7 @@ class Scenario:
 def scenario(case: str, world_size: int, dtype, seed: int = 0) -> Scenario:
     gen = torch.Generator().manual_seed(seed)
     layouts, weights, begins, ends = [], [], [], []
-    for rows, cols, rpc, kind in CASES[case]:
+    for rows, cols, rpc, kind in CASES[case] if case in CASES else LARGE_CASE:
         lay = ChunkLayout(rows, cols, rpc, world_size)
         layouts.append(lay)
         weights.append(random_bits((rows, cols), dtype, gen))
@@ -169,6 +171,17 @@ def check_roundtrip(impl: str, case: str, world_size: int, dtype, device: str = 
 @pytest.mark.parametrize("impl", ["reference", "cpp"])
 def test_roundtrip(impl, world_size, case, dtype):
     check_roundtrip(impl, case, world_size, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_roundtrip_large_cpp(world_size, threads):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_roundtrip("cpp", "large", world_size, torch.float32)
+    finally:
+        torch.set_num_threads(prev)
 
 
 # The interpreter runs every Triton program in Python: a subset of the product, every case.
