@@ -213,11 +213,9 @@ def _resolve(impl: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
 
 
-def _device_of(tensors) -> torch.device:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")  # nothing to run on: the impl's checks report the real problem
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    # no tensor at all: nothing to run on, and the impl's checks name the problem
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def pack_shards(
@@ -231,14 +229,19 @@ def pack_shards(
     """The send buffer of one (possibly coalesced) chunked all-gather: for each weight i in
     order, ``shards[i][chunk_begins[i]*slice_numels[i] : chunk_ends[i]*slice_numels[i]]``,
     concatenated into a new 1-D tensor."""
-    which = _resolve(impl, _device_of(shards if isinstance(shards, Sequence) else ()))
+    op = "elastic_kernels.pack_shards"
+    shards = _tensor_list(op, "shards", shards)
+    slice_numels = _int_list(op, "slice_numels", slice_numels)
+    chunk_begins = _int_list(op, "chunk_begins", chunk_begins)
+    chunk_ends = _int_list(op, "chunk_ends", chunk_ends)
+    which = _resolve(impl, _device_of(shards))
     if which == "cpp":
         _ext.require()
-        return torch.ops.elastic.pack_shards(list(shards), list(slice_numels), list(chunk_begins), list(chunk_ends))
+        return torch.ops.elastic.pack_shards(shards, slice_numels, chunk_begins, chunk_ends)
     if which == "triton":
         from elastic_kernels import triton_pack  # noqa: F401 - registers elastic::*_triton
 
-        return torch.ops.elastic.pack_shards_triton(list(shards), list(slice_numels), list(chunk_begins), list(chunk_ends))
+        return torch.ops.elastic.pack_shards_triton(shards, slice_numels, chunk_begins, chunk_ends)
     from elastic_kernels.reference import pack_shards_reference
 
     return pack_shards_reference(shards, slice_numels, chunk_begins, chunk_ends)
@@ -256,15 +259,21 @@ def unpack_gathered(
     """Write a rank-major all-gather of ``pack_shards`` outputs (``world_size`` blocks) into
     ``dests``: one contiguous tensor per chunk (weight 0's chunks, then weight 1's, ...), each
     holding the chunk's real elements (padding of a ragged chunk is dropped, never written)."""
-    which = _resolve(impl, _device_of([gathered]))
+    op = "elastic_kernels.unpack_gathered"
+    if not isinstance(gathered, torch.Tensor):
+        raise ValueError(f"{op}: gathered must be a tensor, got {type(gathered).__name__}")
+    slice_numels = _int_list(op, "slice_numels", slice_numels)
+    chunk_counts = _int_list(op, "chunk_counts", chunk_counts)
+    dests = _tensor_list(op, "dests", dests)
+    which = _resolve(impl, gathered.device)
     if which == "cpp":
         _ext.require()
-        torch.ops.elastic.unpack_gathered(gathered, world_size, list(slice_numels), list(chunk_counts), list(dests))
+        torch.ops.elastic.unpack_gathered(gathered, world_size, slice_numels, chunk_counts, dests)
         return None
     if which == "triton":
         from elastic_kernels import triton_pack  # noqa: F401 - registers elastic::*_triton
 
-        torch.ops.elastic.unpack_gathered_triton(gathered, world_size, list(slice_numels), list(chunk_counts), list(dests))
+        torch.ops.elastic.unpack_gathered_triton(gathered, world_size, slice_numels, chunk_counts, dests)
         return None
     from elastic_kernels.reference import unpack_gathered_reference
 

@@ -10,16 +10,17 @@ Like the CUDA impl, both ops are batches of *runs*, contiguous ranges copied src
 (chunk_layout.h [Note: one copy descriptor for pack and unpack]): a pack segment is one run; an
 unpack dest is ceil(numel / s) runs, run r = rank r's slice of the chunk. The CUDA kernel takes a
 device table of raw addresses and does every dest in one launch. A Triton kernel could do the
-same by loading int64 addresses from a table and casting them to pointers (the interpreter
-supports int-to-pointer casts: `create_int_to_ptr` is a bitcast there, checked with Triton 3.8),
-but the table must be built from `Tensor.data_ptr()`, and a `triton_op` body is also its fake
-impl: under FakeTensorMode, opcheck and torch.compile there is no data_ptr (it raises), and a
-kernel that writes through addresses hidden in a table hides its mutations from the compiler.
-So this impl launches `_chunk_copy_kernel` once per pack segment and once per unpack dest, with
-every tensor passed as a real argument: traceable, checkable by opcheck, and the same meaning.
-The price is one launch per dest (a few microseconds each on a GPU: not measured here, no GPU
-on the development machine); the C++/CUDA op, `impl="auto"`'s choice wherever `_C` is built, is
-the single-launch path.
+same by loading int64 addresses from a table and casting them to pointers, and the interpreter
+supports that (with Triton 3.8, a kernel reading (src, dst) addresses from an int64 table copied
+three CPU tensors correctly under TRITON_INTERPRET=1). But the table is built from
+`Tensor.data_ptr()`, and a `triton_op` body doubles as its fake impl: under FakeTensorMode
+(opcheck, torch.compile) data_ptr() is 0 with a warning that this is undefined behaviour, and
+writes through addresses hidden in a table are invisible to the compiler's mutation analysis.
+So this impl launches `_chunk_copy_kernel` once per pack segment and once per unpack dest, every
+tensor a real kernel argument: traceable (checked with make_fx + functionalization, symbolic
+shapes), checkable by opcheck, same meaning. The price is one launch per dest (a few
+microseconds each on a GPU; not measured, no GPU was lent to this work); the C++/CUDA op,
+`impl="auto"`'s choice wherever `_C` is built, is the single-launch path.
 """
 
 from __future__ import annotations

@@ -274,6 +274,17 @@ def test_unknown_impl_is_named():
         elastic_kernels.unpack_gathered(torch.zeros(4), 1, [2], [2], [torch.zeros(2)] * 2, impl="fast")
 
 
+def test_user_functions_name_bad_argument_types():
+    with pytest.raises(ValueError, match=r"shards must be a sequence of tensors, got Tensor"):
+        elastic_kernels.pack_shards(torch.zeros(4), [2], [0], [2])
+    with pytest.raises(ValueError, match=r"chunk_ends\[0\] must be an int, got float"):
+        elastic_kernels.pack_shards([torch.zeros(4)], [2], [0], [2.0])
+    with pytest.raises(ValueError, match=r"dests\[1\] must be a tensor, got NoneType"):
+        elastic_kernels.unpack_gathered(torch.zeros(4), 1, [2], [2], [torch.zeros(2), None])
+    with pytest.raises(ValueError, match=r"gathered must be a tensor, got list"):
+        elastic_kernels.unpack_gathered([1.0], 1, [2], [2], [])
+
+
 def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
     _skips.require_triton_on_cpu()
     monkeypatch.setattr(triton_pack, "_interpreted", lambda: False)
