@@ -405,10 +405,15 @@ _SMALL_GEMM = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=3)
 _INTERP_GEMM = dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=2)
 _INTERP_BLOCK = 32
 
-_paged_linear_fwd_kernel_tuned = triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "T_BUCKET"])(
+# The key names the constexpr flags that change the work (LoRA, bias): the autotuner's cache
+# key holds only the listed arguments and the tensor dtypes, so without them the plain and the
+# LoRA variant would share one tuned configuration.
+_paged_linear_fwd_kernel_tuned = triton.autotune(
+    configs=_GEMM_CONFIGS, key=["N", "K", "T_BUCKET", "HAS_LORA", "HAS_BIAS"]
+)(
     _paged_linear_fwd_kernel
 )
-_paged_linear_dgrad_kernel_tuned = triton.autotune(configs=_DGRAD_CONFIGS, key=["N", "K", "T_BUCKET"])(
+_paged_linear_dgrad_kernel_tuned = triton.autotune(configs=_DGRAD_CONFIGS, key=["N", "K", "T_BUCKET", "HAS_LORA"])(
     _paged_linear_dgrad_kernel
 )
 
