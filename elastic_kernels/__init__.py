@@ -12,6 +12,14 @@ _ext.load()
 # Ops of the `elastic` namespace that must carry a CUDA kernel when the CUDA part is built.
 CUDA_OPS = ()
 
+# Paged LoRA linear (Triton ops elastic::paged_lora_linear_fwd / _dgrad / lora_adapter_grads,
+# registered on import, each with its pure-torch reference; impl="auto" picks per device).
+from elastic_kernels.paged_linear import (  # noqa: E402
+    lora_adapter_grads,
+    paged_lora_linear_dgrad,
+    paged_lora_linear_fwd,
+)
+
 
 def registered_ops():
     """Names (without namespace) of every op registered under `elastic::` right now."""
@@ -21,4 +29,10 @@ def registered_ops():
     return sorted({n.split("::", 1)[1].split(".")[0] for n in names if n.startswith("elastic::")})
 
 
-__all__ = ["CUDA_OPS", "registered_ops"]
+__all__ = [
+    "CUDA_OPS",
+    "lora_adapter_grads",
+    "paged_lora_linear_dgrad",
+    "paged_lora_linear_fwd",
+    "registered_ops",
+]

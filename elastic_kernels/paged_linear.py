@@ -8,9 +8,11 @@ Ops (namespace ``elastic``; math, shapes and numerics in ``paged_linear_referenc
     elastic::lora_adapter_grads(lora_x, xa, dy, dyb, scale) -> (dA, dB)
 
 Kernels, bottom to top: ``_lora_down_kernel`` (``xa = lora_x·Aᵀ`` / ``dyb = dy·B``, once per
-row block), ``_paged_linear_fwd_kernel`` (``x·Wᵀ`` through the page table, LoRA and bias in the
-epilogue), ``_paged_linear_dgrad_kernel`` (``dy·W`` through the page table, ``s·dyb·A`` in the
-epilogue), ``_lora_grad_kernel`` (``s·aᵀ·b`` over tokens, split for parallelism).
+row block), ``_paged_linear_fwd_kernel`` (``x·Wᵀ`` through the page table, the LoRA term
+``s·xa·Bᵀ`` fused in the same kernel, bias at the store), ``_paged_linear_dgrad_kernel``
+(``dy·W`` through the page table, ``s·dyb·A`` fused likewise), ``_lora_grad_kernel``
+(``s·aᵀ·b`` over tokens, split for parallelism). Where in the kernel the LoRA term is added:
+[Note: LoRA term as the initial accumulator].
 
 [Note: page table as element offsets]
 A weight's chunks are separate pool pages, so the kernels cannot address W with one base
@@ -18,8 +20,9 @@ pointer and a row stride. Each launch gets ``page_ptr``, an int64 tensor with on
 chunk: the element offset of the chunk's first row from ``chunks[0]`` (passed as ``w_ptr``).
 Row n of W lives at ``w_ptr + page[n // rows_per_chunk] + (n % rows_per_chunk) * K``; a kernel
 computes that per row of its tile, so a tile may straddle chunks (any rows_per_chunk, 1 row per
-chunk included) and one launch covers every chunk. Offsets rather than raw addresses cast to
-pointers (``tl.pointer_type``) keep W a typed pointer argument, so Triton specialises its
+chunk included) and one launch covers every chunk. Offsets rather than raw page addresses cast
+to pointers in the kernel (``.to(tl.pointer_type(...), bitcast=True)``, which works under the
+interpreter too) keep W a typed pointer argument, so Triton specialises its
 alignment and, with ``tl.multiple_of`` on the row offsets (``W_ALIGN``: every offset and K a
 multiple of 16 bytes, true for pool pages), still vectorises the W loads along K. Differences
 of addresses in one flat address space are valid on the GPU (UVA) and under the interpreter,
@@ -569,7 +572,8 @@ def _lora_down(a: torch.Tensor, b: torch.Tensor, b_is_transposed: bool, r: int) 
     extra = {} if INTERPRETED else dict(num_warps=4, num_stages=3)
     wrap_triton(_lora_down_kernel)[(triton.cdiv(t, block_m),)](
         a, b, out, t, l_, r, a.stride(0), stride_bl, stride_bj, out.stride(0),
-        EVEN_L=l_ % block_l == 0, EVEN_R=r == _block_r(r), DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
+        EVEN_L=l_ % block_l == 0, EVEN_R=r == _block_r(r),
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
         BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_R=_block_r(r), **extra,
     )  # fmt: skip
     return out.to(a.dtype)
@@ -614,8 +618,9 @@ def _paged_lora_linear_fwd_op(
         t, n, k, r, rows_per_chunk,
         x.stride(0), xa.stride(0) if r else 0, y.stride(0),
         float(scale), triton.next_power_of_2(t),
-        HAS_BIAS=bias is not None, HAS_LORA=r > 0, EVEN_K=k % block_k == 0, EVEN_R=r == _block_r(r), W_ALIGN=w_align,
-        DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_upcast_dot(x.dtype), BLOCK_R=_block_r(r), BLOCK_K=block_k, **meta,
+        HAS_BIAS=bias is not None, HAS_LORA=r > 0, EVEN_K=k % block_k == 0, EVEN_R=r == _block_r(r),
+        W_ALIGN=w_align, DOT_PRECISION=_dot_precision(x.dtype), UPCAST_DOT=_upcast_dot(x.dtype),
+        BLOCK_R=_block_r(r), BLOCK_K=block_k, **meta,
     )  # fmt: skip
     return y.to(x.dtype), xa
 
@@ -655,8 +660,9 @@ def _paged_lora_linear_dgrad_op(
         t, n, k, r, rows_per_chunk,
         dy.stride(0), dyb.stride(0) if r else 0, dx.stride(0),
         float(scale), triton.next_power_of_2(t),
-        HAS_LORA=r > 0, EVEN_N=n % block_k == 0, EVEN_OUT=even_out, EVEN_R=r == _block_r(r), W_ALIGN=w_align,
-        DOT_PRECISION=_dot_precision(dy.dtype), UPCAST_DOT=_upcast_dot(dy.dtype), BLOCK_R=_block_r(r), BLOCK_K=block_k, **meta,
+        HAS_LORA=r > 0, EVEN_N=n % block_k == 0, EVEN_OUT=even_out, EVEN_R=r == _block_r(r),
+        W_ALIGN=w_align, DOT_PRECISION=_dot_precision(dy.dtype), UPCAST_DOT=_upcast_dot(dy.dtype),
+        BLOCK_R=_block_r(r), BLOCK_K=block_k, **meta,
     )  # fmt: skip
     return dx.to(dy.dtype), dyb
 
@@ -682,7 +688,8 @@ def _lora_grad(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.
     out = a.new_empty((split, m, p), dtype=_store_dtype(out_dtype) if split == 1 else torch.float32)
     wrap_triton(_lora_grad_kernel)[(triton.cdiv(m, block_m), triton.cdiv(p, block_p), split)](
         a, b, out, t, m, p, a.stride(0), b.stride(0), tokens_per_split, float(scale),
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, **extra,
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
+        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, **extra,
     )  # fmt: skip
     return (out[0] if split == 1 else out.sum(0)).to(out_dtype)
 

@@ -84,7 +84,9 @@ def check_chunks(chunks: Sequence[torch.Tensor], x: torch.Tensor, x_name: str, k
     for i, c in enumerate(chunks):
         rows, ccols = int(c.shape[0]), int(c.shape[1])
         if ccols != cols:
-            raise ValueError(f"chunks[{i}] has {ccols} columns but chunks[0] has {cols}; every chunk must have the same K")
+            raise ValueError(
+                f"chunks[{i}] has {ccols} columns but chunks[0] has {cols}; every chunk must have the same K"
+            )
         if i < last and rows != rows_per_chunk:
             raise ValueError(
                 f"chunks[{i}] has {rows} rows but rows_per_chunk is {rows_per_chunk} (rows of chunks[0]); "
