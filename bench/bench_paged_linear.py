@@ -4,8 +4,8 @@ CUDA (bf16): the Triton ops `elastic::paged_lora_linear_fwd` (plain, and with Lo
 `elastic::paged_lora_linear_dgrad` (with LoRA) and `elastic::lora_adapter_grads`, W read through
 a page table of pool pages of about --chunk-mib MiB of whole rows (pages in shuffled order),
 against cuBLAS on a contiguous W of the same shape (`x @ W.T`, `dy @ W`) and against eager
-PyTorch for the LoRA parts. Candidate and baseline are timed alternately, one call each per
-repeat (median of --repeats after --warmup), so that a busy machine affects both alike.
+PyTorch for the LoRA parts. Candidate and baseline are timed alternately, --inner calls each
+per repeat (median of --repeats after --warmup), so that a busy machine affects both alike.
 Figures: ms, TFLOP/s, GB/s of compulsory traffic, and
 vs_baseline = baseline time / candidate time (issue 5 target: plain paged forward >= 0.9 of
 dense cuBLAS).
@@ -54,20 +54,27 @@ def paged_weight(weight: torch.Tensor, chunk_bytes: int, seed: int = 0) -> tuple
     return chunks, rows
 
 
-def paired(fn, base_fn, device: str, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of fn and of base_fn, timed alternately (one call each, `repeats` times)
-    after warm-up, so that load from other processes hits both alike."""
-    harness.measure(fn, device, warmup=warmup, repeats=1)
-    harness.measure(base_fn, device, warmup=warmup, repeats=1)
+def paired(fn, base_fn, device: str, warmup: int, repeats: int, inner: int) -> tuple[float, float]:
+    """Median seconds per call of fn and of base_fn, timed alternately (`inner` back-to-back
+    calls of each per repeat, `repeats` times) after warm-up, so that load from other processes
+    hits both alike. On CUDA, inner > 1 lets the host run ahead of the GPU as in training, so
+    the figure is the kernels' time, not the launch latency plus a device synchronisation."""
+
+    def batch(f):
+        return lambda: [f() for _ in range(inner)]
+
+    fa, fb = batch(fn), batch(base_fn)
+    harness.measure(fa, device, warmup=warmup, repeats=1)
+    harness.measure(fb, device, warmup=warmup, repeats=1)
     a, b = [], []
     for _ in range(repeats):
-        a.append(harness.measure(fn, device, warmup=0, repeats=1))
-        b.append(harness.measure(base_fn, device, warmup=0, repeats=1))
+        a.append(harness.measure(fa, device, warmup=0, repeats=1) / inner)
+        b.append(harness.measure(fb, device, warmup=0, repeats=1) / inner)
     return statistics.median(a), statistics.median(b)
 
 
 def bench_shape(device: str, dtype: torch.dtype, t: int, k: int, n: int, r: int, chunk_bytes: int,
-                impl: str, warmup: int, repeats: int) -> list[dict]:  # fmt: skip
+                impl: str, warmup: int, repeats: int, inner: int) -> list[dict]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -118,14 +125,14 @@ def bench_shape(device: str, dtype: torch.dtype, t: int, k: int, n: int, r: int,
     ]  # fmt: skip
     rows = []
     for op, fn, flops, nbytes, base_name, base_fn, base_flops in cases:
-        sec, base_sec = paired(fn, base_fn, device, warmup, repeats)
+        sec, base_sec = paired(fn, base_fn, device, warmup, repeats, inner)
         rows.append({
             **harness.context(device),
             "op": op, "impl": impl, "dtype": str(dtype).replace("torch.", ""),
             "T": t, "K": k, "N": n, "r": r, "rows_per_chunk": rpc, "chunks": len(chunks),
             "ms": sec * 1e3, "tflops": flops / sec / 1e12, "gbps": nbytes / sec / 1e9,
             "baseline": base_name, "baseline_ms": base_sec * 1e3, "baseline_tflops": base_flops / base_sec / 1e12,
-            "vs_baseline": base_sec / sec,
+            "vs_baseline": base_sec / sec, "calls_per_timing": inner, "threads": torch.get_num_threads(),
         })  # fmt: skip
     return rows
 
@@ -140,9 +147,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--chunk-mib", type=float, default=None, help="page size in MiB of whole rows (cuda 2, cpu 1)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for torch (default: torch's own); 1 avoids OpenMP barrier stalls on a shared machine")
+                    help="CPU threads for torch (default: torch's own); 1 avoids OpenMP barrier stalls "
+                         "on a shared machine")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing (cuda 10, cpu 1)")
     args = ap.parse_args(argv)
 
     if args.device == "cuda":
@@ -156,17 +165,20 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = args.tokens or tokens
+    inner = args.inner or (10 if args.device == "cuda" else 1)
     chunk_bytes = int((args.chunk_mib or chunk_mib) * 2**20)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# {harness.device_name(args.device)} ({torch.get_num_threads()} torch threads), torch {torch.__version__}, "
           f"{dtype}, impl={impl}, r={args.rank}, "
-          f"pages of ~{chunk_bytes / 2**20:g} MiB; median of {args.repeats} after {args.warmup} warm-up")  # fmt: skip
+          f"pages of ~{chunk_bytes / 2**20:g} MiB; median of {args.repeats} x {inner} calls "
+          f"after {args.warmup} warm-up")  # fmt: skip
     rows = []
     for k, n in shapes:
         for t in tokens:
-            rows += bench_shape(args.device, dtype, t, k, n, args.rank, chunk_bytes, impl, args.warmup, args.repeats)
+            rows += bench_shape(args.device, dtype, t, k, n, args.rank, chunk_bytes, impl, args.warmup, args.repeats,
+                                inner)
             harness.print_table(rows[-6:], ["op", "T", "K", "N", "rows_per_chunk", "ms", "tflops", "gbps",
                                             "baseline", "baseline_ms", "baseline_tflops", "vs_baseline"])  # fmt: skip
     path = harness.append_rows("paged_linear", rows, args.results)
