@@ -12,6 +12,14 @@ _ext.load()
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
 from elastic_kernels.ops import pack_shards, unpack_gathered  # noqa: E402 - after _ext.load(): registers fakes
 
+# Paged LoRA linear (Triton ops elastic::paged_lora_linear_fwd / _dgrad / lora_adapter_grads,
+# registered on import, each with its pure-torch reference; impl="auto" picks per device).
+from elastic_kernels.paged_linear import (  # noqa: E402
+    lora_adapter_grads,
+    paged_lora_linear_dgrad,
+    paged_lora_linear_fwd,
+)
+
 # Ops of the `elastic` namespace that must carry a CUDA kernel when the CUDA part is built.
 CUDA_OPS = ("pack_shards", "unpack_gathered")
 
@@ -24,4 +32,13 @@ def registered_ops():
     return sorted({n.split("::", 1)[1].split(".")[0] for n in names if n.startswith("elastic::")})
 
 
-__all__ = ["CUDA_OPS", "ChunkLayout", "pack_shards", "registered_ops", "unpack_gathered"]
+__all__ = [
+    "CUDA_OPS",
+    "ChunkLayout",
+    "lora_adapter_grads",
+    "pack_shards",
+    "paged_lora_linear_dgrad",
+    "paged_lora_linear_fwd",
+    "registered_ops",
+    "unpack_gathered",
+]
