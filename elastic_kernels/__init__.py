@@ -42,3 +42,4 @@ __all__ = [
     "registered_ops",
     "unpack_gathered",
 ]
+from elastic_kernels._devshim import PagePool, PoolExhausted  # noqa  DEVSHIM

@@ -2,3 +2,47 @@
 
 Imports flow one way: ``python_api`` -> ``elastic_kernels`` -> ``_C``.
 """
+
+from python_api.config import ElasticPolicy
+from python_api.elastic_linear import (
+    ElasticLinear,
+    ElasticLinearFunction,
+    elasticize,
+    reset_stats,
+    runtime_of,
+    set_pool_budget,
+    stats,
+)
+from python_api.lora import (
+    ElasticLoRAFunction,
+    ElasticLoRALinear,
+    LoRAConfig,
+    convert_to_elastic,
+    load_adapter,
+    merge_adapters,
+    save_adapter,
+)
+from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
+
+__all__ = [
+    "ElasticLoRAFunction",
+    "ElasticLoRALinear",
+    "LoRAConfig",
+    "convert_to_elastic",
+    "load_adapter",
+    "merge_adapters",
+    "save_adapter",
+    "ElasticLinear",
+    "ElasticLinearFunction",
+    "ElasticPolicy",
+    "ElasticRuntime",
+    "ElasticTensor",
+    "Phase",
+    "Residency",
+    "elasticize",
+    "reset_stats",
+    "residency_classes",
+    "runtime_of",
+    "set_pool_budget",
+    "stats",
+]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -45,7 +46,9 @@ def _worker(fn, rank, world_size, init_file, results, args, kwargs, timeout):
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, out))
+        # Plain pickle to bytes: a tensor put on a multiprocessing queue as is travels as a
+        # shared-memory handle that dies with this process, before the parent reads it.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put(("err", rank, traceback.format_exc()))
     finally:
@@ -107,4 +110,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs
     if len(ok) < world_size:
         missing = sorted(set(range(world_size)) - set(ok))
         raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
-    return [ok[r] for r in range(world_size)]
+    return [pickle.loads(ok[r]) for r in range(world_size)]

@@ -1,0 +1,105 @@
+"""Policy objects: frozen dataclasses passed explicitly (no global configuration)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_PAGE_ALIGN = 512  # PagePool pages are multiples of 512 bytes
+
+
+def _check_ratio(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"ElasticPolicy.{name} must be a number in [0, 1], got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"ElasticPolicy.{name} must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """The knobs of the elastic frozen-weight runtime.
+
+    chunk_bytes        target size of one chunk of a frozen weight (rounded down to whole rows;
+                       a chunk is the unit of residency, communication and GEMM).
+    keep_ratio         fraction of each weight's chunks kept from forward to backward (PEAK or
+                       PERSISTENT); the rest are TRANSIENT: gathered for each use.
+    persist_ratio      fraction of each weight's chunks kept across iterations (PERSISTENT);
+                       persist_ratio <= keep_ratio. See [Note: residency classes] in
+                       python_api/elastic_tensor.py for which chunks get which class.
+    pool_budget_bytes  device bytes for chunks kept beyond their use (the cache); None means
+                       enough for every frozen chunk. The runtime adds its working set (the
+                       layers in flight) on top; see [Note: pool budget and working set].
+    prefetch_depth     layers gathered ahead of the one running, forward and backward.
+    page_bytes         pool page size; default: chunk_bytes rounded up to 512 bytes. A chunk
+                       larger than a page is an error.
+    collective_bytes   coalescing cap: missing chunks of a layer are gathered in collectives of
+                       at most this many bytes per rank (at least one chunk each); None means
+                       one collective per layer. See NOTES.md for the measurement behind the
+                       default.
+    collective_timeout_s  how long a rank waits for one all-gather before failing with an
+                       error naming the layer (a peer that died must not hang the job);
+                       None uses the process group's timeout.
+    all_reduce_grads   average the gradients of trainable (replicated) parameters across the
+                       group at the end of each backward.
+    replicate_below_bytes  convert_to_elastic keeps frozen non-target linears smaller than
+                       this replicated (sharding them would cost more collectives than memory).
+    """
+
+    chunk_bytes: int = 4 << 20
+    keep_ratio: float = 1.0
+    persist_ratio: float = 1.0
+    pool_budget_bytes: int | None = None
+    prefetch_depth: int = 1
+    page_bytes: int | None = None
+    collective_bytes: int | None = 32 << 20
+    collective_timeout_s: float | None = 300.0
+    all_reduce_grads: bool = True
+    replicate_below_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
+            raise ValueError(f"ElasticPolicy.chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        _check_ratio("keep_ratio", self.keep_ratio)
+        _check_ratio("persist_ratio", self.persist_ratio)
+        if self.keep_ratio < self.persist_ratio:
+            raise ValueError(
+                f"ElasticPolicy: keep_ratio ({self.keep_ratio}) must be >= persist_ratio ({self.persist_ratio}): "
+                "a chunk kept across iterations is also kept from forward to backward"
+            )
+        if self.pool_budget_bytes is not None and (
+            not isinstance(self.pool_budget_bytes, int) or self.pool_budget_bytes < 0
+        ):
+            raise ValueError(f"ElasticPolicy.pool_budget_bytes must be None or an int >= 0, got {self.pool_budget_bytes!r}")
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ValueError(f"ElasticPolicy.prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
+        if self.page_bytes is not None:
+            if not isinstance(self.page_bytes, int) or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGN:
+                raise ValueError(
+                    f"ElasticPolicy.page_bytes must be a positive multiple of {_PAGE_ALIGN}, got {self.page_bytes!r}"
+                )
+            if self.chunk_bytes > self.page_bytes:
+                raise ValueError(
+                    f"ElasticPolicy.chunk_bytes ({self.chunk_bytes}) is larger than the pool page "
+                    f"(page_bytes={self.page_bytes}): a chunk must fit in one page"
+                )
+        if self.collective_bytes is not None and (not isinstance(self.collective_bytes, int) or self.collective_bytes <= 0):
+            raise ValueError(f"ElasticPolicy.collective_bytes must be None or a positive int, got {self.collective_bytes!r}")
+        if not isinstance(self.replicate_below_bytes, int) or self.replicate_below_bytes < 0:
+            raise ValueError(f"ElasticPolicy.replicate_below_bytes must be an int >= 0, got {self.replicate_below_bytes!r}")
+        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
+            raise ValueError(f"ElasticPolicy.collective_timeout_s must be None or > 0, got {self.collective_timeout_s!r}")
+
+    @property
+    def effective_page_bytes(self) -> int:
+        if self.page_bytes is not None:
+            return self.page_bytes
+        return -(-self.chunk_bytes // _PAGE_ALIGN) * _PAGE_ALIGN
+
+    def rows_per_chunk(self, row_bytes: int, what: str = "weight") -> int:
+        """Whole rows per chunk for rows of `row_bytes` bytes."""
+        if row_bytes > self.chunk_bytes:
+            raise ValueError(
+                f"ElasticPolicy.chunk_bytes ({self.chunk_bytes}) is smaller than one row of {what} "
+                f"({row_bytes} bytes): a chunk holds whole rows"
+            )
+        return self.chunk_bytes // row_bytes

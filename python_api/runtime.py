@@ -1,0 +1,509 @@
+"""The elastic frozen-weight runtime: elastic tensors, residency, gathers, prefetch, budget.
+
+[Note: residency classes]
+Chunk c of a weight with n chunks is PERSISTENT if c < round(persist_ratio * n), else PEAK if
+c < round(keep_ratio * n), else TRANSIENT (round half up, so keep >= persist carries over to
+chunk counts). The kept chunks are the *first* ones because `execute` walks chunks in index
+order, forward and backward: whatever is resident is computed on at once while the missing,
+higher-index chunks are still being gathered.
+- TRANSIENT: gathered for each use, discarded right after it.
+- PEAK: kept from a forward use to the backward use of the same layer, discarded after it (and
+  right after forward when no backward will come: no_grad, or no input needs a gradient).
+- PERSISTENT: kept across iterations; the pool may still evict it under a shrinking budget,
+  which only turns the next use into a miss.
+
+[Note: pool budget and working set]
+`ElasticPolicy.pool_budget_bytes` is the memory for chunks kept *beyond their use*. The chunks
+of the layers in flight (the one running plus `prefetch_depth` ahead) are pinned while in use,
+which is the memory FSDP2 spends on unsharded parameters; the runtime sizes the pool as
+budget + that working set (bounded by the pages of the `1 + prefetch_depth` largest weights),
+so a budget of zero means "FSDP2 behaviour": nothing is kept, nothing fails. The pool's own
+budget is never exceeded except by pinned pages, and with this sizing it never needs to be.
+
+[Note: symmetric residency]
+Every rank must issue the same all-gathers in the same order. Hits and misses depend only on
+the sequence of pool calls (the same on every rank: same model, same policy, same budget
+changes), never on timing, so ranks agree; a mismatch shows up as a size mismatch error in
+the collective, not as silent corruption. Budget changes must therefore be made on every
+rank at the same point (the planner and adaptive accumulation do).
+
+[Note: learned order and prefetch]
+The order in which layers use their weights is recorded in the first forward and the first
+backward; from then on, when layer i starts, the missing chunks of the next `prefetch_depth`
+layers of that order are gathered. Nothing is prefetched before the order is known, so no
+byte is gathered that a later use does not consume; if the observed order departs from the
+learned one, outstanding prefetches are completed and released and the order is relearned.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from elastic_kernels import ChunkLayout, PagePool, unpack_gathered
+from python_api.collectives import ChunkRun, GatherWork, all_gather_into
+from python_api.config import ElasticPolicy
+
+
+class Residency(enum.IntEnum):
+    TRANSIENT = 0
+    PEAK = 1
+    PERSISTENT = 2
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def _round_half_up(x: float) -> int:
+    return int(x + 0.5)
+
+
+def residency_classes(num_chunks: int, keep_ratio: float, persist_ratio: float) -> list[Residency]:
+    n_persist = _round_half_up(persist_ratio * num_chunks)
+    n_keep = _round_half_up(keep_ratio * num_chunks)
+    return [
+        Residency.PERSISTENT if c < n_persist else Residency.PEAK if c < n_keep else Residency.TRANSIENT
+        for c in range(num_chunks)
+    ]
+
+
+class ElasticTensor:
+    """One frozen weight: its chunk-major shard on this rank and the residency of its chunks."""
+
+    def __init__(self, runtime: ElasticRuntime, wid: int, name: str, weight: torch.Tensor):
+        policy = runtime.policy
+        self.runtime = runtime
+        self.wid = wid
+        self.name = name
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
+        self.layout = ChunkLayout.for_weight(weight.shape, policy.rows_per_chunk(row_bytes, name), runtime.world_size)
+        self.residency = residency_classes(self.layout.num_chunks, policy.keep_ratio, policy.persist_ratio)
+        self.keys = [runtime.key(wid, c) for c in range(self.layout.num_chunks)]
+        with torch.no_grad():
+            self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+        # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
+        self._local_chunks = None
+        if runtime.world_size == 1:
+            self._local_chunks = [
+                self.shard[c * self.layout.slice_numel : c * self.layout.slice_numel + self.layout.chunk_numel_of(c)].view(
+                    self.layout.chunk_shape(c)
+                )
+                for c in range(self.layout.num_chunks)
+            ]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.layout.num_chunks
+
+    @property
+    def padded_chunk_bytes(self) -> int:
+        """Bytes one chunk occupies in an all-gather output (its slices, padding included)."""
+        return self.layout.slice_numel * self.layout.world_size * self.shard.element_size()
+
+    def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
+        return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
+
+    def signature(self) -> tuple:
+        return (self.name, self.shape, str(self.dtype))
+
+
+class _Use:
+    """Chunks of one tensor pinned for one use (a forward or backward of its layer)."""
+
+    __slots__ = ("tensor", "chunks", "works", "keys_pinned")
+
+    def __init__(self, tensor: ElasticTensor):
+        self.tensor = tensor
+        self.chunks: list[torch.Tensor | None] = [None] * tensor.num_chunks
+        self.works: list[GatherWork | None] = [None] * tensor.num_chunks
+        self.keys_pinned: list[int] = []
+
+
+class ElasticRuntime:
+    """Owns the pool, the elastic tensors of one model, the learned order and the stats.
+
+    Every rank of `group` must create its runtime with the same policy and register the same
+    weights in the same order.
+    """
+
+    _KEY_BITS = 32  # key = wid << 32 | chunk
+
+    def __init__(self, policy: ElasticPolicy, group=None, device: torch.device | str | None = None):
+        if not isinstance(policy, ElasticPolicy):
+            raise TypeError(f"policy must be an ElasticPolicy, got {type(policy).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ElasticRuntime needs torch.distributed initialised (init_process_group) first")
+        self.policy = policy
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.tensors: list[ElasticTensor] = []
+        self.pool: PagePool | None = None
+        self._cache_budget = policy.pool_budget_bytes
+        # The communication stream: all-gathers, their pack/unpack copies. Created here only.
+        self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.phase = Phase.IDLE
+        self._order = {Phase.FORWARD: None, Phase.BACKWARD: None}  # learned wid sequences
+        self._observed: list[int] = []
+        self._cursor = 0
+        self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
+        self._end_of_backward_queued = False
+        self._grad_params: list[torch.nn.Parameter] = []
+        self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0}
+
+    # ---------------------------------------------------------------- registration
+
+    def key(self, wid: int, chunk: int) -> int:
+        return (wid << self._KEY_BITS) | chunk
+
+    def register(self, weight: torch.Tensor, name: str) -> ElasticTensor:
+        if self.pool is not None:
+            raise RuntimeError("ElasticRuntime.register: all weights must be registered before the first use")
+        if weight.requires_grad:
+            raise ValueError(
+                f"{name} requires grad: only frozen weights go under the elastic runtime "
+                "(freeze it with requires_grad_(False), or keep it trainable and replicated)"
+            )
+        if weight.dim() not in (1, 2):
+            raise ValueError(f"{name}: expected a 1-D or 2-D frozen weight, got shape {tuple(weight.shape)}")
+        et = ElasticTensor(self, len(self.tensors), name, weight)
+        self.tensors.append(et)
+        return et
+
+    def check_ranks_agree(self) -> None:
+        """Fail on every rank, with the differing entry named, if the registered weights differ."""
+        mine = [et.signature() for et in self.tensors]
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                diff = next(
+                    (f"{a} on rank {self.rank} vs {b} on rank {r}" for a, b in zip(mine, theirs) if a != b),
+                    f"{len(mine)} weights on rank {self.rank} vs {len(theirs)} on rank {r}",
+                )
+                raise ValueError(f"elastic: frozen weights differ across ranks (name, shape, dtype): {diff}")
+
+    def set_trainable(self, params: list[torch.nn.Parameter]) -> None:
+        """Replicated trainable parameters whose gradients are averaged at the end of backward."""
+        self._grad_params = list(params)
+        for p in self._grad_params:
+            p.register_post_accumulate_grad_hook(lambda _p: self._queue_end_of_backward())
+
+    # ---------------------------------------------------------------- pool and budget
+
+    def _working_set_pages(self) -> int:
+        counts = sorted((et.num_chunks for et in self.tensors), reverse=True)
+        return sum(counts[: 1 + self.policy.prefetch_depth])
+
+    def _total_pages(self) -> int:
+        return sum(et.num_chunks for et in self.tensors)
+
+    def _pool_budget(self) -> int:
+        page = self.policy.effective_page_bytes
+        total = self._total_pages() * page
+        if self._cache_budget is None:
+            return max(total, page)
+        return max(page, min(total, self._cache_budget + self._working_set_pages() * page))
+
+    def _ensure_pool(self) -> None:
+        if self.pool is None and self.world_size > 1:
+            self.pool = PagePool(self.policy.effective_page_bytes, self._pool_budget(), device=self.device)
+
+    def set_pool_budget(self, budget_bytes: int | None) -> None:
+        """Change the cache budget (bytes beyond the working set) at any moment, on every rank."""
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+            raise ValueError(f"set_pool_budget: expected None or an int >= 0, got {budget_bytes!r}")
+        self._cache_budget = budget_bytes
+        if self.pool is not None:
+            self.pool.set_budget(self._pool_budget())
+            self._drop_evicted_views()
+
+    def _drop_evicted_views(self) -> None:
+        # Views are not cached across uses; draining keeps the pool's list from growing.
+        self.pool.drain_evicted()
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        out = dict(self._stats)
+        out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
+        return out
+
+    def reset_stats(self) -> None:
+        for k in self._stats:
+            self._stats[k] = 0
+        if self.pool is not None:
+            self.pool.reset_peak()
+
+    # ---------------------------------------------------------------- phases and order
+
+    def _enter(self, phase: Phase, et: ElasticTensor) -> None:
+        """Track phase changes and the position of `et` in the learned order of `phase`."""
+        if phase is Phase.FORWARD:
+            order = self._order[Phase.FORWARD]
+            new_pass = self.phase is not Phase.FORWARD or (
+                order is not None and self._cursor >= len(order)
+            ) or (order is None and self._observed and self._observed[0] == et.wid)
+            if new_pass:
+                self._finish_phase()
+                self.phase = Phase.FORWARD
+        elif self.phase is not Phase.BACKWARD:
+            self._finish_phase()
+            self.phase = Phase.BACKWARD
+            self._queue_end_of_backward()
+        order = self._order[self.phase]
+        if order is not None and (self._cursor >= len(order) or order[self._cursor] != et.wid):
+            # The model took another path: forget the order, release what was prefetched for it.
+            self._release_prefetched()
+            self._order[self.phase] = None
+            order = None
+        self._observed.append(et.wid)
+        self._cursor += 1
+
+    def _finish_phase(self) -> None:
+        """Close the current phase: learn its order, release prefetches, sweep non-persistent chunks."""
+        if self.phase is not Phase.IDLE and self._order[self.phase] is None and self._observed:
+            self._order[self.phase] = list(self._observed)
+        self._release_prefetched()
+        self._observed = []
+        self._cursor = 0
+        if self.pool is not None and self.phase is not Phase.IDLE:
+            keep = Residency.PEAK if self.phase is Phase.FORWARD else Residency.PERSISTENT
+            self._sweep(keep)
+        self.phase = Phase.IDLE
+
+    def _sweep(self, keep: Residency) -> None:
+        """Discard resident, unpinned chunks below residency `keep`."""
+        for et in self.tensors:
+            for c, key in enumerate(et.keys):
+                if et.residency[c] < keep and self.pool.contains(key) and self.pool.pin_count(key) == 0:
+                    self.pool.free(key)
+
+    def _queue_end_of_backward(self) -> None:
+        if self._end_of_backward_queued:
+            return
+        self._end_of_backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        if self.phase is Phase.BACKWARD:
+            self._finish_phase()
+        if self.policy.all_reduce_grads and self.world_size > 1:
+            self._all_reduce_grads()
+
+    def _all_reduce_grads(self) -> None:
+        grads = [p.grad for p in self._grad_params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        with record_function("elastic::all_reduce_grads"):
+            for gs in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in gs])
+                dist.all_reduce(flat, group=self.group)
+                flat.div_(self.world_size)
+                offset = 0
+                for g in gs:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    # ---------------------------------------------------------------- whole weights
+
+    def full_weight(self, et: ElasticTensor) -> torch.Tensor:
+        """The whole weight as one new tensor (for export and merging; a collective: call it
+        on every rank). Bypasses the pool; counted in the all-gather stats."""
+        out = torch.empty(et.shape, dtype=et.dtype, device=self.device)
+        cols = et.layout.cols
+        flat = out.view(-1)
+        dests = []
+        for c in range(et.num_chunks):
+            r0, r1 = et.layout.chunk_rows(c)
+            dests.append(flat[r0 * cols : r1 * cols].view(et.layout.chunk_shape(c)))
+        if self._local_only():
+            for d, src in zip(dests, et._local_chunks):
+                d.copy_(src)
+            return out
+        gathered = et.shard.new_empty(self.world_size * et.shard.numel())
+        with record_function("elastic::gather_full"):
+            all_gather_into(gathered, et.shard, self.group, async_op=False)
+        unpack_gathered(gathered, self.world_size, [et.layout.slice_numel], [et.num_chunks], dests)
+        self._stats["allgather_calls"] += 1
+        self._stats["allgather_bytes"] += (self.world_size - 1) * et.shard.numel() * et.shard.element_size()
+        return out
+
+    # ---------------------------------------------------------------- gather / discard
+
+    def _start_uses(self, tensors: list[ElasticTensor]) -> list[_Use]:
+        """Pin the resident chunks of `tensors` and issue the all-gathers of the missing ones
+        (not waited for); missing chunks of several tensors share collectives up to the cap."""
+        self._ensure_pool()
+        uses, pending = [], []
+        for et in tensors:
+            use = _Use(et)
+            uses.append(use)
+            if self._local_only():
+                use.chunks = list(et._local_chunks)
+                self._stats["pool_hits"] += et.num_chunks
+                continue
+            slots = self.pool.lookup_pin(et.keys)
+            missing = []
+            for c, slot in enumerate(slots):
+                if slot >= 0:
+                    use.chunks[c] = et.chunk_view(self.pool.page(slot), c)
+                    use.keys_pinned.append(et.keys[c])
+                else:
+                    missing.append(c)
+            self._stats["pool_hits"] += et.num_chunks - len(missing)
+            self._stats["pool_misses"] += len(missing)
+            pending.extend(self._runs(use, missing))
+        self._issue_gathers(pending)
+        return uses
+
+    def _local_only(self) -> bool:
+        return self.world_size == 1
+
+    def _runs(self, use: _Use, missing: list[int]) -> list[tuple[_Use, list[int]]]:
+        """Missing chunks as runs of consecutive indices of at most `collective_bytes` per rank."""
+        cap = self.policy.collective_bytes
+        per_chunk = use.tensor.layout.slice_numel * use.tensor.shard.element_size()
+        runs: list[list[int]] = []
+        for c in missing:
+            if runs and c == runs[-1][-1] + 1 and (cap is None or (len(runs[-1]) + 1) * per_chunk <= cap):
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        return [(use, run) for run in runs]
+
+    def _issue_gathers(self, runs: list[tuple[_Use, list[int]]]) -> None:
+        """Coalesce runs (of one or several tensors) into collectives of at most the cap."""
+        cap = self.policy.collective_bytes
+        batches: list[list[tuple[_Use, list[int]]]] = []
+        size = 0
+        for use, run in runs:
+            b = len(run) * use.tensor.layout.slice_numel * use.tensor.shard.element_size()
+            if batches and (cap is None or size + b <= cap) and use.tensor.dtype == batches[-1][0][0].tensor.dtype:
+                batches[-1].append((use, run))
+                size += b
+            else:
+                batches.append([(use, run)])
+                size = b
+        for batch in batches:
+            chunk_runs = []
+            for use, run in batch:
+                et = use.tensor
+                pages = []
+                for c in run:
+                    page = self.pool.allocate_pinned(et.keys[c])
+                    use.keys_pinned.append(et.keys[c])
+                    pages.append(et.chunk_view(page, c))
+                chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
+            work = GatherWork(chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s)
+            self._stats["allgather_calls"] += 1
+            self._stats["allgather_bytes"] += work.received_bytes
+            for (use, run), r in zip(batch, chunk_runs):
+                for c, page in zip(run, r.pages):
+                    use.works[c] = work
+                    use.chunks[c] = page
+
+    def _prefetch_next(self, et: ElasticTensor) -> None:
+        order = self._order[self.phase]
+        depth = self.policy.prefetch_depth
+        if order is None or depth == 0 or self._local_only():
+            return
+        ahead = [self.tensors[w] for w in dict.fromkeys(order[self._cursor : self._cursor + depth])]
+        ahead = [t for t in ahead if t.wid not in self._prefetched and t.wid != et.wid]
+        for use in self._start_uses(ahead):
+            self._prefetched[use.tensor.wid] = use
+
+    def _release_prefetched(self) -> None:
+        """Complete and release prefetches that no use consumed (the model changed its path)."""
+        for use in self._prefetched.values():
+            for c, work in enumerate(use.works):
+                if work is not None:
+                    work.wait(f"{use.tensor.name} (prefetch) chunk {c}")
+            self._end_use(use, keep=Residency.PERSISTENT)
+        self._prefetched.clear()
+
+    def _end_use(self, use: _Use, keep: Residency) -> None:
+        """Unpin the use's chunks; discard those whose residency is below `keep`."""
+        if not use.keys_pinned:
+            return
+        et = use.tensor
+        if self.comm_stream is not None:
+            compute = torch.cuda.current_stream()
+            for key in use.keys_pinned:
+                self.pool.record_stream(key, compute)
+        self.pool.unpin_many(use.keys_pinned)
+        wid_shift = self._KEY_BITS
+        for key in use.keys_pinned:
+            c = key - (et.wid << wid_shift)
+            if et.residency[c] < keep and self.pool.pin_count(key) == 0:
+                self.pool.free(key)
+        use.keys_pinned = []
+
+    @contextmanager
+    def use(self, et: ElasticTensor, phase: Phase, needs_backward: bool = False):
+        """Gather `et` for one use in `phase`; yields a `Resident` (its page table).
+
+        `resident.execute(fn)` calls fn(c, chunk) for every chunk in index order as soon as
+        that chunk's gather has completed; `resident.chunks()` waits for every gather and
+        returns the page table (one chunk-shaped view per chunk) for kernels that read the
+        whole weight in one launch. On exit the chunks are unpinned and discarded per
+        residency: after forward, TRANSIENT (and PEAK when no backward will come); after
+        backward, everything but PERSISTENT.
+        """
+        if phase is Phase.BACKWARD:
+            self._queue_end_of_backward()
+        self._enter(phase, et)
+        use = self._prefetched.pop(et.wid, None) or self._start_uses([et])[0]
+        self._prefetch_next(et)
+        try:
+            yield Resident(use)
+        finally:
+            # Gathers issued for this use must finish before their pages are released.
+            for c, work in enumerate(use.works):
+                if work is not None and not work.done:
+                    try:
+                        work.wait(f"{et.name} chunk {c}")
+                    except RuntimeError:
+                        pass  # the original error is already propagating
+            if phase is Phase.FORWARD:
+                keep = Residency.PEAK if needs_backward else Residency.PERSISTENT
+            else:
+                keep = Residency.PERSISTENT
+            if self.pool is not None:
+                self._end_use(use, keep)
+
+
+class Resident:
+    """The page table of one use of an elastic tensor (valid inside `ElasticRuntime.use`)."""
+
+    __slots__ = ("_use",)
+
+    def __init__(self, use: _Use):
+        self._use = use
+
+    def _wait(self, c: int) -> torch.Tensor:
+        work = self._use.works[c]
+        if work is not None:
+            work.wait(f"{self._use.tensor.name} chunk {c}")
+        return self._use.chunks[c]
+
+    def execute(self, fn) -> None:
+        """fn(c, chunk) for each chunk in index order, each as soon as it has arrived."""
+        for c in range(self._use.tensor.num_chunks):
+            fn(c, self._wait(c))
+
+    def chunks(self) -> list[torch.Tensor]:
+        """Every chunk, after all gathers of this use completed."""
+        return [self._wait(c) for c in range(self._use.tensor.num_chunks)]
