@@ -39,8 +39,14 @@ demo: build
 	@echo "with its own issue and is not built yet; nothing is run in its place."
 	@exit 2
 
+# CPU benchmarks, one intra-op thread per process (two threads on these shared cores stall at
+# OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.
 bench: build
-	$(VPY) bench/bench_pack.py
+	$(VPY) bench/bench_pack.py --threads 1
+	$(VPY) bench/bench_paged_linear.py --device cpu --threads 1
+	$(VPY) bench/bench_lora_linear.py --device cpu --threads 1
+	$(VPY) bench/bench_gather_coalescing.py
+	$(VPY) bench/bench_elastic_vs_fsdp2.py
 
 gpu-check:
 	bash bench/gpu_check.sh
