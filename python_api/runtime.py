@@ -257,6 +257,8 @@ class ElasticRuntime:
             if new_pass:
                 self._finish_phase()
                 self.phase = Phase.FORWARD
+                # A backward that raised never ran its queued callback: allow a new one.
+                self._end_of_backward_queued = False
         elif self.phase is not Phase.BACKWARD:
             self._finish_phase()
             self.phase = Phase.BACKWARD
