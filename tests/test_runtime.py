@@ -429,3 +429,37 @@ def _world_one_worker(rank, world_size):
 
 def test_world_size_one_needs_no_communication():
     assert run_distributed(_world_one_worker, 1, timeout=60) == [True]
+
+
+def _recover_worker(rank, world_size):
+    from python_api import ElasticPolicy, elasticize
+
+    model = make_model()
+    elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=0.5, persist_ratio=0.0))
+    fail = {"on": True}
+
+    def boom(*_):
+        if fail["on"]:
+            raise RuntimeError("injected backward failure")
+
+    model[1].base.register_full_backward_pre_hook(boom)
+    x = torch.randn(3, DIMS[0], requires_grad=True)
+    try:
+        model(x).sum().backward()
+        raise AssertionError("the injected failure did not propagate")
+    except RuntimeError as e:
+        assert "injected backward failure" in str(e)
+    for p in adapter_params(model):
+        p.grad = None
+    fail["on"] = False
+    torch.manual_seed(50 + rank)  # different data per rank: averaged grads differ from local ones
+    model(torch.randn(3, DIMS[0], requires_grad=True)).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in adapter_params(model)])
+    every = [torch.empty_like(grads) for _ in range(world_size)]
+    dist.all_gather(every, grads)
+    return [torch.equal(every[0], g) for g in every]
+
+
+def test_gradients_still_averaged_after_a_failed_backward():
+    for same in run_distributed(_recover_worker, 2, timeout=120):
+        assert all(same), "adapter gradients differ across ranks: the all-reduce did not run"
