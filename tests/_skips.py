@@ -30,6 +30,16 @@ def gpu_skip_reason() -> str | None:
     return None
 
 
+def ext_skip_reason() -> str | None:
+    """For tests marked `needs_ext` (the elastic runtime at world size >= 2 needs the C++
+    PagePool): a reason only when the extension was left out on purpose."""
+    from elastic_kernels import _ext
+
+    if _ext.skipped_by_env():
+        return "ELASTIC_SKIP_EXT=1: the elastic runtime's PagePool is C++ and was not built on purpose"
+    return None
+
+
 def require_ext():
     """Return elastic_kernels._C; skip only when ELASTIC_SKIP_EXT=1 says it was left out on purpose."""
     from elastic_kernels import _ext

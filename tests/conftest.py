@@ -20,6 +20,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if "needs_ext" in item.keywords:
+            reason = _skips.ext_skip_reason()
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
         if "gpu" in item.keywords:
             reason = _skips.gpu_skip_reason()
             if reason is not None:

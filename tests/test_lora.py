@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from tests._dist import run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 TOL = dict(rtol=1e-4, atol=1e-4)

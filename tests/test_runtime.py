@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests._dist import run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
 DIMS = (24, 40, 24, 33)  # frozen layers 24->40, 40->24, 24->33 (rows 40, 24, 33)
 RANK_R = 3
