@@ -3,6 +3,8 @@
 // objects (the page pool) through pybind11.
 #include <torch/extension.h>
 
+#include "pool/page_pool_py.h"
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "elastic-kernels compiled extension";
   m.def("cuda_built", []() {
@@ -12,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
     return false;
 #endif
   }, "Whether this build carries the CUDA kernels.");
+  elastic::bind_page_pool(m);
 }

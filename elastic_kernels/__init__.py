@@ -11,6 +11,7 @@ _ext.load()
 
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
 from elastic_kernels.ops import pack_shards, unpack_gathered  # noqa: E402 - after _ext.load(): registers fakes
+from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
 
 # Paged LoRA linear (Triton ops elastic::paged_lora_linear_fwd / _dgrad / lora_adapter_grads,
 # registered on import, each with its pure-torch reference; impl="auto" picks per device).
@@ -35,6 +36,8 @@ def registered_ops():
 __all__ = [
     "CUDA_OPS",
     "ChunkLayout",
+    "PagePool",
+    "PoolExhausted",
     "lora_adapter_grads",
     "pack_shards",
     "paged_lora_linear_dgrad",
@@ -42,4 +45,3 @@ __all__ = [
     "registered_ops",
     "unpack_gathered",
 ]
-from elastic_kernels._devshim import PagePool, PoolExhausted  # noqa  DEVSHIM
