@@ -43,6 +43,7 @@ demo: build
 # OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.
 bench: build
 	$(VPY) bench/bench_pack.py --threads 1
+	$(VPY) bench/bench_pool.py
 	$(VPY) bench/bench_paged_linear.py --device cpu --threads 1
 	$(VPY) bench/bench_lora_linear.py --device cpu --threads 1
 	$(VPY) bench/bench_gather_coalescing.py

@@ -21,6 +21,7 @@ BENCHES=(
   bench/bench_pack.py
   bench/bench_paged_linear.py
   bench/bench_lora_linear.py
+  bench/bench_pool.py
 )
 
 start=$(date +%s)
