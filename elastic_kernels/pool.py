@@ -84,8 +84,6 @@ class PagePool:
     every segment back. Thread-safe.
     """
 
-    DEFAULT_SEGMENT_BYTES = 64 << 20
-
     __slots__ = ("_impl", "_device", "__weakref__")
 
     view = staticmethod(view)
@@ -96,17 +94,22 @@ class PagePool:
         budget_bytes: int,
         device: torch.device | str = "cpu",
         *,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int | None = None,
     ):
         _check_size("page_bytes", page_bytes)
         _check_size("budget_bytes", budget_bytes)
-        _check_size("segment_bytes", segment_bytes)
+        if segment_bytes is not None:
+            _check_size("segment_bytes", segment_bytes)
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.type not in ("cpu", "cuda"):
             raise ValueError(f"PagePool: device must be cpu or cuda, got {dev}")
-        self._impl = _ext.require().PagePool(page_bytes, budget_bytes, str(dev), segment_bytes)
+        _C = _ext.require()
+        if segment_bytes is None:  # the C++ default (64 MiB), kept in one place
+            self._impl = _C.PagePool(page_bytes, budget_bytes, str(dev))
+        else:
+            self._impl = _C.PagePool(page_bytes, budget_bytes, str(dev), segment_bytes)
         self._device = dev
 
     # ---- properties ----

@@ -89,6 +89,9 @@
 // second guard, tensors released under the mutex (segments, page views) are parked and
 // destroyed only after the mutex is dropped (Guard in page_pool.h). The only blocking call made
 // under the mutex is the one-event host wait of [Note: stream-ordered reuse].
+// Cost: releasing the GIL and taking the mutex add ~150 ns to every call (`_impl.contains(1)`
+// 243 ns vs the lock-free property `_impl.page_bytes` 91 ns, timeit, min of 5x200k, on the
+// 2-core AMD EPYC dev machine, 2026-11-29); the batched calls pay it once per batch.
 //
 // [Note: errors leave the pool unchanged]
 // Every call validates before it mutates: allocate checks the key, then whether eviction can
