@@ -117,7 +117,8 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
         ax.plot(steps, r["losses"], style, color=colors[r["name"]], label=r["name"], linewidth=1.5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (global batch mean)")
-    ax.set_title("loss")
+    diffs = [r["max_abs_loss_diff_vs_fsdp2"] for r in runs if "max_abs_loss_diff_vs_fsdp2" in r]
+    ax.set_title("loss" + (f" (elastic vs FSDP2: max |difference| {max(diffs):.2g})" if diffs else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 

@@ -439,3 +439,11 @@ def test_no_sync_reduces_once_per_accumulation():
         assert calls_total == 1  # one all-reduce (one dtype) for the whole accumulation
         assert equal  # = the average of the local sums, bit for bit (same reduction)
         assert differed  # inside no_sync the ranks' gradients were their own
+
+
+def test_pool_budget_option():
+    from python_api.finetune import _budget, _budget_label
+
+    assert _budget("all") is None and _budget("0") == 0 and _budget("64MiB") == 64 << 20
+    assert _budget("1.5GiB") == 3 << 29 and _budget("2k") == 2048 and _budget("50%") == ("fraction", 0.5)
+    assert [_budget_label(_budget(t)) for t in ("all", "0", "64MiB", "50%")] == ["all", "0", "64MiB", "50%"]
