@@ -201,11 +201,21 @@ def _ratio(text: str) -> float:
     return v
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None/False ones (their help says what happens without them)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="LoRA fine-tuning across ranks with elastic frozen weights (launch with torchrun).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="LoRA fine-tuning across ranks with elastic frozen weights (launch with torchrun; "
+                    "see the module docstring or README.md, 'The main job').",
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, metavar="DIR",
@@ -234,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_nonneg_int, default=0, help="embedded weights, adapter init, batches, dropout")
 
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-r", type=_positive_int, default=8)
-    g.add_argument("--lora-alpha", type=_positive_float, default=16.0)
-    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-r", type=_positive_int, default=8, help="adapter rank")
+    g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="scaling = alpha / r")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapter input (the FSDP2 comparison is exact only without it)")
     g.add_argument("--lora-targets", default=DEFAULT_TARGETS,
                    help="comma-separated module names (PEFT's matching: a name or a suffix), or all-linear")
 
@@ -245,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-ratio", type=_ratio, default=1.0, help="fraction of chunks kept from forward to backward")
     g.add_argument("--persist-ratio", type=_ratio, default=1.0, help="fraction of chunks kept across iterations")
     g.add_argument("--pool-budget", type=_budget, default=None, metavar="BUDGET",
-                   help="cache budget per rank: all, 0, a size (64MiB) or a percentage of the frozen bytes (50%%)")
-    g.add_argument("--prefetch-depth", type=_nonneg_int, default=1, help="layers gathered ahead")
+                   help="cache budget per rank: all (the default), 0, a size (64MiB) or a percentage of the frozen bytes (50%%)")
+    g.add_argument("--prefetch-depth", type=_nonneg_int, default=1, help="frozen weights gathered ahead of use, in the learned order")
     g.add_argument("--collective-kib", type=_positive_int, default=32 << 10, help="coalescing cap per all-gather, KiB per rank")
     g.add_argument("--timeout-s", type=_positive_float, default=300.0, help="collective and process-group timeout, seconds")
 
