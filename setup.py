@@ -143,5 +143,7 @@ setup(
     install_requires=["torch>=2.11"],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
+    # The fine-tuning CLI; under torchrun: `torchrun --nproc-per-node N --no-python elastic-finetune ...`
+    entry_points={"console_scripts": ["elastic-finetune = python_api.finetune:main"]},
     zip_safe=False,
 )

@@ -15,19 +15,17 @@ step, so it is the slowest rank's time), all-gather bytes received per rank per 
 all-gather wrapped and counted, FSDP2's too), and rank 0's peak resident memory during a step
 above its baseline before any model was built (freed heap returned with malloc_trim, then
 VmHWM reset through /proc/self/clear_refs before each step): shards, cached or unsharded
-weights, activations and optimizer state. Rows go to
+weights, activations and optimizer state. The counter and the memory probes live in
+python_api/measure.py, shared with the fine-tuning CLI. Rows go to
 bench/results/elastic_vs_fsdp2.csv.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -37,6 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
+from python_api.measure import AllGatherCounter, reset_rss_peak, rss_peak_bytes  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
 CONFIGS = ["fsdp2-reshard", "fsdp2-no-reshard", "elastic-0%", "elastic-50%", "elastic-100%"]
@@ -52,53 +51,6 @@ class Block(nn.Module):
 
     def forward(self, x):
         return torch.tanh(self.base(x) + self.B(self.A(x)))
-
-
-class _GatherCounter:
-    """Counts bytes received by every all-gather (FSDP2 uses all_gather_single, older torch
-    all_gather_into_tensor; one may call the other, so only the outermost call counts)."""
-
-    def __init__(self):
-        self.bytes = 0
-        self._depth = threading.local()
-        self._real = {}
-        for name in ("all_gather_single", "all_gather_into_tensor"):
-            if hasattr(dist, name):
-                self._real[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(self._real[name]))
-
-    def _wrap(self, real):
-        def counted(output, inp, group=None, async_op=False):
-            depth = getattr(self._depth, "d", 0)
-            if depth == 0:
-                self.bytes += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
-            self._depth.d = depth + 1
-            try:
-                return real(output, inp, group=group, async_op=async_op)
-            finally:
-                self._depth.d = depth
-
-        return counted
-
-
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
-
-
-_LIBC = ctypes.CDLL("libc.so.6")
-
-
-def _reset_hwm() -> int:
-    """Give freed heap back to the OS, reset the high-water mark, return the current RSS."""
-    gc.collect()
-    _LIBC.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _vm_hwm_bytes()
 
 
 def _build(kind, args, world_size):
@@ -128,8 +80,8 @@ def _build(kind, args, world_size):
 def _worker(rank, world_size, args):
     torch.manual_seed(100 + rank)
     x = torch.randn(args.tokens, args.dim)
-    counter = _GatherCounter()
-    baseline = _reset_hwm()
+    counter = AllGatherCounter().install()
+    baseline = reset_rss_peak()
     out = {}
     for kind in CONFIGS:
         model = _build(kind, args, world_size)
@@ -146,14 +98,14 @@ def _worker(rank, world_size, args):
         times, gathered, peaks = [], [], []
         for _ in range(args.repeats):
             dist.barrier()
-            _reset_hwm()
+            reset_rss_peak()
             before = counter.bytes
             t0 = time.perf_counter()
             step()
             dist.barrier()
             times.append(time.perf_counter() - t0)
             gathered.append(counter.bytes - before)
-            peaks.append(_vm_hwm_bytes() - baseline)
+            peaks.append(rss_peak_bytes() - baseline)
         out[kind] = (statistics.median(times), statistics.median(gathered), max(peaks))
         del model, opt
     return out

@@ -11,13 +11,14 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import time
 from typing import Callable
 
 import torch
+
+from python_api.measure import device_name  # noqa: F401 - shared with the fine-tuning CLI
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -42,22 +43,6 @@ def measure(fn: Callable[[], object], device="cpu", *, warmup: int = 3, repeats:
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"CPU {cpu} x{os.cpu_count()}"
 
 
 def _git_commit() -> str:

@@ -147,3 +147,9 @@ def reset_stats(model: nn.Module) -> None:
 
 def set_pool_budget(model: nn.Module, budget_bytes: int | None) -> None:
     runtime_of(model).set_pool_budget(budget_bytes)
+
+
+def no_sync(model: nn.Module):
+    """Context manager: backward passes inside it do not average adapter gradients across
+    ranks (gradient accumulation; see [Note: gradient accumulation] in runtime.py)."""
+    return runtime_of(model).no_sync()

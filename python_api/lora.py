@@ -317,6 +317,10 @@ def _atomic_write(path: str, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     os.close(fd)
     try:
+        # mkstemp creates the file 0600; give the result the permissions a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         write(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -33,6 +33,15 @@ backward; from then on, when layer i starts, the missing chunks of the next `pre
 layers of that order are gathered. Nothing is prefetched before the order is known, so no
 byte is gathered that a later use does not consume; if the observed order departs from the
 learned one, outstanding prefetches are completed and released and the order is relearned.
+
+[Note: gradient accumulation]
+With `policy.all_reduce_grads` the adapter gradients are averaged across the group at the end
+of every backward. Over k micro-batches that is k all-reduces of every adapter gradient where
+one suffices: averaging is linear, so mean_r(sum_i g_ri) = sum_i mean_r(g_ri) up to rounding.
+`no_sync()` skips the reduction for the backward passes run inside it (their gradients
+accumulate locally in .grad); the backward of the last micro-batch, run outside, averages the
+accumulated sums once. Every rank must use the same micro-batch count, or the ranks issue
+different numbers of all-reduces (a collective mismatch, as with DDP's no_sync).
 """
 
 from __future__ import annotations
@@ -159,6 +168,7 @@ class ElasticRuntime:
         self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
         self._end_of_backward_queued = False
         self._grad_params: list[torch.nn.Parameter] = []
+        self._sync_grads = True  # False inside no_sync(): see [Note: gradient accumulation]
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0}
 
     # ---------------------------------------------------------------- registration
@@ -301,8 +311,20 @@ class ElasticRuntime:
         self._end_of_backward_queued = False
         if self.phase is Phase.BACKWARD:
             self._finish_phase()
-        if self.policy.all_reduce_grads and self.world_size > 1:
+        if self.policy.all_reduce_grads and self._sync_grads and self.world_size > 1:
             self._all_reduce_grads()
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes run inside this context leave the gradients of the trainable
+        parameters unreduced (local sums); the first backward after it averages the
+        accumulated sums. See [Note: gradient accumulation]. Enter it on every rank alike."""
+        previous = self._sync_grads
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
 
     def _all_reduce_grads(self) -> None:
         grads = [p.grad for p in self._grad_params if p.grad is not None]

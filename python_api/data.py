@@ -1,0 +1,174 @@
+"""Text data for the fine-tuning CLI: corpora, tokenizers, and the per-step batches.
+
+Corpora
+- embedded: the Python language reference topics that ship with CPython
+  (`pydoc_data.topics.topics`, ~0.47 M characters of English text and code examples); no file
+  and no network needed.
+- a local `.txt` file (one document: the whole file) or `.jsonl` file (one JSON object per
+  line with a string field "text"; blank lines are skipped). Files are read as UTF-8.
+
+Tokenizers
+- `ByteTokenizer`: UTF-8 bytes are ids 0..255; with `eos=True` id 256 separates documents
+  (vocabulary 257). Without it documents are joined by a blank line.
+- a local Hugging Face tokenizer (`transformers.AutoTokenizer`, `local_files_only=True`).
+
+[Note: batches depend only on (seed, step)]
+The tokens are one stream: documents joined by the separator. Its tail holds `probe_seqs`
+held-out windows of `seq_len` tokens (the probe batch: held-out loss, logits check); training
+windows start anywhere in the rest. Optimizer step s uses world_size x micro_batch x
+grad_accum windows whose starts are drawn by a generator seeded with (seed, s) alone; micro-step
+a of rank r takes windows [(a*W + r)*M, (a*W + r + 1)*M). So a step's data is independent of
+any RNG state (a resumed run sees the very batches an uninterrupted one saw) and the global
+batch of a step depends only on the global batch size, not on how it is split into ranks,
+micro-batches and accumulation steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+
+class DataError(ValueError):
+    """Bad data input: raised before any training step, with the file and line named."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, plus an end-of-document id 256 when `eos`."""
+
+    name = "byte-level"
+
+    def __init__(self, eos: bool = True):
+        self.eos_id = 256 if eos else None
+        self.vocab_size = 257 if eos else 256
+        self.fingerprint = f"byte-level, vocabulary {self.vocab_size}"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer behind the same two-method face."""
+
+    def __init__(self, tok, path: str):
+        self.tok = tok
+        self.name = f"{type(tok).__name__} from {path}"
+        self.eos_id = tok.eos_token_id
+        self.vocab_size = len(tok)
+        self.fingerprint = f"{type(tok).__name__}, vocabulary {len(tok)}, eos {tok.eos_token_id}"
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+
+def embedded_documents() -> list[str]:
+    """The language reference topics of the running CPython, in a fixed (sorted) order."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:  # some distributions strip pydoc_data
+        raise DataError(
+            "the embedded corpus (pydoc_data.topics of the Python standard library) is not installed "
+            "with this Python; pass --data FILE (.txt or .jsonl)"
+        ) from exc
+    return [topics[k] for k in sorted(topics)]
+
+
+def read_documents(path: str) -> list[str]:
+    """Documents of a `.txt` (the whole file) or `.jsonl` (field "text" per line) file."""
+    if not os.path.exists(path):
+        raise DataError(f"data file {path} does not exist")
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path} is not a regular file")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".txt", ".jsonl"):
+        raise DataError(f"data file {path}: unknown type {ext or '(no extension)'!r}; expected .txt (raw text) or .jsonl (a \"text\" field per line)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = f.read()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data file {path} is not valid UTF-8 (byte {exc.start}): {exc.reason}") from exc
+    except OSError as exc:
+        raise DataError(f"data file {path} cannot be read: {exc.strerror or exc}") from exc
+    if ext == ".txt":
+        if not content.strip():
+            raise DataError(f"data file {path} is empty")
+        return [content]
+    docs = []
+    for lineno, line in enumerate(content.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"data file {path}, line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(obj, dict) or "text" not in obj:
+            raise DataError(f"data file {path}, line {lineno}: expected a JSON object with a \"text\" field")
+        if not isinstance(obj["text"], str):
+            raise DataError(f"data file {path}, line {lineno}: \"text\" must be a string, got {type(obj['text']).__name__}")
+        docs.append(obj["text"])
+    if not docs:
+        raise DataError(f"data file {path} has no documents (every line is blank)")
+    return docs
+
+
+def tokenize(documents: list[str], tokenizer) -> torch.Tensor:
+    """One int64 stream: the documents' tokens joined by eos (or by a blank line's tokens)."""
+    sep = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n\n")
+    ids: list[int] = []
+    for i, doc in enumerate(documents):
+        if i:
+            ids.extend(sep)
+        ids.extend(tokenizer.encode(doc))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def token_digest(tokens: torch.Tensor) -> str:
+    """sha256 of the token stream (identifies the data in a checkpoint's configuration)."""
+    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
+
+
+def _step_seed(seed: int, step: int) -> int:
+    # A generator per (seed, step); distinct pairs give distinct seeds (step < 2**32).
+    return ((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)
+
+
+class TokenWindows:
+    """Training windows and the held-out probe batch over one token stream (see [Note:
+    batches depend only on (seed, step)])."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, probe_seqs: int, source: str):
+        if seq_len < 2:
+            raise DataError(f"--seq-len must be >= 2, got {seq_len}")
+        need = (probe_seqs + 1) * seq_len
+        if tokens.numel() < need:
+            raise DataError(
+                f"{source} has {tokens.numel()} tokens; --seq-len {seq_len} needs at least {need} "
+                f"({probe_seqs} held-out windows and one training window)"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.n_train = tokens.numel() - probe_seqs * seq_len
+        self.probe = tokens[self.n_train :].view(probe_seqs, seq_len).clone()
+
+    def global_starts(self, seed: int, step: int, count: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(_step_seed(seed, step))
+        return torch.randint(0, self.n_train - self.seq_len + 1, (count,), generator=gen)
+
+    def batch(self, seed: int, step: int, world_size: int, rank: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
+        """This rank's windows of step `step`: int64 [grad_accum, micro_batch, seq_len]."""
+        starts = self.global_starts(seed, step, world_size * micro_batch * grad_accum)
+        offsets = torch.arange(self.seq_len)
+        out = torch.empty(grad_accum, micro_batch, self.seq_len, dtype=torch.int64)
+        for a in range(grad_accum):
+            first = (a * world_size + rank) * micro_batch
+            out[a] = self.tokens[starts[first : first + micro_batch, None] + offsets]
+        return out
