@@ -235,13 +235,14 @@ def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, it
 
 
 @pytest.mark.parametrize(
-    "keep,persist,input_grad",
-    [(0.0, 0.0, True), (0.0, 0.0, False), (0.5, 0.0, True), (1.0, 0.5, False), (1.0, 1.0, True), (0.5, 0.5, True)],
+    "world_size,keep,persist,input_grad",
+    [(2, 0.0, 0.0, True), (2, 0.0, 0.0, False), (2, 0.5, 0.0, True), (2, 1.0, 0.5, False), (2, 1.0, 1.0, True),
+     (2, 0.5, 0.5, True), (4, 0.0, 0.0, True), (4, 1.0, 0.5, True)],
 )
-def test_exact_traffic(keep, persist, input_grad):
+def test_exact_traffic(world_size, keep, persist, input_grad):
     from python_api import Residency
 
-    world_size, chunk_bytes, iters = 2, 24 * FP32 * 8, 3
+    chunk_bytes, iters = 24 * FP32 * 8, 3
     results = run_distributed(_traffic_worker, world_size, chunk_bytes, keep, persist, input_grad, iters, timeout=120)
     T, P, K = Residency.TRANSIENT, Residency.PEAK, Residency.PERSISTENT
     layers = layer_chunks(DIMS, chunk_bytes, world_size, keep, persist)
