@@ -113,11 +113,6 @@ class ElasticTensor:
     def num_chunks(self) -> int:
         return self.layout.num_chunks
 
-    @property
-    def padded_chunk_bytes(self) -> int:
-        """Bytes one chunk occupies in an all-gather output (its slices, padding included)."""
-        return self.layout.slice_numel * self.layout.world_size * self.shard.element_size()
-
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
         return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
 
@@ -236,11 +231,7 @@ class ElasticRuntime:
         self._cache_budget = budget_bytes
         if self.pool is not None:
             self.pool.set_budget(self._pool_budget())
-            self._drop_evicted_views()
-
-    def _drop_evicted_views(self) -> None:
-        # Views are not cached across uses; draining keeps the pool's list from growing.
-        self.pool.drain_evicted()
+            self.pool.drain_evicted()  # see _finish_phase
 
     # ---------------------------------------------------------------- stats
 
@@ -292,6 +283,10 @@ class ElasticRuntime:
         if self.pool is not None and self.phase is not Phase.IDLE:
             keep = Residency.PEAK if self.phase is Phase.FORWARD else Residency.PERSISTENT
             self._sweep(keep)
+            # The runtime keeps no page views across uses (a miss is found by lookup_pin), so
+            # it only empties the pool's list of evicted keys, which would otherwise grow by
+            # every eviction for the whole run.
+            self.pool.drain_evicted()
         self.phase = Phase.IDLE
 
     def _sweep(self, keep: Residency) -> None:

@@ -400,6 +400,7 @@ def _budget_worker(rank, world_size):
             p.grad = q.grad = None
         seen.append(stats(model)["allgather_bytes"] - before)
         assert rt.pool.stats()["in_use_bytes"] <= rt.pool.stats()["budget_bytes"]
+        assert rt.pool.drain_evicted() == [], "evicted keys pile up in the pool between iterations"
     return seen
 
 
