@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass
 
 _PAGE_ALIGN = 512  # PagePool pages are multiples of 512 bytes
+# The longest collective timeout accepted: 30 days. datetime.timedelta (what the process group
+# takes) overflows near 1e14 s, and a timeout of months is a hang in all but name.
+_MAX_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_ratio(name: str, value: float) -> None:
@@ -30,15 +37,17 @@ class ElasticPolicy:
                        enough for every frozen chunk. The runtime adds its working set (the
                        layers in flight) on top; see [Note: pool budget and working set].
     prefetch_depth     layers gathered ahead of the one running, forward and backward.
-    page_bytes         pool page size; default: chunk_bytes rounded up to 512 bytes. A chunk
-                       larger than a page is an error.
+    page_bytes         pool page size; default: the largest real chunk of the wrapped weights
+                       rounded up to 512 bytes. A chunk larger than a page is an error.
     collective_bytes   coalescing cap: missing chunks of a layer are gathered in collectives of
                        at most this many bytes per rank (at least one chunk each); None means
                        one collective per layer. See NOTES.md for the measurement behind the
                        default.
     collective_timeout_s  how long a rank waits for one all-gather before failing with an
                        error naming the layer (a peer that died must not hang the job);
-                       None uses the process group's timeout.
+                       None uses the process group's timeout. Host-waited (gloo) gathers
+                       only: on NCCL the process group's timeout bounds a hang (see
+                       python_api/collectives.py).
     all_reduce_grads   average the gradients of trainable (replicated) parameters across the
                        group at the end of each backward.
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears smaller than
@@ -57,7 +66,7 @@ class ElasticPolicy:
     replicate_below_bytes: int = 1 << 20
 
     def __post_init__(self):
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
+        if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
             raise ValueError(f"ElasticPolicy.chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
         _check_ratio("keep_ratio", self.keep_ratio)
         _check_ratio("persist_ratio", self.persist_ratio)
@@ -66,14 +75,12 @@ class ElasticPolicy:
                 f"ElasticPolicy: keep_ratio ({self.keep_ratio}) must be >= persist_ratio ({self.persist_ratio}): "
                 "a chunk kept across iterations is also kept from forward to backward"
             )
-        if self.pool_budget_bytes is not None and (
-            not isinstance(self.pool_budget_bytes, int) or self.pool_budget_bytes < 0
-        ):
+        if self.pool_budget_bytes is not None and (not _is_int(self.pool_budget_bytes) or self.pool_budget_bytes < 0):
             raise ValueError(f"ElasticPolicy.pool_budget_bytes must be None or an int >= 0, got {self.pool_budget_bytes!r}")
-        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+        if not _is_int(self.prefetch_depth) or self.prefetch_depth < 0:
             raise ValueError(f"ElasticPolicy.prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.page_bytes is not None:
-            if not isinstance(self.page_bytes, int) or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGN:
+            if not _is_int(self.page_bytes) or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGN:
                 raise ValueError(
                     f"ElasticPolicy.page_bytes must be a positive multiple of {_PAGE_ALIGN}, got {self.page_bytes!r}"
                 )
@@ -82,18 +89,20 @@ class ElasticPolicy:
                     f"ElasticPolicy.chunk_bytes ({self.chunk_bytes}) is larger than the pool page "
                     f"(page_bytes={self.page_bytes}): a chunk must fit in one page"
                 )
-        if self.collective_bytes is not None and (not isinstance(self.collective_bytes, int) or self.collective_bytes <= 0):
+        if self.collective_bytes is not None and (not _is_int(self.collective_bytes) or self.collective_bytes <= 0):
             raise ValueError(f"ElasticPolicy.collective_bytes must be None or a positive int, got {self.collective_bytes!r}")
-        if not isinstance(self.replicate_below_bytes, int) or self.replicate_below_bytes < 0:
+        if not _is_int(self.replicate_below_bytes) or self.replicate_below_bytes < 0:
             raise ValueError(f"ElasticPolicy.replicate_below_bytes must be an int >= 0, got {self.replicate_below_bytes!r}")
-        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
-            raise ValueError(f"ElasticPolicy.collective_timeout_s must be None or > 0, got {self.collective_timeout_s!r}")
-
-    @property
-    def effective_page_bytes(self) -> int:
-        if self.page_bytes is not None:
-            return self.page_bytes
-        return -(-self.chunk_bytes // _PAGE_ALIGN) * _PAGE_ALIGN
+        t = self.collective_timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= _MAX_TIMEOUT_S
+        ):
+            raise ValueError(
+                f"ElasticPolicy.collective_timeout_s must be None or a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}] "
+                f"(30 days), got {t!r}"
+            )
+        if not isinstance(self.all_reduce_grads, bool):
+            raise ValueError(f"ElasticPolicy.all_reduce_grads must be True or False, got {self.all_reduce_grads!r}")
 
     def rows_per_chunk(self, row_bytes: int, what: str = "weight") -> int:
         """Whole rows per chunk for rows of `row_bytes` bytes."""

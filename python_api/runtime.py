@@ -42,11 +42,45 @@ one suffices: averaging is linear, so mean_r(sum_i g_ri) = sum_i mean_r(g_ri) up
 accumulate locally in .grad); the backward of the last micro-batch, run outside, averages the
 accumulated sums once. Every rank must use the same micro-batch count, or the ranks issue
 different numbers of all-reduces (a collective mismatch, as with DDP's no_sync).
+
+[Note: recompute inside backward]
+Activation checkpointing (`torch.utils.checkpoint`, reentrant or not; HF
+`gradient_checkpointing_enable()`) runs a layer's forward again inside backward. Such a use
+is recognised by the autograd engine running a graph task on this thread
+(`torch._C._current_graph_task_id() != -1`) and belongs to the BACKWARD phase: it does not
+start a new forward pass, keeps the learned orders (the recompute uses are part of the
+backward order, so they are prefetched like backward uses), keeps other layers' PEAK chunks,
+and ends with keep=PEAK so the backward use right after it finds its chunks resident. The
+end-of-backward callback is queued once, on the graph task that is running when the phase
+changes to BACKWARD (the outermost one: a reentrant checkpoint recomputes in the outer task
+before it runs its nested backward), so adapter gradients are all-reduced once per step
+whatever the number of checkpointed layers. With reentrant checkpointing the first forward runs
+under no_grad, so its PEAK chunks are released (no backward is known to follow) and the
+recompute gathers them again; non-reentrant checkpointing keeps them.
+
+[Note: units and coalesced gathers]
+A *unit* is a group of weights used together, e.g. the linears of one decoder layer (the HF
+`_no_split_modules` block, or an explicit grouping). Once the order of a phase is learned, it
+is cut into *segments*: maximal runs of consecutive uses of one unit. The first use of a
+segment gathers the missing chunks of every weight of the segment in one coalesced set of
+collectives (at most `collective_bytes` each), and prefetch runs `prefetch_depth` segments
+ahead, so a decoder layer costs one all-gather per use as under FSDP2 rather than one per
+weight. Only weights used in that segment of that phase are gathered (a layer whose input
+needs no gradient has no backward use, and nothing is gathered for it). Before an order is
+learned (the first iteration) every weight is gathered at its own use.
+
+[Note: single process]
+Without an initialised process group (a plain script), the runtime has world size 1: no
+collective is ever issued, chunks are views of the local weight, and adapter gradients are
+left as they are. A process group is needed only for world size > 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
+import zlib
 from contextlib import contextmanager
 
 import torch
@@ -54,7 +88,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from elastic_kernels import ChunkLayout, PagePool, unpack_gathered
-from python_api.collectives import ChunkRun, GatherWork, all_gather_into
+from python_api.collectives import SYMMETRY_RULE, ChunkRun, GatherWork, all_gather_into
 from python_api.config import ElasticPolicy
 
 
@@ -86,11 +120,13 @@ def residency_classes(num_chunks: int, keep_ratio: float, persist_ratio: float) 
 class ElasticTensor:
     """One frozen weight: its chunk-major shard on this rank and the residency of its chunks."""
 
-    def __init__(self, runtime: ElasticRuntime, wid: int, name: str, weight: torch.Tensor):
+    def __init__(self, runtime: ElasticRuntime, wid: int, name: str, weight: torch.Tensor, unit: str | None = None):
         policy = runtime.policy
         self.runtime = runtime
         self.wid = wid
         self.name = name
+        self.unit = unit if unit is not None else f"weight:{name}"
+        self.fingerprint = _fingerprint(weight)
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
@@ -116,27 +152,58 @@ class ElasticTensor:
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
         return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
 
-    def signature(self) -> tuple:
-        return (self.name, self.shape, str(self.dtype))
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of the largest chunk of this weight (what one pool page must hold)."""
+        return self.layout.chunk_numel * self.shard.element_size()
+
+    def signature(self) -> dict:
+        """What must be equal on every rank for this weight (checked at wrap time)."""
+        return {
+            "name": self.name,
+            "shape": self.shape,
+            "dtype": str(self.dtype),
+            "rows_per_chunk": self.layout.rows_per_chunk,
+            "residency": "".join(str(int(r)) for r in self.residency),
+            "unit": self.unit,
+            "content fingerprint": self.fingerprint,
+        }
+
+
+_FINGERPRINT_SAMPLES = 4096
+
+
+def _fingerprint(weight: torch.Tensor) -> int:
+    """crc32 of the bytes of up to 4096 evenly strided elements of `weight` (a cheap check that
+    every rank was given the same frozen weight: another seed or revision differs here)."""
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0
+    idx = torch.linspace(0, n - 1, steps=min(n, _FINGERPRINT_SAMPLES), device=flat.device).round().long()
+    sample = flat[idx].contiguous().cpu()
+    return zlib.crc32(sample.view(torch.uint8).numpy().tobytes())
 
 
 class _Use:
     """Chunks of one tensor pinned for one use (a forward or backward of its layer)."""
 
-    __slots__ = ("tensor", "chunks", "works", "keys_pinned")
+    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "ended")
 
     def __init__(self, tensor: ElasticTensor):
         self.tensor = tensor
         self.chunks: list[torch.Tensor | None] = [None] * tensor.num_chunks
         self.works: list[GatherWork | None] = [None] * tensor.num_chunks
         self.keys_pinned: list[int] = []
+        self.ended = False
 
 
 class ElasticRuntime:
     """Owns the pool, the elastic tensors of one model, the learned order and the stats.
 
     Every rank of `group` must create its runtime with the same policy and register the same
-    weights in the same order.
+    weights in the same order. Without an initialised process group the runtime runs alone
+    (world size 1; see [Note: single process]).
     """
 
     _KEY_BITS = 32  # key = wid << 32 | chunk
@@ -144,13 +211,19 @@ class ElasticRuntime:
     def __init__(self, policy: ElasticPolicy, group=None, device: torch.device | str | None = None):
         if not isinstance(policy, ElasticPolicy):
             raise TypeError(f"policy must be an ElasticPolicy, got {type(policy).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ElasticRuntime needs torch.distributed initialised (init_process_group) first")
+        distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not distributed:
+            raise RuntimeError("ElasticRuntime: a process group was given but torch.distributed is not initialised")
         self.policy = policy
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        if distributed:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+        else:
+            self.group, self.rank, self.world_size = None, 0, 1
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tensors: list[ElasticTensor] = []
         self.pool: PagePool | None = None
         self._cache_budget = policy.pool_budget_bytes
@@ -158,6 +231,9 @@ class ElasticRuntime:
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.phase = Phase.IDLE
         self._order = {Phase.FORWARD: None, Phase.BACKWARD: None}  # learned wid sequences
+        # per phase, per position of the learned order: (first, end) positions of its segment
+        self._segments: dict[Phase, list[tuple[int, int]] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
+        self._seq = 0  # collectives issued (carried in each one's header)
         self._observed: list[int] = []
         self._cursor = 0
         self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
@@ -171,7 +247,9 @@ class ElasticRuntime:
     def key(self, wid: int, chunk: int) -> int:
         return (wid << self._KEY_BITS) | chunk
 
-    def register(self, weight: torch.Tensor, name: str) -> ElasticTensor:
+    def register(self, weight: torch.Tensor, name: str, unit: str | None = None) -> ElasticTensor:
+        """Shard `weight` under the runtime. `unit` groups weights gathered together (see
+        [Note: units and coalesced gathers]); None: the weight is its own unit."""
         if self.pool is not None:
             raise RuntimeError("ElasticRuntime.register: all weights must be registered before the first use")
         if weight.requires_grad:
@@ -181,22 +259,48 @@ class ElasticRuntime:
             )
         if weight.dim() not in (1, 2):
             raise ValueError(f"{name}: expected a 1-D or 2-D frozen weight, got shape {tuple(weight.shape)}")
-        et = ElasticTensor(self, len(self.tensors), name, weight)
+        et = ElasticTensor(self, len(self.tensors), name, weight, unit)
         self.tensors.append(et)
         return et
 
+    def _agreement(self) -> dict:
+        policy = {k: v for k, v in vars(self.policy).items() if k != "collective_timeout_s"}
+        return {"policy": policy, "weights": [et.signature() for et in self.tensors]}
+
     def check_ranks_agree(self) -> None:
-        """Fail on every rank, with the differing entry named, if the registered weights differ."""
-        mine = [et.signature() for et in self.tensors]
+        """Fail on every rank, naming the field and the ranks, unless every rank registered
+        the same frozen weights (names, shapes, dtypes, chunk layout, residency, units and a
+        fingerprint of their contents) under the same policy. One collective, at wrap time."""
+        if self.world_size == 1:
+            return
+        mine = self._agreement()
         every = [None] * self.world_size
         dist.all_gather_object(every, mine, group=self.group)
-        for r, theirs in enumerate(every):
-            if theirs != mine:
-                diff = next(
-                    (f"{a} on rank {self.rank} vs {b} on rank {r}" for a, b in zip(mine, theirs) if a != b),
-                    f"{len(mine)} weights on rank {self.rank} vs {len(theirs)} on rank {r}",
-                )
-                raise ValueError(f"elastic: frozen weights differ across ranks (name, shape, dtype): {diff}")
+        problems = []
+        ref = every[0]
+        for field, value in ref["policy"].items():
+            differ = [r for r in range(self.world_size) if every[r]["policy"].get(field) != value]
+            if differ:
+                problems.append(f"policy field {field!r}: {value!r} on rank 0, "
+                                f"{[every[r]['policy'].get(field) for r in differ]} on rank(s) {differ}")
+        counts = [len(e["weights"]) for e in every]
+        if len(set(counts)) > 1:
+            problems.append(f"number of frozen weights: {counts} on ranks {list(range(self.world_size))}")
+        else:
+            for i, sig in enumerate(ref["weights"]):
+                for field, value in sig.items():
+                    differ = [r for r in range(self.world_size) if every[r]["weights"][i][field] != value]
+                    if differ:
+                        problems.append(f"frozen weight #{i} ({sig['name']}) {field}: {value!r} on rank 0, "
+                                        f"{[every[r]['weights'][i][field] for r in differ]} on rank(s) {differ}")
+                        break
+                if len(problems) >= 3:
+                    break
+        if problems:
+            raise ValueError(
+                "elastic: the ranks do not agree on what they wrap (every rank must build the same model "
+                "with the same weights and the same ElasticPolicy): " + "; ".join(problems[:3])
+            )
 
     def set_trainable(self, params: list[torch.nn.Parameter]) -> None:
         """Replicated trainable parameters whose gradients are averaged at the end of backward."""
@@ -206,15 +310,33 @@ class ElasticRuntime:
 
     # ---------------------------------------------------------------- pool and budget
 
+    def page_bytes(self) -> int:
+        """Pool page size: `policy.page_bytes`, else the largest real chunk rounded up to 512
+        bytes (never more than `chunk_bytes` asks for: a model smaller than one configured chunk
+        gets pages of its own size)."""
+        if self.policy.page_bytes is not None:
+            largest = max((et.page_bytes for et in self.tensors), default=0)
+            if largest > self.policy.page_bytes:
+                raise ValueError(
+                    f"ElasticPolicy.page_bytes ({self.policy.page_bytes}) is smaller than the largest chunk "
+                    f"({largest} bytes): a chunk must fit in one page"
+                )
+            return self.policy.page_bytes
+        largest = max((et.page_bytes for et in self.tensors), default=1)
+        return -(-largest // 512) * 512
+
     def _working_set_pages(self) -> int:
-        counts = sorted((et.num_chunks for et in self.tensors), reverse=True)
+        units: dict[str, int] = {}
+        for et in self.tensors:
+            units[et.unit] = units.get(et.unit, 0) + et.num_chunks
+        counts = sorted(units.values(), reverse=True)
         return sum(counts[: 1 + self.policy.prefetch_depth])
 
     def _total_pages(self) -> int:
         return sum(et.num_chunks for et in self.tensors)
 
     def _pool_budget(self) -> int:
-        page = self.policy.effective_page_bytes
+        page = self.page_bytes()
         total = self._total_pages() * page
         if self._cache_budget is None:
             return max(total, page)
@@ -222,11 +344,11 @@ class ElasticRuntime:
 
     def _ensure_pool(self) -> None:
         if self.pool is None and self.world_size > 1:
-            self.pool = PagePool(self.policy.effective_page_bytes, self._pool_budget(), device=self.device)
+            self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
 
     def set_pool_budget(self, budget_bytes: int | None) -> None:
         """Change the cache budget (bytes beyond the working set) at any moment, on every rank."""
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"set_pool_budget: expected None or an int >= 0, got {budget_bytes!r}")
         self._cache_budget = budget_bytes
         if self.pool is not None:
@@ -247,6 +369,12 @@ class ElasticRuntime:
             self.pool.reset_peak()
 
     # ---------------------------------------------------------------- phases and order
+
+    @staticmethod
+    def _in_backward() -> bool:
+        """The autograd engine is running a backward on this thread ([Note: recompute inside
+        backward])."""
+        return torch._C._current_graph_task_id() != -1
 
     def _enter(self, phase: Phase, et: ElasticTensor) -> None:
         """Track phase changes and the position of `et` in the learned order of `phase`."""
@@ -269,25 +397,40 @@ class ElasticRuntime:
             # The model took another path: forget the order, release what was prefetched for it.
             self._release_prefetched()
             self._order[self.phase] = None
-            order = None
+            self._segments[self.phase] = None
         self._observed.append(et.wid)
         self._cursor += 1
+
+    def _learn(self, phase: Phase, order: list[int]) -> None:
+        """Record the order of `phase` and cut it into segments ([Note: units and coalesced
+        gathers])."""
+        segments: list[tuple[int, int]] = []
+        first = 0
+        for i in range(1, len(order) + 1):
+            if i == len(order) or self.tensors[order[i]].unit != self.tensors[order[first]].unit \
+                    or order[i] in order[first:i]:
+                segments.extend([(first, i)] * (i - first))
+                first = i
+        self._order[phase] = order
+        self._segments[phase] = segments
 
     def _finish_phase(self) -> None:
         """Close the current phase: learn its order, release prefetches, sweep non-persistent chunks."""
         if self.phase is not Phase.IDLE and self._order[self.phase] is None and self._observed:
-            self._order[self.phase] = list(self._observed)
-        self._release_prefetched()
-        self._observed = []
-        self._cursor = 0
-        if self.pool is not None and self.phase is not Phase.IDLE:
-            keep = Residency.PEAK if self.phase is Phase.FORWARD else Residency.PERSISTENT
-            self._sweep(keep)
-            # The runtime keeps no page views across uses (a miss is found by lookup_pin), so
-            # it only empties the pool's list of evicted keys, which would otherwise grow by
-            # every eviction for the whole run.
-            self.pool.drain_evicted()
-        self.phase = Phase.IDLE
+            self._learn(self.phase, list(self._observed))
+        try:
+            self._release_prefetched()
+        finally:
+            self._observed = []
+            self._cursor = 0
+            if self.pool is not None and self.phase is not Phase.IDLE:
+                keep = Residency.PEAK if self.phase is Phase.FORWARD else Residency.PERSISTENT
+                self._sweep(keep)
+                # The runtime keeps no page views across uses (a miss is found by lookup_pin), so
+                # it only empties the pool's list of evicted keys, which would otherwise grow by
+                # every eviction for the whole run.
+                self.pool.drain_evicted()
+            self.phase = Phase.IDLE
 
     def _sweep(self, keep: Residency) -> None:
         """Discard resident, unpinned chunks below residency `keep`."""
@@ -307,7 +450,8 @@ class ElasticRuntime:
         if self.phase is Phase.BACKWARD:
             self._finish_phase()
         if self.policy.all_reduce_grads and self._sync_grads and self.world_size > 1:
-            self._all_reduce_grads()
+            with self._device_guard():
+                self._all_reduce_grads()
 
     @contextmanager
     def no_sync(self):
@@ -367,25 +511,31 @@ class ElasticRuntime:
         (not waited for); missing chunks of several tensors share collectives up to the cap."""
         self._ensure_pool()
         uses, pending = [], []
-        for et in tensors:
-            use = _Use(et)
-            uses.append(use)
-            if self._local_only():
-                use.chunks = list(et._local_chunks)
-                self._stats["pool_hits"] += et.num_chunks
-                continue
-            slots = self.pool.lookup_pin(et.keys)
-            missing = []
-            for c, slot in enumerate(slots):
-                if slot >= 0:
-                    use.chunks[c] = et.chunk_view(self.pool.page(slot), c)
-                    use.keys_pinned.append(et.keys[c])
-                else:
-                    missing.append(c)
-            self._stats["pool_hits"] += et.num_chunks - len(missing)
-            self._stats["pool_misses"] += len(missing)
-            pending.extend(self._runs(use, missing))
-        self._issue_gathers(pending)
+        try:
+            for et in tensors:
+                use = _Use(et)
+                uses.append(use)
+                if self._local_only():
+                    use.chunks = list(et._local_chunks)
+                    self._stats["pool_hits"] += et.num_chunks
+                    continue
+                slots = self.pool.lookup_pin(et.keys)
+                missing = []
+                for c, slot in enumerate(slots):
+                    if slot >= 0:
+                        use.chunks[c] = et.chunk_view(self.pool.page(slot), c)
+                        use.keys_pinned.append(et.keys[c])
+                    else:
+                        missing.append(c)
+                self._stats["pool_hits"] += et.num_chunks - len(missing)
+                self._stats["pool_misses"] += len(missing)
+                pending.extend(self._runs(use, missing))
+            self._issue_gathers(pending)
+        except BaseException:
+            # Nothing of a use that failed to start may stay pinned or hold pages without data.
+            for use in uses:
+                self._end_use(use, Residency.PERSISTENT, failed=True)
+            raise
         return uses
 
     def _local_only(self) -> bool:
@@ -426,7 +576,11 @@ class ElasticRuntime:
                     use.keys_pinned.append(et.keys[c])
                     pages.append(et.chunk_view(page, c))
                 chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
-            work = GatherWork(chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s)
+            work = GatherWork(
+                chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s,
+                seq=self._seq, device=self.device,
+            )
+            self._seq += 1
             self._stats["allgather_calls"] += 1
             self._stats["allgather_bytes"] += work.received_bytes
             for (use, run), r in zip(batch, chunk_runs):
@@ -434,41 +588,85 @@ class ElasticRuntime:
                     use.works[c] = work
                     use.chunks[c] = page
 
+    def _segment_wids(self, position: int) -> list[int]:
+        """Weights of the segment holding `position` of the current phase's learned order."""
+        order, segments = self._order[self.phase], self._segments[self.phase]
+        if order is None or position >= len(order):
+            return []
+        first, end = segments[position]
+        return list(dict.fromkeys(order[first:end]))
+
+    def _start_use(self, et: ElasticTensor) -> _Use:
+        """The use of `et` now: prefetched, or started together with the rest of its segment."""
+        use = self._prefetched.pop(et.wid, None)
+        if use is not None:
+            return use
+        others = [self.tensors[w] for w in self._segment_wids(self._cursor - 1)
+                  if w != et.wid and w not in self._prefetched]
+        uses = self._start_uses([et] + others)
+        for u in uses[1:]:
+            self._prefetched[u.tensor.wid] = u
+        return uses[0]
+
     def _prefetch_next(self, et: ElasticTensor) -> None:
+        """Start the segments following the current one, `prefetch_depth` of them."""
         order = self._order[self.phase]
         depth = self.policy.prefetch_depth
         if order is None or depth == 0 or self._local_only():
             return
-        ahead = [self.tensors[w] for w in dict.fromkeys(order[self._cursor : self._cursor + depth])]
-        ahead = [t for t in ahead if t.wid not in self._prefetched and t.wid != et.wid]
-        for use in self._start_uses(ahead):
-            self._prefetched[use.tensor.wid] = use
+        position = self._cursor - 1
+        ahead: list[int] = []
+        for _ in range(depth):
+            position = self._segments[self.phase][position][1] if position < len(order) else position
+            if position >= len(order):
+                break
+            ahead.extend(self._segment_wids(position))
+        ahead = [w for w in dict.fromkeys(ahead) if w not in self._prefetched and w != et.wid]
+        if ahead:
+            for use in self._start_uses([self.tensors[w] for w in ahead]):
+                self._prefetched[use.tensor.wid] = use
 
     def _release_prefetched(self) -> None:
-        """Complete and release prefetches that no use consumed (the model changed its path)."""
-        for use in self._prefetched.values():
+        """Complete and release prefetches that no use consumed (the model changed its path).
+        Every one is released even if a gather failed; the first failure is raised after."""
+        error = None
+        prefetched, self._prefetched = self._prefetched, {}
+        for use in prefetched.values():
             for c, work in enumerate(use.works):
                 if work is not None:
-                    work.wait(f"{use.tensor.name} (prefetch) chunk {c}")
+                    try:
+                        work.wait(f"{use.tensor.name} (prefetch) chunk {c}")
+                    except RuntimeError as exc:
+                        error = error or exc
             self._end_use(use, keep=Residency.PERSISTENT)
-        self._prefetched.clear()
+        if error is not None:
+            raise error
 
-    def _end_use(self, use: _Use, keep: Residency) -> None:
-        """Unpin the use's chunks; discard those whose residency is below `keep`."""
+    def _end_use(self, use: _Use, keep: Residency, failed: bool = False) -> None:
+        """Unpin the use's chunks; discard those whose residency is below `keep`, and those
+        whose gather failed or never completed (their pages hold no data)."""
+        if use.ended:
+            return
+        use.ended = True
         if not use.keys_pinned:
             return
         et = use.tensor
         if self.comm_stream is not None:
-            compute = torch.cuda.current_stream()
+            compute = torch.cuda.current_stream(self.device)
             for key in use.keys_pinned:
                 self.pool.record_stream(key, compute)
         self.pool.unpin_many(use.keys_pinned)
         wid_shift = self._KEY_BITS
         for key in use.keys_pinned:
             c = key - (et.wid << wid_shift)
-            if et.residency[c] < keep and self.pool.pin_count(key) == 0:
+            work = use.works[c]
+            no_data = work is not None and (failed or work.failed or not work.done)
+            if (et.residency[c] < keep or no_data) and self.pool.pin_count(key) == 0 and self.pool.contains(key):
                 self.pool.free(key)
         use.keys_pinned = []
+
+    def _device_guard(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @contextmanager
     def use(self, et: ElasticTensor, phase: Phase, needs_backward: bool = False):
@@ -478,30 +676,41 @@ class ElasticRuntime:
         that chunk's gather has completed; `resident.chunks()` waits for every gather and
         returns the page table (one chunk-shaped view per chunk) for kernels that read the
         whole weight in one launch. On exit the chunks are unpinned and discarded per
-        residency: after forward, TRANSIENT (and PEAK when no backward will come); after
-        backward, everything but PERSISTENT.
+        residency: after forward, TRANSIENT (and PEAK when no backward will come:
+        `needs_backward` False); after backward, everything but PERSISTENT. A forward use
+        inside backward is a recompute ([Note: recompute inside backward]). Pages whose
+        gather failed are freed, so a caller that catches the error can retry.
         """
-        if phase is Phase.BACKWARD:
-            self._queue_end_of_backward()
-        self._enter(phase, et)
-        use = self._prefetched.pop(et.wid, None) or self._start_uses([et])[0]
-        self._prefetch_next(et)
-        try:
-            yield Resident(use)
-        finally:
-            # Gathers issued for this use must finish before their pages are released.
-            for c, work in enumerate(use.works):
-                if work is not None and not work.done:
-                    try:
-                        work.wait(f"{et.name} chunk {c}")
-                    except RuntimeError:
-                        pass  # the original error is already propagating
-            if phase is Phase.FORWARD:
-                keep = Residency.PEAK if needs_backward else Residency.PERSISTENT
-            else:
-                keep = Residency.PERSISTENT
-            if self.pool is not None:
-                self._end_use(use, keep)
+        with self._device_guard():
+            recompute = phase is Phase.FORWARD and self._in_backward()
+            if recompute:
+                phase = Phase.BACKWARD
+                needs_backward = True
+            elif phase is Phase.BACKWARD:
+                self._queue_end_of_backward()
+            self._enter(phase, et)
+            use = None
+            try:
+                use = self._start_use(et)
+                self._prefetch_next(et)
+                yield Resident(use)
+            finally:
+                if use is not None:
+                    # Gathers issued for this use must finish before their pages are released.
+                    for c, work in enumerate(use.works):
+                        if work is not None and not work.done:
+                            try:
+                                work.wait(f"{et.name} chunk {c}")
+                            except RuntimeError:
+                                pass  # remembered by the work; its pages are freed below
+                    if phase is Phase.FORWARD:
+                        keep = Residency.PEAK if needs_backward else Residency.PERSISTENT
+                    elif recompute:
+                        keep = Residency.PEAK
+                    else:
+                        keep = Residency.PERSISTENT
+                    if self.pool is not None:
+                        self._end_use(use, keep)
 
 
 class Resident:
