@@ -21,6 +21,35 @@ Adapters follow PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 
 B = 0, scaling = alpha / r (alpha / sqrt(r) with use_rslora). Each A is drawn from a generator
 seeded with (LoRAConfig.seed, crc32 of the module name), so every rank builds identical
 adapters without a broadcast, and a module's adapter does not depend on which others exist.
+
+[Note: adapter dtype]
+With `LoRAConfig.autocast_adapter_dtype` (PEFT's name, meaning and default) the adapters of a
+bf16/fp16 frozen weight are fp32; otherwise they take the frozen weight's dtype. AdamW's
+update of a 16-bit parameter is rounded to the parameter's ulp: at lr 1e-5 a bf16 entry of
+magnitude 0.1 (ulp 2^-11 ~ 4.9e-4) does not move, so most of A never trains; in fp32 every
+entry moves. Gradients follow the parameters, so the runtime's all-reduce (grouped by dtype)
+reduces fp32 gradients. The paged ops take fp32 adapters with 16-bit activations (xa, dyb and
+the adapter gradients in fp32; y, dx in the activation dtype), which is PEFT's numerics: PEFT
+casts x to the adapters' fp32 for the LoRA branch. Under autocast the adapters are passed as
+they are when fp32 (the ops' contract), or cast to the op dtype otherwise.
+
+[Note: Conv1D]
+transformers' `Conv1D` (GPT-2 and relatives) is a linear whose weight is stored [in, out]
+(y = x·W + b). convert_to_elastic registers its transpose ([out, in], a copy) as the elastic
+weight, so the layers, ops and runtime see one layout; adapters are A [r, in], B [out, r] as
+PEFT makes them for Conv1D, and the saved adapter says fan_in_fan_out=true, as PEFT's does.
+merge_adapters rebuilds a `Conv1D` (weight [in, out]) for such a layer, so the merged model's
+state dict has the original model's layout.
+
+[Note: per-module rank and alpha]
+`LoRAConfig.rank_pattern` / `alpha_pattern` map a pattern to an r / alpha for the modules it
+matches, PEFT's rule: pattern p matches module name n when `re.match(rf"(.*\\.)?({p})$", n)`,
+the first matching pattern (in the order given) wins, else `r` / `alpha`. They are stored as
+tuples of (pattern, value) pairs (the config is frozen and hashable) and written as dicts to
+adapter_config.json. load_adapter computes every module's r and scaling from the file's
+config by the same rule and refuses a file whose value for any module differs from the
+layer's, naming the module: adapters of another rank do not fit, and another scaling would
+silently change the model's function.
 """
 
 from __future__ import annotations
@@ -29,6 +58,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 import zlib
 from dataclasses import dataclass, field
@@ -40,7 +70,16 @@ import torch.nn.functional as F
 
 from elastic_kernels import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
 from python_api.config import ElasticPolicy
-from python_api.elastic_linear import _RUNTIME_ATTR, ElasticLinear, runtime_of
+from python_api.elastic_linear import (
+    _RUNTIME_ATTR,
+    LOW_PRECISION,
+    ElasticLinear,
+    cast_chunks,
+    no_autocast,
+    op_dtype,
+    refuse_conversion,
+    runtime_of,
+)
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -58,12 +97,22 @@ class LoRAConfig:
     target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
     use_rslora: bool = False
     seed: int = 0
+    autocast_adapter_dtype: bool = True  # [Note: adapter dtype]
+    rank_pattern: tuple[tuple[str, int], ...] = ()  # [Note: per-module rank and alpha]; a dict is accepted
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+        if not _is_positive_int(self.r):
             raise ValueError(f"LoRAConfig.r must be a positive int, got {self.r!r}")
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or self.alpha <= 0:
-            raise ValueError(f"LoRAConfig.alpha must be a positive number, got {self.alpha!r}")
+        if not _is_positive_finite(self.alpha):
+            raise ValueError(f"LoRAConfig.alpha must be a finite positive number, got {self.alpha!r}")
+        if not isinstance(self.autocast_adapter_dtype, bool):
+            raise ValueError(f"LoRAConfig.autocast_adapter_dtype must be a bool, got {self.autocast_adapter_dtype!r}")
+        for field_name, check, what in (
+            ("rank_pattern", _is_positive_int, "a positive int"),
+            ("alpha_pattern", _is_positive_finite, "a finite positive number"),
+        ):
+            object.__setattr__(self, field_name, _normalize_pattern(getattr(self, field_name), f"LoRAConfig.{field_name}", check, what))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if isinstance(self.target_modules, (list, tuple)):
@@ -83,6 +132,77 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
+    def r_of(self, name: str) -> int:
+        """The rank of module `name` ([Note: per-module rank and alpha])."""
+        return _pattern_value(self.rank_pattern, name, self.r)
+
+    def alpha_of(self, name: str) -> float:
+        return _pattern_value(self.alpha_pattern, name, self.alpha)
+
+    def scaling_of(self, name: str) -> float:
+        r = self.r_of(name)
+        return self.alpha_of(name) / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _is_positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_positive_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _normalize_pattern(pattern, what: str, check, kind: str) -> tuple:
+    """A dict or pairs -> a tuple of (regex, value) pairs, each checked."""
+    if pattern is None:
+        return ()
+    if isinstance(pattern, dict):
+        items = list(pattern.items())
+    elif isinstance(pattern, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pattern):
+        items = [tuple(p) for p in pattern]
+    else:
+        raise ValueError(f"{what} must be a dict {{pattern: value}}, got {pattern!r}")
+    for key, value in items:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{what} keys must be non-empty strings, got {key!r}")
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise ValueError(f"{what} key {key!r} is not a valid regex: {exc}") from exc
+        if not check(value):
+            raise ValueError(f"{what}[{key!r}] must be {kind}, got {value!r}")
+    return tuple(items)
+
+
+def _pattern_value(pairs, name: str, default):
+    """PEFT's get_pattern_key: the first pattern p with re.match(rf"(.*\\.)?({p})$", name)."""
+    for key, value in pairs:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def _conv1d_class():
+    """transformers' Conv1D, if transformers is loaded (a model cannot hold one otherwise);
+    looked up lazily so importing this module does not import transformers."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return getattr(mod, "Conv1D", None)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    cls = _conv1d_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear or transformers' Conv1D ([Note: Conv1D])."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _frozen_weight(module: nn.Module) -> torch.Tensor:
+    """The [out, in] weight to register: Conv1D stores [in, out] ([Note: Conv1D])."""
+    return module.weight.detach().t().contiguous() if _is_conv1d(module) else module.weight
+
 
 def _matches(cfg: LoRAConfig, name: str) -> bool:
     """PEFT's rule: a regex must match the whole name; a list matches a name or a suffix."""
@@ -92,7 +212,7 @@ def _matches(cfg: LoRAConfig, name: str) -> bool:
 
 
 def _target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    linears = [n for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
+    linears = [n for n, m in model.named_modules() if n and _is_linear(m)]
     if cfg.target_modules == "all-linear":
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         names = [n for n in linears if model.get_submodule(n) is not out_emb and n.rpartition(".")[2] != "lm_head"]
@@ -101,57 +221,81 @@ def _target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     if not names:
         candidates = sorted({n.rpartition(".")[2] for n in linears})
         raise ValueError(
-            f"LoRAConfig.target_modules={cfg.target_modules!r} matches no nn.Linear of the model; "
+            f"LoRAConfig.target_modules={cfg.target_modules!r} matches no nn.Linear (or transformers Conv1D) "
+            f"of the model; "
             f"candidate names: {candidates}"
         )
     return names
 
 
+def _adapter_operand(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An adapter as the paged ops take it with activations of `dtype`: as it is when it has
+    that dtype or is fp32 with 16-bit activations (the ops' contract), else cast."""
+    if a.dtype == dtype or (a.dtype == torch.float32 and dtype in LOW_PRECISION):
+        return a
+    return a.to(dtype)
+
+
 class ElasticLoRAFunction(torch.autograd.Function):
-    """y = x·Wᵀ + b + s·(dropout(x)·Aᵀ)·Bᵀ with W read from pool pages; saves the input (and
-    the dropout mask), never W; backward re-gathers W through the runtime for dx only."""
+    """y = x·Wᵀ + b + s·(dropout(x)·Aᵀ)·Bᵀ with W read from pool pages, computed in `dtype`
+    ([Note: mixed precision] in elastic_linear.py); saves the LoRA input (x itself or a fresh
+    tensor, never a view of x: [Note: torch.compile]) and the dropout mask, never W; backward
+    re-gathers W through the runtime for dx only."""
 
     @staticmethod
-    def forward(ctx, x, bias, lora_a, lora_b, et: ElasticTensor, scale: float, dropout: float, training: bool):
+    def forward(ctx, x, bias, lora_a, lora_b, et: ElasticTensor, scale: float, dropout: float, training: bool,
+                dtype: torch.dtype):
         rt = et.runtime
-        x2 = x.reshape(-1, x.shape[-1])
-        mask = None
-        lora_x = x2
-        if dropout > 0.0 and training:
-            mask = torch.empty_like(x2).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
-            lora_x = x2 * mask
-        with rt.use(et, Phase.FORWARD, needs_backward=ctx.needs_input_grad[0]) as resident:
-            y, xa = paged_lora_linear_fwd(x2, resident.chunks(), bias, lora_x, lora_a, lora_b, scale)
+        with no_autocast(x.device.type):
+            xc = x.to(dtype)
+            mask = None
+            lora_x = xc
+            if dropout > 0.0 and training:
+                mask = torch.empty_like(xc).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
+                lora_x = xc * mask
+            a, b = _adapter_operand(lora_a, dtype), _adapter_operand(lora_b, dtype)
+            x2, lx2 = xc.reshape(-1, x.shape[-1]), lora_x.reshape(-1, x.shape[-1])
+            bias_c = None if bias is None else bias.to(dtype)
+            with rt.use(et, Phase.FORWARD, needs_backward=ctx.needs_input_grad[0]) as resident:
+                y, xa = paged_lora_linear_fwd(x2, cast_chunks(resident.chunks(), dtype), bias_c, lx2, a, b, scale)
         ctx.save_for_backward(lora_x, xa, lora_a, lora_b, mask)
-        ctx.et, ctx.scale, ctx.x_shape = et, scale, x.shape
+        ctx.et, ctx.scale, ctx.dtype = et, scale, dtype
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         lora_x, xa, lora_a, lora_b, mask = ctx.saved_tensors
-        et, s = ctx.et, ctx.scale
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        et, s, dtype = ctx.et, ctx.scale, ctx.dtype
         dx = db = None
-        if ctx.needs_input_grad[0]:
-            with et.runtime.use(et, Phase.BACKWARD) as resident:
-                if mask is None:
-                    dx, dyb = paged_lora_linear_dgrad(dy2, resident.chunks(), lora_a, lora_b, s)
-                else:
-                    # The LoRA path saw x·mask: its share of dx is masked too.
-                    dx, _ = paged_lora_linear_dgrad(dy2, resident.chunks(), None, None, s)
-                    dyb = dy2 @ lora_b
-                    dx = dx + (dyb @ lora_a).mul_(s).mul_(mask)
-            dx = dx.view(ctx.x_shape)
-        else:
-            dyb = dy2 @ lora_b
-        da, dB = lora_adapter_grads(lora_x, xa, dy2, dyb, s)
-        if ctx.needs_input_grad[1]:
-            db = dy2.sum(0)
+        with no_autocast(dy.device.type):
+            a, b = _adapter_operand(lora_a, dtype), _adapter_operand(lora_b, dtype)
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype).contiguous()
+            lx2 = lora_x.reshape(-1, lora_x.shape[-1])
+            if ctx.needs_input_grad[0]:
+                with et.runtime.use(et, Phase.BACKWARD) as resident:
+                    chunks = cast_chunks(resident.chunks(), dtype)
+                    if mask is None:
+                        dx, dyb = paged_lora_linear_dgrad(dy2, chunks, a, b, s)
+                    else:
+                        # The LoRA path saw x·mask: its share of dx is masked too. dyb and the
+                        # LoRA share are in the adapter dtype, the sum rounds once to `dtype`.
+                        dx, _ = paged_lora_linear_dgrad(dy2, chunks, None, None, s)
+                        dyb = dy2.to(b.dtype) @ b
+                        lora_dx = (dyb @ a).mul_(s).mul_(mask.reshape(-1, mask.shape[-1]))
+                        dx = (dx.to(lora_dx.dtype) + lora_dx).to(dtype)
+                dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+            else:
+                dyb = dy2.to(b.dtype) @ b
+            da, dB = lora_adapter_grads(lx2, xa, dy2, dyb, s)
+            if ctx.needs_input_grad[1]:
+                db = dy2.sum(0).to(ctx.bias_dtype)
         return (
             dx, db,
-            da if ctx.needs_input_grad[2] else None,
-            dB if ctx.needs_input_grad[3] else None,
-            None, None, None, None,
+            da.to(lora_a.dtype) if ctx.needs_input_grad[2] else None,
+            dB.to(lora_b.dtype) if ctx.needs_input_grad[3] else None,
+            None, None, None, None, None,
         )
 
 
@@ -159,7 +303,8 @@ class ElasticLoRALinear(nn.Module):
     """Drop-in for `nn.Linear` (same call, `in_features`, `out_features`, `bias`) with a frozen
     elastic weight and trainable LoRA adapters `lora_A` [r, in], `lora_B` [out, r]."""
 
-    def __init__(self, et: ElasticTensor, bias: nn.Parameter | None, lora: LoRAConfig, name: str):
+    def __init__(self, et: ElasticTensor, bias: nn.Parameter | None, lora: LoRAConfig, name: str,
+                 *, fan_in_fan_out: bool = False):
         super().__init__()
         self.et = et
         self.out_features, self.in_features = et.shape
@@ -167,10 +312,13 @@ class ElasticLoRALinear(nn.Module):
         if bias is not None:
             bias.requires_grad_(False)
         self.lora = lora
-        self.scaling = lora.scaling
+        self.r = lora.r_of(name)
+        self.scaling = lora.scaling_of(name)
+        self.fan_in_fan_out = fan_in_fan_out  # [Note: Conv1D]
         device = et.shard.device
-        self.lora_A = nn.Linear(self.in_features, lora.r, bias=False, device=device, dtype=et.dtype)
-        self.lora_B = nn.Linear(lora.r, self.out_features, bias=False, device=device, dtype=et.dtype)
+        dtype = torch.float32 if lora.autocast_adapter_dtype and et.dtype in LOW_PRECISION else et.dtype
+        self.lora_A = nn.Linear(self.in_features, self.r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(self.r, self.out_features, bias=False, device=device, dtype=dtype)
         gen = torch.Generator().manual_seed((lora.seed << 32) ^ zlib.crc32(name.encode()))
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
@@ -185,26 +333,30 @@ class ElasticLoRALinear(nn.Module):
         """A single layer under its own runtime (for one-layer use; models use convert_to_elastic)."""
         linear.requires_grad_(False)
         rt = ElasticRuntime(policy, group=group, device=linear.weight.device)
-        layer = cls(rt.register(linear.weight, name), linear.bias, lora, name)
+        layer = cls(rt.register(_frozen_weight(linear), name), linear.bias, lora, name, fan_in_fan_out=_is_conv1d(linear))
         rt.check_ranks_agree()
         rt.set_trainable([layer.lora_A.weight, layer.lora_B.weight])
         object.__setattr__(layer, _RUNTIME_ATTR, rt)
         return layer
 
+    @torch.compiler.disable  # [Note: torch.compile] in elastic_linear.py
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.et.dtype:
-            raise TypeError(f"{self.et.name}: input dtype {x.dtype} differs from the layer's weight dtype {self.et.dtype}")
+        dtype = op_dtype(x, self.et.dtype, self.et.name)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.et.name}: input has {x.shape[-1]} features, the layer expects {self.in_features}")
         return ElasticLoRAFunction.apply(
             x, self.bias, self.lora_A.weight, self.lora_B.weight, self.et,
-            self.scaling, self.lora.dropout, self.training,
+            self.scaling, self.lora.dropout, self.training, dtype,
         )
+
+    def _apply(self, fn, recurse=True):
+        refuse_conversion(self, fn)  # [Note: mixed precision] in elastic_linear.py
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"r={self.lora.r}, scaling={self.scaling:g}, chunks={self.et.num_chunks}"
+            f"r={self.r}, scaling={self.scaling:g}, chunks={self.et.num_chunks}"
         )
 
 
@@ -228,7 +380,7 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     shared = _shared_params(model)
     others = [
         n for n, m in model.named_modules()
-        if n and isinstance(m, nn.Linear) and n not in targets and id(m.weight) not in shared
+        if n and _is_linear(m) and n not in targets and id(m.weight) not in shared
         and m.weight.numel() * m.weight.element_size() >= policy.replicate_below_bytes
     ]
     tied = [n for n in targets if id(model.get_submodule(n).weight) in shared]
@@ -240,8 +392,10 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     replacements = []
     chosen = set(targets) | set(others)
     for name, module in [(n, m) for n, m in model.named_modules() if n in chosen]:
-        et = runtime.register(module.weight, name)
-        new = ElasticLoRALinear(et, module.bias, lora, name) if name in targets else ElasticLinear(et, module.bias)
+        et = runtime.register(_frozen_weight(module), name)
+        conv = _is_conv1d(module)
+        new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
+               else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
         replacements.append((name, new))
     runtime.check_ranks_agree()
     for name, new in replacements:
@@ -250,7 +404,9 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     runtime.set_trainable([p for p in model.parameters() if p.requires_grad])
     object.__setattr__(model, _RUNTIME_ATTR, runtime)
     object.__setattr__(model, "_elastic_lora", lora)
-    return model
+    from python_api.hf import attach  # state-dict hooks, save_pretrained, DDP (python_api/hf.py)
+
+    return attach(model)
 
 
 def _lora_layers(model: nn.Module) -> list[tuple[str, ElasticLoRALinear]]:
@@ -270,12 +426,18 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 delta = (module.lora_B.weight.double() @ module.lora_A.weight.double()) * module.scaling
                 weight = (weight.double() + delta).to(weight.dtype)
-        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                          device=weight.device, dtype=weight.dtype)
+        if module.fan_in_fan_out:  # [Note: Conv1D]: back to the layout the model came with
+            plain = _conv1d_class()(module.out_features, module.in_features).to(device=weight.device, dtype=weight.dtype)
+            weight = weight.t()
+        else:
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             plain.weight.copy_(weight)
             if module.bias is not None:
                 plain.bias.copy_(module.bias)
+            elif module.fan_in_fan_out:
+                plain.bias.zero_()
         plain.requires_grad_(False)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
@@ -283,7 +445,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
-def _peft_config(lora: LoRAConfig, targets: list[str]) -> dict:
+def _peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = False) -> dict:
     target = lora.target_modules if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear" \
         else sorted({t.rpartition(".")[2] for t in targets})
     return {
@@ -295,7 +457,9 @@ def _peft_config(lora: LoRAConfig, targets: list[str]) -> dict:
         "target_modules": target,
         "use_rslora": lora.use_rslora,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,  # [Note: Conv1D]
+        "rank_pattern": dict(lora.rank_pattern),
+        "alpha_pattern": dict(lora.alpha_pattern),
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
@@ -340,22 +504,52 @@ def save_adapter(model: nn.Module, path: str) -> None:
         raise ValueError("save_adapter: the model was not converted with convert_to_elastic")
     layers = _lora_layers(model)
     rt = runtime_of(model)
-    if rt.rank == 0:
+
+    def write():
         os.makedirs(path, exist_ok=True)
         state = adapter_state_dict(model)
         _atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(state, p, metadata={"format": "pt"}))
-        config = _peft_config(lora, [n for n, _ in layers])
+        config = _peft_config(lora, [n for n, _ in layers], any(m.fan_in_fan_out for _, m in layers))
         _atomic_write(
             os.path.join(path, ADAPTER_CONFIG),
             lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
         )
-    if rt.world_size > 1:
-        dist.barrier(group=rt.group)
+
+    from python_api.hf import rank0_then_agree  # every rank raises rank 0's error, none waits on
+
+    rank0_then_agree(rt, write, f"save_adapter({path!r})")
+
+
+def _check_adapter_config(config, cfile: str) -> None:
+    """Every field load_adapter reads, checked before the model is touched."""
+    if not isinstance(config, dict):
+        raise ValueError(f"load_adapter: {cfile} must hold a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"load_adapter: {cfile} has peft_type={config.get('peft_type')!r}, expected 'LORA'")
+    if "r" not in config:
+        raise ValueError(f"load_adapter: {cfile} has no 'r' (the LoRA rank)")
+    if not _is_positive_int(config["r"]):
+        raise ValueError(f"load_adapter: {cfile} has r={config['r']!r}; it must be a positive int")
+    if not _is_positive_finite(config.get("lora_alpha")):
+        raise ValueError(f"load_adapter: {cfile} has lora_alpha={config.get('lora_alpha')!r}; it must be a finite positive number")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"load_adapter: {cfile} has use_rslora={config.get('use_rslora')!r}; it must be a bool")
+    if not isinstance(config.get("fan_in_fan_out", False), bool):
+        raise ValueError(f"load_adapter: {cfile} has fan_in_fan_out={config.get('fan_in_fan_out')!r}; it must be a bool")
+    for key, check, kind in (("rank_pattern", _is_positive_int, "a positive int"),
+                             ("alpha_pattern", _is_positive_finite, "a finite positive number")):
+        value = config.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"load_adapter: {cfile} has {key}={value!r}; it must be an object {{pattern: value}}")
+        _normalize_pattern(value, f"load_adapter: {cfile}: {key}", check, kind)
 
 
 def load_adapter(model: nn.Module, path: str) -> None:
     """Load a PEFT LoRA adapter (these key names, these shapes) into an elastic model. Every
-    adapter of the model must be in the file and every tensor of the file must fit one."""
+    adapter of the model must be in the file and every tensor of the file must fit one; every
+    module's rank and scaling, by the file's r, lora_alpha, use_rslora, rank_pattern and
+    alpha_pattern ([Note: per-module rank and alpha]), must be the layer's. Everything is
+    checked before any adapter changes."""
     from safetensors.torch import load_file
 
     lora = getattr(model, "_elastic_lora", None)
@@ -370,17 +564,24 @@ def load_adapter(model: nn.Module, path: str) -> None:
             config = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"load_adapter: {cfile} is not valid JSON: {exc}") from exc
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"load_adapter: {cfile} has peft_type={config.get('peft_type')!r}, expected 'LORA'")
-    file_scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
-    if not math.isclose(file_scaling, lora.scaling, rel_tol=1e-12):
-        raise ValueError(
-            f"load_adapter: the adapter's scaling (lora_alpha={config['lora_alpha']}, r={config['r']}) is "
-            f"{file_scaling:g}, the model's LoRAConfig gives {lora.scaling:g}"
-        )
+    _check_adapter_config(config, cfile)
+    file_cfg = LoRAConfig(
+        r=config["r"], alpha=config["lora_alpha"], use_rslora=config.get("use_rslora", False),
+        rank_pattern=config.get("rank_pattern") or {}, alpha_pattern=config.get("alpha_pattern") or {},
+    )
+    layers = _lora_layers(model)
+    for name, layer in layers:
+        r, scaling = file_cfg.r_of(name), file_cfg.scaling_of(name)
+        if r != layer.r or not math.isclose(scaling, layer.scaling, rel_tol=1e-12):
+            raise ValueError(
+                f"load_adapter: for {name} the adapter in {cfile} has r={r}, scaling={scaling:g} "
+                f"(lora_alpha={file_cfg.alpha_of(name)}, from r, lora_alpha, use_rslora, rank_pattern, "
+                f"alpha_pattern); the model's layer has r={layer.r}, scaling={layer.scaling:g}. Convert the model "
+                f"with a LoRAConfig giving the same values (LoRAConfig.rank_pattern / alpha_pattern for per-module ones)"
+            )
     state = load_file(wfile)
     expected = {}
-    for name, layer in _lora_layers(model):
+    for name, layer in layers:
         expected[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
         expected[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
     for key in state:
@@ -393,6 +594,8 @@ def load_adapter(model: nn.Module, path: str) -> None:
             raise ValueError(
                 f"load_adapter: {key!r} has shape {tuple(state[key].shape)} in {wfile}, the model expects {tuple(param.shape)}"
             )
+        if not state[key].is_floating_point() or not torch.isfinite(state[key]).all():
+            raise ValueError(f"load_adapter: {key!r} in {wfile} has non-finite values (NaN or inf) or is not floating point")
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(state[key].to(device=param.device, dtype=param.dtype))
