@@ -188,13 +188,14 @@ def _fingerprint(weight: torch.Tensor) -> int:
 class _Use:
     """Chunks of one tensor pinned for one use (a forward or backward of its layer)."""
 
-    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "ended")
+    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "fresh", "ended")
 
     def __init__(self, tensor: ElasticTensor):
         self.tensor = tensor
         self.chunks: list[torch.Tensor | None] = [None] * tensor.num_chunks
         self.works: list[GatherWork | None] = [None] * tensor.num_chunks
         self.keys_pinned: list[int] = []
+        self.fresh: set[int] = set()  # keys whose pages this use allocated for a gather
         self.ended = False
 
 
@@ -208,13 +209,20 @@ class ElasticRuntime:
 
     _KEY_BITS = 32  # key = wid << 32 | chunk
 
-    def __init__(self, policy: ElasticPolicy, group=None, device: torch.device | str | None = None):
+    def __init__(self, policy: ElasticPolicy, group=None, device: torch.device | str | None = None,
+                 force_pool: bool = False):
+        """`force_pool` (for tests and `make gpu-check`): at world size 1, run every use through
+        the pool and the collectives (communication stream, events, record_stream) as at world
+        size > 1, instead of reading the local weight directly. Needs a process group."""
         if not isinstance(policy, ElasticPolicy):
             raise TypeError(f"policy must be an ElasticPolicy, got {type(policy).__name__}")
         distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not distributed:
             raise RuntimeError("ElasticRuntime: a process group was given but torch.distributed is not initialised")
+        if force_pool and not distributed:
+            raise RuntimeError("ElasticRuntime(force_pool=True) issues collectives: initialise a process group first")
         self.policy = policy
+        self._force_pool = bool(force_pool)
         if distributed:
             self.group = group if group is not None else dist.group.WORLD
             self.rank = dist.get_rank(self.group)
@@ -343,7 +351,7 @@ class ElasticRuntime:
         return max(page, min(total, self._cache_budget + self._working_set_pages() * page))
 
     def _ensure_pool(self) -> None:
-        if self.pool is None and self.world_size > 1:
+        if self.pool is None and not self._local_only():
             self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
 
     def set_pool_budget(self, budget_bytes: int | None) -> None:
@@ -539,7 +547,7 @@ class ElasticRuntime:
         return uses
 
     def _local_only(self) -> bool:
-        return self.world_size == 1
+        return self.world_size == 1 and not self._force_pool
 
     def _runs(self, use: _Use, missing: list[int]) -> list[tuple[_Use, list[int]]]:
         """Missing chunks as runs of consecutive indices of at most `collective_bytes` per rank."""
@@ -574,6 +582,7 @@ class ElasticRuntime:
                 for c in run:
                     page = self.pool.allocate_pinned(et.keys[c])
                     use.keys_pinned.append(et.keys[c])
+                    use.fresh.add(et.keys[c])
                     pages.append(et.chunk_view(page, c))
                 chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
             work = GatherWork(
@@ -660,7 +669,7 @@ class ElasticRuntime:
         for key in use.keys_pinned:
             c = key - (et.wid << wid_shift)
             work = use.works[c]
-            no_data = work is not None and (failed or work.failed or not work.done)
+            no_data = key in use.fresh and (failed or work is None or work.failed or not work.done)
             if (et.residency[c] < keep or no_data) and self.pool.pin_count(key) == 0 and self.pool.contains(key):
                 self.pool.free(key)
         use.keys_pinned = []
