@@ -339,3 +339,92 @@ def test_lora_function_saves_no_view_of_its_input():
     (out,) = run_distributed(_saved_tensor_worker, 1, timeout=120)
     for what, saved in out.items():
         assert all(is_input or not is_view for is_input, is_view in saved), (what, saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. GPT-2: transformers Conv1D layers
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_gpt2(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg).float().eval()
+
+
+def _gpt2_worker(rank, world_size, tmp):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    from python_api import ElasticPolicy
+    from python_api.lora import ElasticLoRALinear, LoRAConfig, _lora_layers, convert_to_elastic, load_adapter, merge_adapters, save_adapter
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    report = {}
+    for targets, policy in (("all-linear", dict(chunk_bytes=32 * 4 * 5)),
+                            (("c_attn",), dict(chunk_bytes=32 * 4 * 5, replicate_below_bytes=0))):
+        peft_model = get_peft_model(tiny_gpt2(), LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets if isinstance(targets, str) else list(targets), lora_dropout=0.0))
+        elastic = convert_to_elastic(tiny_gpt2(), LoRAConfig(r=4, alpha=8, target_modules=targets), ElasticPolicy(**policy))
+        names = [n for n, _ in _lora_layers(elastic)]
+        theirs = sorted(n for n, m in peft_model.base_model.model.named_modules() if hasattr(m, "lora_A"))
+        assert sorted(names) == theirs, (names, theirs)
+        kinds = sorted({type(m).__name__ for n, m in elastic.named_modules() if n.endswith(("c_attn", "c_proj", "c_fc"))})
+        report[str(targets)] = kinds
+        _copy_adapters_into_peft(elastic, peft_model)
+        out = elastic(input_ids=ids, labels=ids)
+        ref = peft_model(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.logits, ref.logits, **TOL)
+        torch.testing.assert_close(out.loss, ref.loss, **TOL)
+        out.loss.backward()
+        ref.loss.backward()
+        ours, want = _adapters(elastic, names, False), _adapters(peft_model, names, True)
+        for n in names:
+            for i in range(2):
+                torch.testing.assert_close(ours[n][i].grad, want[n][i].grad, **TOL, msg=lambda m: f"{n}: {m}")
+
+    # Round trips with PEFT (the "all-linear" adapters are enough: every Conv1D kind is in them).
+    lora = LoRAConfig(r=4, alpha=8, target_modules="all-linear")
+    policy = ElasticPolicy(chunk_bytes=32 * 4 * 5)
+    elastic = convert_to_elastic(tiny_gpt2(), lora, policy)
+    peft_model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    _copy_adapters_into_peft(elastic, peft_model, seed=11)
+    with torch.no_grad():
+        want = elastic(input_ids=ids).logits
+    save_adapter(elastic, os.path.join(tmp, "ours"))
+    with open(os.path.join(tmp, "ours", "adapter_config.json")) as f:
+        report["fan_in_fan_out"] = json.load(f)["fan_in_fan_out"]
+    loaded = PeftModel.from_pretrained(tiny_gpt2(), os.path.join(tmp, "ours"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, **TOL)
+    if rank == 0:
+        peft_model.save_pretrained(os.path.join(tmp, "theirs"))
+    torch.distributed.barrier()
+    with open(os.path.join(tmp, "theirs", "adapter_config.json")) as f:
+        report["peft_fan_in_fan_out"] = json.load(f)["fan_in_fan_out"]
+    fresh = convert_to_elastic(tiny_gpt2(), lora, policy)
+    load_adapter(fresh, os.path.join(tmp, "theirs"))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, peft_model(input_ids=ids).logits, **TOL)
+    # Merged: Conv1D layers again (the model's own layout), same outputs.
+    merged = merge_adapters(elastic)
+    assert not any(isinstance(m, ElasticLoRALinear) for m in merged.modules())
+    attn = merged.transformer.h[0].attn.c_attn
+    assert isinstance(attn, Conv1D) and tuple(attn.weight.shape) == (32, 96), (type(attn), attn.weight.shape)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, **TOL)
+    return report
+
+
+def test_gpt2_conv1d_matches_peft_and_round_trips(tmp_path):
+    """GPT-2's c_attn / c_proj / c_fc are transformers Conv1D (weight [in, out]): as LoRA
+    targets ("all-linear" and by name) and as non-target elastic layers, on 2 ranks with ragged
+    chunks of the transposed weights. fp32 tolerances as in test_lora.py."""
+    reports = run_distributed(_gpt2_worker, 2, str(tmp_path), timeout=300)
+    report = reports[0]
+    assert report["all-linear"] == ["ElasticLoRALinear"], report
+    assert report["('c_attn',)"] == ["ElasticLinear", "ElasticLoRALinear"], report  # c_proj, c_fc elastic, no LoRA
+    assert report["fan_in_fan_out"] is True and report["peft_fan_in_fan_out"] is True, report
