@@ -428,3 +428,150 @@ def test_gpt2_conv1d_matches_peft_and_round_trips(tmp_path):
     assert report["all-linear"] == ["ElasticLoRALinear"], report
     assert report["('c_attn',)"] == ["ElasticLinear", "ElasticLoRALinear"], report  # c_proj, c_fc elastic, no LoRA
     assert report["fan_in_fan_out"] is True and report["peft_fan_in_fan_out"] is True, report
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. load_adapter: PEFT's rank_pattern / alpha_pattern; adapter-config validation
+# ---------------------------------------------------------------------------------------------
+
+RANK_PATTERN = {"v_proj": 2}
+ALPHA_PATTERN = {"layers.1.self_attn.q_proj": 32, "down_proj": 3}
+
+
+def _pattern_worker(rank, world_size, tmp):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from python_api import ElasticPolicy
+    from python_api.lora import LoRAConfig, _lora_layers, convert_to_elastic, load_adapter, save_adapter
+
+    policy = ElasticPolicy(**CHUNKED)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(
+        r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0,
+        rank_pattern=RANK_PATTERN, alpha_pattern=ALPHA_PATTERN))
+    lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS, rank_pattern=RANK_PATTERN, alpha_pattern=ALPHA_PATTERN)
+    elastic = convert_to_elastic(tiny_llama(), lora, policy)
+    per_module = {n: (l.r, l.scaling) for n, l in _lora_layers(elastic)}
+    want_peft = {n: (m.r["default"], m.scaling["default"]) for n, m in peft_model.base_model.model.named_modules()
+                 if hasattr(m, "lora_A")}
+    assert per_module == want_peft, (per_module, want_peft)
+    _copy_adapters_into_peft(elastic, peft_model, seed=11)
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        torch.testing.assert_close(elastic(input_ids=ids).logits, want, **TOL)
+    if rank == 0:
+        peft_model.save_pretrained(os.path.join(tmp, "theirs"))
+    # PEFT -> elastic, into a model converted with the same patterns.
+    fresh = convert_to_elastic(tiny_llama(), lora, policy)
+    load_adapter(fresh, os.path.join(tmp, "theirs"))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, want, **TOL)
+    # elastic -> PEFT: the patterns travel in adapter_config.json.
+    save_adapter(elastic, os.path.join(tmp, "ours"))
+    loaded = PeftModel.from_pretrained(tiny_llama(), os.path.join(tmp, "ours"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, **TOL)
+    # A pattern file into a model converted without the patterns: refused, nothing changed
+    # (it used to load and give logits off by 0.36).
+    errors = {}
+    for what, cfg in (("alpha_only", LoRAConfig(r=4, alpha=8, target_modules=TARGETS, rank_pattern=RANK_PATTERN)),
+                      ("no_patterns", LoRAConfig(r=4, alpha=8, target_modules=TARGETS))):
+        plain = convert_to_elastic(tiny_llama(), cfg, policy)
+        before = [p.detach().clone() for p in plain.parameters() if p.requires_grad]
+        try:
+            load_adapter(plain, os.path.join(tmp, "theirs"))
+            errors[what] = None
+        except ValueError as e:
+            errors[what] = str(e)
+        assert all(torch.equal(a, b) for a, b in zip(before, [p for p in plain.parameters() if p.requires_grad]))
+    return errors
+
+
+def test_load_adapter_rank_and_alpha_patterns_match_peft(tmp_path):
+    """Per-module r and alpha ([Note: per-module rank and alpha] in lora.py) give PEFT's
+    r and scaling for every module and PEFT's logits (fp32 tolerance), both ways through the
+    saved files; a pattern file that disagrees with the model is refused, naming the module."""
+    (errors,) = run_distributed(_pattern_worker, 1, str(tmp_path), timeout=300)
+    # The first module that disagrees, in the model's order.
+    assert errors["alpha_only"] is not None and "model.layers.0.mlp.down_proj" in errors["alpha_only"], errors
+    assert "scaling=0.75" in errors["alpha_only"] and "alpha_pattern" in errors["alpha_only"], errors
+    assert errors["no_patterns"] is not None and "model.layers.0.self_attn.v_proj" in errors["no_patterns"], errors
+    assert "r=2" in errors["no_patterns"] and "r=4" in errors["no_patterns"], errors
+
+
+def _validation_worker(rank, world_size, tmp):
+    from safetensors.torch import load_file, save_file
+
+    from python_api import ElasticPolicy
+    from python_api.lora import LoRAConfig, convert_to_elastic, load_adapter, save_adapter
+
+    lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS)
+    model = convert_to_elastic(tiny_llama(), lora, ElasticPolicy(**CHUNKED))
+    good = os.path.join(tmp, "good")
+    save_adapter(model, good)
+    with open(os.path.join(good, "adapter_config.json")) as f:
+        config = json.load(f)
+    state = load_file(os.path.join(good, "adapter_model.safetensors"))
+    nan_key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+    def variant(name, cfg=None, tensors=None):
+        folder = os.path.join(tmp, name)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config if cfg is None else cfg, f)  # writes NaN / Infinity as Python's json does
+        save_file(state if tensors is None else tensors, os.path.join(folder, "adapter_model.safetensors"))
+        return folder
+
+    cases = {
+        "missing_r": variant("missing_r", {k: v for k, v in config.items() if k != "r"}),
+        "r_zero": variant("r_zero", {**config, "r": 0}),
+        "not_a_dict": variant("not_a_dict", [config]),
+        "alpha_nan": variant("alpha_nan", {**config, "lora_alpha": float("nan")}),
+        "alpha_inf": variant("alpha_inf", {**config, "lora_alpha": float("inf")}),
+        "pattern_not_dict": variant("pattern_not_dict", {**config, "alpha_pattern": [["q_proj", 4]]}),
+        "pattern_nan": variant("pattern_nan", {**config, "alpha_pattern": {"q_proj": float("nan")}}),
+        "nan_tensor": variant("nan_tensor", tensors={**state, nan_key: torch.full_like(state[nan_key], float("nan"))}),
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)  # differs from the files, so a partial load would show
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    errors = {}
+    for what, folder in cases.items():
+        try:
+            load_adapter(model, folder)
+            errors[what] = None
+        except ValueError as e:
+            errors[what] = str(e)
+        except Exception as e:  # noqa: BLE001 - a KeyError/TypeError is a failure of the test, reported as such
+            errors[what] = f"{type(e).__name__} (not ValueError): {e}"
+        assert all(torch.equal(a, b) for a, b in zip(before, [p for p in model.parameters() if p.requires_grad])), what
+    load_adapter(model, good)  # and the good one still loads
+    return errors
+
+
+def test_load_adapter_validates_before_touching_the_model(tmp_path):
+    (errors,) = run_distributed(_validation_worker, 1, str(tmp_path), timeout=300)
+    expect = {
+        "missing_r": ("adapter_config.json", "no 'r'"),
+        "r_zero": ("adapter_config.json", "r=0"),
+        "not_a_dict": ("adapter_config.json", "JSON object"),
+        "alpha_nan": ("adapter_config.json", "lora_alpha=nan"),
+        "alpha_inf": ("adapter_config.json", "lora_alpha=inf"),
+        "pattern_not_dict": ("adapter_config.json", "alpha_pattern="),
+        "pattern_nan": ("adapter_config.json", "alpha_pattern['q_proj']"),
+        "nan_tensor": ("adapter_model.safetensors", "layers.1.self_attn.v_proj.lora_B.weight"),
+    }
+    for what, parts in expect.items():
+        msg = errors[what]
+        assert msg is not None and "not ValueError" not in msg, (what, msg)
+        for part in parts:
+            assert part in msg, (what, part, msg)
+    from python_api.lora import LoRAConfig
+
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="alpha must be a finite positive number"):
+            LoRAConfig(r=4, alpha=bad)
+    with pytest.raises(ValueError, match=r"rank_pattern\['v_proj'\] must be a positive int"):
+        LoRAConfig(r=4, alpha=8, rank_pattern={"v_proj": 0})
