@@ -57,6 +57,22 @@ a checkpoint that differs is refused before any step, naming the field: world si
 configuration and dtype, tokenizer, data (token count and sha256), seq-len, micro-batch,
 grad-accum, optimizer hyper-parameters, seed, LoRA r/alpha/dropout/targets, chunk size.
 The base weights of a --model directory are identified by its configuration only.
+Every file of a checkpoint is validated when it is read, before the process group starts
+(JSON fields, adapter names/shapes, finite values, optimizer and RNG state structure): a
+damaged or edited file is one error naming it, never a traceback during the run. A checkpoint
+written at the last planned step (a run killed before its report) is resumed by training
+nothing and writing the adapter, probe and report from it. Each process that trains part of a
+run is one segment of trainer_state.json (see [Note: segments of a run]).
+
+[Note: failures during the run]
+Before step 1: every rank checks that all ranks run the same configuration ([Note: what
+ranks must agree on]); --save-dir is probed for writability on every rank (a file created and
+removed) and locked by rank 0 ([Note: the save-dir lock]). During the run, every write (the
+checkpoint's files, the adapter, the report) is followed by an agreement: a write that fails
+on any rank (disk full, a folder gone) stops every rank with one message naming the path;
+the previous checkpoint stays whole. A non-finite loss names its likely cause (base weights,
+checked when the model is built; overflow in the forward pass; divergence). Output files get
+the permissions a plain open() gives (0666 minus the umask).
 """
 
 from __future__ import annotations
@@ -64,14 +80,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
+import fcntl
 import gc
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
 import statistics
+import socket
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -111,7 +132,18 @@ DEFAULT_GRAD_ACCUM = 2
 
 
 class FinetuneError(ValueError):
-    """Bad input or an unusable setting: reported as one line, before any training step."""
+    """Bad input or an unusable setting: reported as one line, before any training step (or,
+    for a failure during the run, on every rank at the same point)."""
+
+
+class OutputError(FinetuneError):
+    """An output file could not be written (disk full, read-only, removed folder)."""
+
+    def __init__(self, path: str, exc: BaseException):
+        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+        code = getattr(exc, "errno", None)
+        super().__init__(f"cannot write {path}: {reason}" + (f" ({errno.errorcode.get(code, code)})" if code else ""))
+        self.path = path
 
 
 # ============================================================================ command line
@@ -141,6 +173,8 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 0, 64MiB, 50%, all)") from None
     if value < 0 or math.isnan(value):
         raise argparse.ArgumentTypeError(f"a budget must be >= 0, got {text!r}")
+    if not value * units[unit] < _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"a budget must be a finite size below 8 EiB (2**63 bytes), got {text!r}")
     return int(value * units[unit])
 
 
@@ -161,24 +195,36 @@ def _fmt_bytes(n: int) -> str:
     return f"{n}B"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+# [Note: option ranges]
+# Every number an option takes ends up in a fixed-width C/C++ or torch integer, a timedelta or
+# a float computation: counts and sizes are capped at 2**31 - 1 (they index tensors and step
+# seeds, see data._step_seed), the seed at 2**32 - 1 (data._step_seed keeps 32 bits of it:
+# larger seeds would repeat smaller ones' batches), byte sizes below 2**63, the timeout at
+# _MAX_TIMEOUT_S (a timedelta in milliseconds must fit the backends' int64 and stay
+# meaningful), and floats must be finite. Out of range is an option error, before anything runs.
+_MAX_INT = 2**31 - 1
+_MAX_SEED = 2**32 - 1
+_MAX_BYTES = 2**63
+_MAX_TIMEOUT_S = 1e7  # ~115 days
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+def _int_in(low: int, high: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"expected {what} (at most {high}), got {v}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+_positive_int = _int_in(1, _MAX_INT, "a positive integer")
+_nonneg_int = _int_in(0, _MAX_INT, "an integer >= 0")
+_seed_int = _int_in(0, _MAX_SEED, "an integer in [0, 2**32 - 1]")
 
 
 def _positive_float(text: str) -> float:
@@ -187,7 +233,14 @@ def _positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not v > 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return v
+
+
+def _timeout(text: str) -> float:
+    v = _positive_float(text)
+    if v > _MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected at most {_MAX_TIMEOUT_S:g} seconds, got {text!r}")
     return v
 
 
@@ -241,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=_positive_float, default=2e-3, help="AdamW learning rate")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0, help="linear warm-up of the learning rate")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--seed", type=_nonneg_int, default=0, help="embedded weights, adapter init, batches, dropout")
+    g.add_argument("--seed", type=_seed_int, default=0, help="embedded weights, adapter init, batches, dropout")
 
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora-r", type=_positive_int, default=8, help="adapter rank")
@@ -259,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache budget per rank: all (the default), 0, a size (64MiB) or a percentage of the frozen bytes (50%%)")
     g.add_argument("--prefetch-depth", type=_nonneg_int, default=1, help="frozen weights gathered ahead of use, in the learned order")
     g.add_argument("--collective-kib", type=_positive_int, default=32 << 10, help="coalescing cap per all-gather, KiB per rank")
-    g.add_argument("--timeout-s", type=_positive_float, default=300.0, help="collective and process-group timeout, seconds")
+    g.add_argument("--timeout-s", type=_timeout, default=300.0, help="collective and process-group timeout, seconds")
 
     g = p.add_argument_group("comparison")
     g.add_argument("--baseline", choices=("none", "fsdp2"), default="none",
@@ -286,8 +339,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --compare-budgets: {exc}")
     if not 0.0 <= args.lora_dropout < 1.0:
         p.error(f"argument --lora-dropout: expected a number in [0, 1), got {args.lora_dropout}")
-    if args.weight_decay < 0 or math.isnan(args.weight_decay):
-        p.error(f"argument --weight-decay: expected a number >= 0, got {args.weight_decay}")
+    if not 0 <= args.weight_decay < math.inf:
+        p.error(f"argument --weight-decay: expected a finite number >= 0, got {args.weight_decay}")
     if args.keep_ratio < args.persist_ratio:
         p.error(f"--keep-ratio ({args.keep_ratio}) must be >= --persist-ratio ({args.persist_ratio})")
     targets = args.lora_targets.strip()
@@ -476,13 +529,23 @@ def _lora_config(args):
                       target_modules=t if isinstance(t, str) else tuple(t), seed=args.seed)
 
 
-def _resolved_targets(spec: ModelSpec, args) -> list[str]:
+def _resolved_targets(spec: ModelSpec, args) -> tuple[list[str], dict]:
+    """The adapted module names, and the adapter tensors they get: PEFT key -> shape (None
+    where the module is not an nn.Linear and the shape is not derived here)."""
     from python_api.lora import _target_names
 
+    meta = spec.meta_model()
     try:
-        return _target_names(spec.meta_model(), _lora_config(args))
+        targets = _target_names(meta, _lora_config(args))
     except ValueError as exc:
         raise FinetuneError(f"--lora-targets {args.lora_targets}: {exc}") from exc
+    shapes = {}
+    for name in targets:
+        m = meta.get_submodule(name)
+        linear = isinstance(m, nn.Linear)
+        shapes[f"base_model.model.{name}.lora_A.weight"] = (args.lora_r, m.in_features) if linear else None
+        shapes[f"base_model.model.{name}.lora_B.weight"] = (m.out_features, args.lora_r) if linear else None
+    return targets, shapes
 
 
 # ============================================================================ configuration
@@ -540,6 +603,92 @@ def configuration_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
+# [Note: what ranks must agree on]
+# torchrun starts every rank with its own command line, environment and files; nothing makes
+# them equal. A rank with another --lr trains other adapters (the replicated adapters drift
+# apart silently: every rank applies the averaged gradient with its own step), one with
+# another --steps or --save-every issues more collectives than its peers (a hang until the
+# timeout), one with another pool budget or ratio gathers other chunks (a wrong result or a
+# hang). So before step 1 every rank sends agreed_configuration() to every other (one
+# all_gather_object) and every rank refuses the run, with the same message, if any field
+# differs: the resume configuration (run_configuration: model, dtype, data digest, batch
+# shape, optimizer, LoRA, chunk size, world size) plus everything else that changes what is
+# computed or how many collectives run: steps, the checkpoint cadence, the residency policy,
+# the extra runs, the checkpoint resumed from (step and file digests). Not compared: paths
+# (nodes may mount the same folder at different places), the timeout, the progress bar.
+
+_OPTION_OF = {
+    "steps": "--steps", "save_every": "--save-every", "seq_len": "--seq-len", "micro_batch": "--micro-batch",
+    "grad_accum": "--grad-accum", "seed": "--seed", "optimizer.lr": "--lr", "optimizer.warmup_steps": "--warmup-steps",
+    "optimizer.weight_decay": "--weight-decay", "lora.r": "--lora-r", "lora.alpha": "--lora-alpha",
+    "lora.dropout": "--lora-dropout", "lora.targets": "--lora-targets", "model.dtype": "--dtype",
+    "policy.chunk_bytes": "--chunk-kib", "residency.pool_budget": "--pool-budget",
+    "residency.keep_ratio": "--keep-ratio", "residency.persist_ratio": "--persist-ratio",
+    "residency.prefetch_depth": "--prefetch-depth", "residency.collective_bytes": "--collective-kib",
+    "runs.baseline": "--baseline", "runs.compare_budgets": "--compare-budgets", "data.sha256": "--data",
+    "data.tokens": "--data", "model.kind": "--model", "tokenizer": "--model",
+}
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def agreed_configuration(job) -> dict:
+    """What every rank of a run must have equal (see [Note: what ranks must agree on])."""
+    a = job.args
+    r = job.resume
+    return {
+        **job.config,
+        "steps": a.steps,
+        "save_every": a.save_every,
+        "residency": {"pool_budget": _budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
+                      "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
+                      "collective_bytes": a.collective_kib << 10},
+        "runs": {"baseline": a.baseline, "compare_budgets": [_budget_label(b) for b in a.compare_budgets]},
+        "resume": None if r is None else {"step": r.step, "adapters_sha256": _file_sha256(
+            os.path.join(r.path, "adapter_model.safetensors")), "optimizer_sha256": _file_sha256(
+            os.path.join(r.path, "optimizer.pt"))},
+    }
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def rank_differences(configs: list[dict]) -> list[str]:
+    """One line per field whose value is not the same on every rank: the field (and its
+    option), each value and the ranks that have it."""
+    flat = [_flatten(c) for c in configs]
+    out = []
+    for key in sorted(set().union(*flat)):
+        groups: dict[str, list[int]] = {}
+        for rank, f in enumerate(flat):
+            text = json.dumps(f[key], sort_keys=True, default=str) if key in f else "<absent>"
+            groups.setdefault(text, []).append(rank)
+        if len(groups) > 1:
+            option = f" ({_OPTION_OF[key]})" if key in _OPTION_OF else ""
+            out.append(f"{key}{option}: " + ", ".join(f"{v} on {_ranks_text(rs)}" for v, rs in groups.items()))
+    return out
+
+
+def _agree_configuration(job) -> None:
+    """Collective: refuse the run on every rank if the ranks' configurations differ."""
+    configs = [None] * job.world_size
+    dist.all_gather_object(configs, agreed_configuration(job))
+    diffs = rank_differences(configs)
+    if diffs:
+        raise FinetuneError(
+            f"the ranks were started with different settings ({len(diffs)} field{'s' if len(diffs) > 1 else ''} "
+            "differ; every rank needs the same options, model, data and checkpoint): " + "; ".join(diffs[:6])
+            + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        )
+
+
 def _policy(args, budget):
     from python_api.config import ElasticPolicy
 
@@ -571,6 +720,7 @@ class Resume:
     optimizer: dict
     param_names: list[str]
     rng: dict
+    segments: list[dict] = field(default_factory=list)  # see [Note: segments of a run]
 
 
 def _find_checkpoint(path: str) -> str:
@@ -610,11 +760,54 @@ def _torch_load(path: str, what: str):
         raise FinetuneError(f"checkpoint {what} {path} cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
-def read_checkpoint(path: str, rank: int, current: dict, steps: int) -> Resume:
-    """Read and check everything this rank needs from a checkpoint (no collective)."""
+def _nonfinite(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_segments(segments, step: int, where: str) -> list[dict]:
+    """trainer_state.json's "segments" (absent in older checkpoints): see [Note: segments of a run]."""
+    if segments is None:
+        return []
+    bad = FinetuneError(f"{where}: \"segments\" is malformed (edited or damaged file)")
+    if not isinstance(segments, list):
+        raise bad
+    last = 0
+    for seg in segments:
+        if not isinstance(seg, dict) or not all(_is_int(seg.get(k)) for k in ("first_step", "last_step")):
+            raise bad
+        if seg["first_step"] != last + 1 or seg["last_step"] < seg["first_step"] - 1 or not isinstance(seg.get("pool_budget"), str):
+            raise bad
+        for k in ("step_times_s", "allgather_bytes_per_step", "allgather_bytes_counted_per_step"):
+            v = seg.get(k)
+            if not isinstance(v, list) or len(v) != seg["last_step"] - seg["first_step"] + 1 or not all(
+                    _is_number(x) and math.isfinite(x) for x in v):
+                raise bad
+        if not (seg.get("peak_memory_bytes") is None or _is_int(seg["peak_memory_bytes"])):
+            raise bad
+        last = seg["last_step"]
+    if segments and last != step:
+        raise bad
+    return segments
+
+
+def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_shapes: dict | None = None) -> Resume:
+    """Read and check everything this rank needs from a checkpoint (no collective): every
+    field of its JSON files that is used, the adapters' names, shapes and values, the
+    optimizer state's structure and values, this rank's RNG state. A damaged or edited file is
+    refused here, before the process group exists, never by a traceback during the run.
+    `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare()."""
     ckpt = _find_checkpoint(path)
-    config = _read_json(os.path.join(ckpt, "config.json"), "configuration")
-    if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT or "run" not in config:
+    cfile = os.path.join(ckpt, "config.json")
+    config = _read_json(cfile, "configuration")
+    if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT or not isinstance(config.get("run"), dict):
         raise FinetuneError(f"checkpoint {ckpt}: config.json is not an {PROG} checkpoint configuration ({CHECKPOINT_FORMAT})")
     diffs = configuration_differences(config["run"], current)
     if diffs:
@@ -622,37 +815,138 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int) -> Resume:
             f"checkpoint {ckpt} was written by a different configuration ({len(diffs)} field"
             f"{'s' if len(diffs) > 1 else ''} differ): " + "; ".join(diffs[:5])
         )
-    state = _read_json(os.path.join(ckpt, "trainer_state.json"), "state")
-    try:
-        step, losses = int(state["step"]), [float(x) for x in state["losses"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json lacks a valid step/losses: {exc}") from exc
+    sfile = os.path.join(ckpt, "trainer_state.json")
+    state = _read_json(sfile, "state")
+    if not isinstance(state, dict) or not _is_int(state.get("step")) or not isinstance(state.get("losses"), list):
+        raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json lacks a valid step (an integer) and losses (a list)")
+    step, losses = state["step"], state["losses"]
+    if step < 1:
+        raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json has step {step}; a checkpoint is at step 1 or later")
+    if not all(_is_number(x) and math.isfinite(x) for x in losses):
+        raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json has a loss that is not a finite number "
+                            "(a run stops at a non-finite loss and never saves it: the file was damaged or edited)")
+    losses = [float(x) for x in losses]
     if len(losses) != step:
         raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json has {len(losses)} losses for step {step}")
-    if step >= steps:
-        raise FinetuneError(f"checkpoint {ckpt} is at step {step}; --steps {steps} leaves nothing to do (pass a larger --steps)")
+    segments = _check_segments(state.get("segments"), step, f"checkpoint {ckpt}: trainer_state.json")
+    if step > steps:
+        raise FinetuneError(f"checkpoint {ckpt} is at step {step}, past --steps {steps}; pass --steps {step} or more")
     wfile = os.path.join(ckpt, "adapter_model.safetensors")
-    if not os.path.isfile(wfile) or not os.path.isfile(os.path.join(ckpt, "adapter_config.json")):
+    acfile = os.path.join(ckpt, "adapter_config.json")
+    if not os.path.isfile(wfile) or not os.path.isfile(acfile):
         raise FinetuneError(f"checkpoint {ckpt} is incomplete: adapter_model.safetensors / adapter_config.json missing")
+    aconf = _read_json(acfile, "adapter configuration")
+    lora = current.get("lora", {})
+    if not isinstance(aconf, dict) or aconf.get("peft_type") != "LORA":
+        raise FinetuneError(f"checkpoint {ckpt}: adapter_config.json is not a PEFT LoRA configuration (peft_type LORA)")
+    for key, want in (("r", lora.get("r")), ("lora_alpha", lora.get("alpha")), ("use_rslora", False)):
+        got = aconf.get(key, False if key == "use_rslora" else "<absent>")
+        if got != want or type(got) is bool and type(want) is not bool:
+            raise FinetuneError(f"checkpoint {ckpt}: adapter_config.json has {key}={got!r}, this run (and the "
+                                f"checkpoint's config.json) {want!r}: the file was damaged or edited")
     from safetensors.torch import load_file
 
     try:
-        load_file(wfile)  # read now so a damaged file is refused before any step; train() loads it
+        adapters = load_file(wfile)  # read now so a damaged file is refused before any step; train() loads it
     except Exception as exc:  # noqa: BLE001
         raise FinetuneError(f"checkpoint adapters {wfile} cannot be read: {exc}") from exc
+    if adapter_shapes is not None:
+        if set(adapters) != set(adapter_shapes):
+            extra, lack = sorted(set(adapters) - set(adapter_shapes)), sorted(set(adapter_shapes) - set(adapters))
+            raise FinetuneError(f"checkpoint adapters {wfile} do not fit this model's adapters"
+                                + (f"; unknown: {extra[:3]}" if extra else "") + (f"; missing: {lack[:3]}" if lack else ""))
+        for key, shape in adapter_shapes.items():
+            if shape is not None and tuple(adapters[key].shape) != shape:
+                raise FinetuneError(f"checkpoint adapters {wfile}: {key} has shape {tuple(adapters[key].shape)}, "
+                                    f"this model's adapter {shape}")
+    for key, t in adapters.items():
+        if not t.is_floating_point():
+            raise FinetuneError(f"checkpoint adapters {wfile}: {key} is {t.dtype}, not a floating-point tensor")
+        if _nonfinite(t):
+            raise FinetuneError(f"checkpoint adapters {wfile}: {key} holds NaN or Inf values (training never saves "
+                                "them: the file was damaged or edited)")
     opt = _torch_load(os.path.join(ckpt, "optimizer.pt"), "optimizer state")
     if not isinstance(opt, dict) or "state_dict" not in opt or "param_names" not in opt:
         raise FinetuneError(f"checkpoint {ckpt}: optimizer.pt is not an {PROG} optimizer state")
+    _check_optimizer_state(opt, adapters, ckpt)
     rng = _torch_load(os.path.join(ckpt, _rng_file(rank)), f"RNG state of rank {rank}")
-    if not isinstance(rng, dict) or "torch" not in rng:
-        raise FinetuneError(f"checkpoint {ckpt}: {_rng_file(rank)} is not an RNG state")
-    return Resume(ckpt, step, losses, opt["state_dict"], list(opt["param_names"]), rng)
+    _check_rng_state(rng, os.path.join(ckpt, _rng_file(rank)))
+    return Resume(ckpt, step, losses, opt["state_dict"], list(opt["param_names"]), rng, segments)
+
+
+def _check_optimizer_state(opt: dict, adapters: dict, ckpt: str) -> None:
+    """The AdamW state_dict's structure (one group over the named parameters, exp_avg and
+    exp_avg_sq of each parameter's shape), and finite values."""
+    where = f"checkpoint {ckpt}: optimizer.pt"
+    names, sd = opt["param_names"], opt["state_dict"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise FinetuneError(f"{where}: param_names is not a list of names")
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
+        raise FinetuneError(f"{where}: not an AdamW state (state, param_groups)")
+    groups = sd["param_groups"]
+    if len(groups) != 1 or not isinstance(groups[0], dict) or list(groups[0].get("params", [])) != list(range(len(names))):
+        raise FinetuneError(f"{where}: expected one parameter group over its {len(names)} named parameters")
+    for index, entry in sd["state"].items():
+        if not _is_int(index) or not 0 <= index < len(names) or not isinstance(entry, dict):
+            raise FinetuneError(f"{where}: a state entry belongs to no parameter ({index!r})")
+        adapter = adapters.get(f"base_model.model.{names[index]}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            t = entry.get(key)
+            if not isinstance(t, torch.Tensor):
+                raise FinetuneError(f"{where}: {names[index]} lacks {key}")
+            if key != "step" and adapter is not None and t.shape != adapter.shape:
+                raise FinetuneError(f"{where}: {key} of {names[index]} has shape {tuple(t.shape)}, "
+                                    f"the adapter {tuple(adapter.shape)}")
+            if _nonfinite(t):
+                raise FinetuneError(f"{where}: {key} of {names[index]} holds NaN or Inf values (the file was damaged or edited)")
+
+
+def _check_rng_state(rng, path: str) -> None:
+    """What _restore_rng will set: refused here rather than by a RuntimeError in the run."""
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor):
+        raise FinetuneError(f"checkpoint {path} is not an RNG state")
+    want = torch.get_rng_state()
+    if rng["torch"].dtype != want.dtype or rng["torch"].shape != want.shape:
+        raise FinetuneError(f"checkpoint {path}: the torch RNG state has the wrong size (damaged or edited file)")
+    try:
+        random.Random().setstate(_to_tuple(rng.get("python")))
+    except (TypeError, ValueError) as exc:
+        raise FinetuneError(f"checkpoint {path}: the Python RNG state is invalid: {exc}") from exc
+
+
+def _file_mode() -> int:
+    """The permissions a plain open() gives a new file: 0666 minus the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _remove_quietly(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _write_bytes_atomic(path: str, write) -> None:
-    from python_api.lora import _atomic_write
+    """`write(tmp)` into a temporary file next to `path`, then rename it over `path` (a reader
+    never sees half a file). The mode is set on the *written* file, just before the rename:
+    safetensors' save_file replaces the file it is given, so a mode set before writing would be
+    lost (the file would stay mkstemp's 0600). A failed write raises OutputError naming `path`."""
+    from safetensors import SafetensorError
 
-    _atomic_write(path, write)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
+        os.close(fd)
+        write(tmp)
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:
+        _remove_quietly(tmp)
+        raise OutputError(path, exc) from exc
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
 
 
 def _torch_save_atomic(obj, path: str) -> None:
@@ -665,44 +959,109 @@ def _torch_save_atomic(obj, path: str) -> None:
     _write_bytes_atomic(path, write)
 
 
-def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float]) -> None:
-    """Collective: every rank calls it at the same step (see [Note: checkpoint layout and resume])."""
-    from python_api.lora import save_adapter
+def _collective(job, fn, what: str) -> None:
+    """Collective: run `fn()` on this rank (it may do nothing on some), then agree. An output
+    error on any rank stops every rank with one message naming the path: alone, the failing
+    rank would die with a traceback while the others wait in their next collective until the
+    timeout, or die of "Connection closed by peer"."""
+    err = None
+    try:
+        fn()
+    except FinetuneError as exc:
+        err = f"{what}: {exc}"
+    except OSError as exc:  # makedirs, rename: the path is in the exception
+        err = f"{what}: {OutputError(exc.filename or job.save_dir, exc)}"
+    _agree(err, job.world_size)
 
+
+def _save_adapter_agreed(job, model, folder: str, what: str) -> None:
+    """lora.save_adapter into `folder`, its write failures stopping every rank with one
+    message, and the permissions a plain open() gives on the weights file.
+
+    save_adapter writes on rank 0. Where it reports rank 0's failure on every rank itself (a
+    RuntimeError "save_adapter(...) failed on rank 0: ..." on each), that message is agreed
+    as is. Where it ends with a barrier instead, a write failure escapes on rank 0 before that
+    barrier while the others wait in it: rank 0 joins the barrier, then the error is agreed."""
+    from safetensors import SafetensorError
+
+    from python_api.elastic_linear import runtime_of
+    from python_api.lora import ADAPTER_WEIGHTS, save_adapter
+
+    err = None
+    try:
+        save_adapter(model, folder)
+    except (OSError, SafetensorError) as exc:
+        err = f"{what}: {OutputError(folder, exc)}"
+        if job.world_size > 1:
+            dist.barrier(group=runtime_of(model).group)
+    except RuntimeError as exc:
+        if isinstance(exc, dist.DistError):
+            raise  # the group itself failed: no agreement is possible over it
+        err = f"{what}: {exc}"
+    else:
+        # save_adapter's mode is lost to safetensors (it replaces the file it was given; see
+        # _write_bytes_atomic): set it here.
+        if job.rank == 0:
+            weights = os.path.join(folder, ADAPTER_WEIGHTS)
+            try:
+                os.chmod(weights, _file_mode())
+            except OSError as exc:
+                err = f"{what}: {OutputError(weights, exc)}"
+    _agree(err, job.world_size)
+
+
+def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float], segments: list[dict]) -> None:
+    """Collective: every rank calls it at the same step (see [Note: checkpoint layout and
+    resume]). A write that fails on any rank (disk full, folder gone) stops every rank with
+    one message naming the path; the previous checkpoint is left as it was."""
     save_dir, rank = job.save_dir, job.rank
     tmp = os.path.join(save_dir, _CKPT_TMP)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
-    _torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
-    save_adapter(model, tmp)  # rank 0 writes; ends with a barrier
-    if rank == 0:
-        _torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names}, os.path.join(tmp, "optimizer.pt"))
-        _write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses})
-        _write_json(os.path.join(tmp, "config.json"), {
-            "format": CHECKPOINT_FORMAT, "run": job.config,
-            "info": {"step": step, "steps_planned": job.args.steps, "written": _now(),
-                     "model_source": job.spec.source, "data_source": job.data_info["source"],
-                     "policy": {k: getattr(_policy(job.args, job.args.pool_budget), k) for k in (
-                         "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes")},
-                     "pool_budget": _budget_label(job.args.pool_budget)},
-        })
-    dist.barrier()
-    if rank == 0:
+    final = os.path.join(save_dir, CKPT)
+    kept = (f"; {final} still holds the checkpoint of step {job.checkpoint_step}" if job.checkpoint_step
+            else "; no checkpoint was written")
+    what = f"the checkpoint of step {step} was not written{kept}"
+
+    def fresh_folder():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    def files():
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
+        _torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
+        if rank == 0:
+            _torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names},
+                               os.path.join(tmp, "optimizer.pt"))
+            _write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments})
+            _write_json(os.path.join(tmp, "config.json"), {
+                "format": CHECKPOINT_FORMAT, "run": job.config,
+                "info": {"step": step, "steps_planned": job.args.steps, "written": _now(),
+                         "model_source": job.spec.source, "data_source": job.data_info["source"],
+                         "policy": {k: getattr(_policy(job.args, job.args.pool_budget), k) for k in (
+                             "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes")},
+                         "pool_budget": _budget_label(job.args.pool_budget)},
+            })
+
+    def swap():
+        if rank != 0:
+            return
         missing = [f for f in _SHARED_FILES + tuple(_rng_file(r) for r in range(job.world_size))
                    if not os.path.isfile(os.path.join(tmp, f))]
         if missing:
-            raise RuntimeError(f"checkpoint at step {step}: {missing} were not written into {tmp}")
-        final, old = os.path.join(save_dir, CKPT), os.path.join(save_dir, _CKPT_OLD)
+            raise FinetuneError(f"{missing} are missing from {tmp} (every rank must see --save-dir on one shared file system)")
+        old = os.path.join(save_dir, _CKPT_OLD)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    _collective(job, fresh_folder, what)
+    _collective(job, files, what)
+    _save_adapter_agreed(job, model, tmp, what)
+    _collective(job, swap, what)
+    job.checkpoint_step = step
 
 
 def _write_json(path: str, obj) -> None:
@@ -745,6 +1104,7 @@ class Job:
     resume: Resume | None
     initial_adapters: dict = field(default_factory=dict)  # the elastic run's, copied into the baseline
     memory: object = None  # python_api.measure.PeakMemory, set by run()
+    checkpoint_step: int | None = None  # the step of the last complete checkpoint in save_dir/checkpoint
 
 
 def _device(args, local_rank: int) -> torch.device:
@@ -757,6 +1117,101 @@ def _device(args, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+LOCK_FILE = ".elastic-finetune.lock"
+
+# [Note: the save-dir lock]
+# Rank 0 holds an exclusive flock on save_dir/LOCK_FILE from before the first write to its
+# exit (the kernel drops it when the process ends, however it ends), and writes its pid and
+# host into it. A second run into the same folder is refused: prepare() tries the lock
+# (without writing) to refuse before anything starts, and the lock taken after the process
+# group is up closes the window between two runs that pass prepare() at the same moment. The
+# file stays (removing a lock file races with a run that has just opened it) and does not
+# count as content of the folder. flock works across nodes on NFS (Linux emulates it with
+# POSIX locks there).
+
+
+def _lock_holder(fd: int) -> str:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = os.pread(fd, 200, 0).decode().split()
+        if len(text) >= 2:
+            return f" (pid {text[0]} on {text[1]})"
+    return ""
+
+
+def _check_not_locked(save_dir: str) -> None:
+    """prepare()'s test of the lock: fails if another run holds it; writes nothing."""
+    path = os.path.join(save_dir, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR)  # read-write: NFS's emulation of flock needs it for LOCK_EX
+    except OSError:
+        return  # no lock file (or unreadable: the write probe tells)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise FinetuneError(
+            f"--save-dir {save_dir} is in use by another {PROG} run{_lock_holder(fd)} (it holds {path}); "
+            f"wait for it to finish or pass another --save-dir"
+        ) from None
+    except OSError:
+        pass  # a file system without locks: the lock taken at the start will say so
+    finally:
+        os.close(fd)  # also releases the probe's lock
+
+
+def lock_save_dir(save_dir: str) -> int:
+    """Create save_dir and take its lock (see [Note: the save-dir lock]); returns the file
+    descriptor that holds it (close it to release)."""
+    path = os.path.join(save_dir, LOCK_FILE)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise OutputError(path, exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise FinetuneError(
+            f"--save-dir {save_dir} is in use by another {PROG} run{holder} (it holds {path}); "
+            f"wait for it to finish or pass another --save-dir"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise FinetuneError(f"--save-dir {save_dir}: cannot lock {path}: {exc.strerror}") from exc
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise OutputError(path, exc) from exc
+    return fd
+
+
+def _check_writable(save_dir: str) -> None:
+    """Create and remove a file in save_dir (or, when it does not exist yet, a folder in its
+    nearest existing ancestor): a read-only mount or folder, or a path under a regular file,
+    is refused now rather than by the first checkpoint after training. Leaves nothing."""
+    existing = save_dir
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise FinetuneError(f"--save-dir {save_dir} cannot be created: {existing} is a file, not a directory")
+    try:
+        if existing == save_dir:
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=save_dir)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+    except OSError as exc:
+        where = "" if existing == save_dir else f" (cannot create it in {existing})"
+        raise FinetuneError(f"--save-dir {save_dir} is not writable{where}: {exc.strerror or exc}") from exc
+
+
 def _check_save_dir(args, resume_ckpt: str | None) -> str:
     save_dir = args.save_dir
     if save_dir is None:
@@ -765,7 +1220,10 @@ def _check_save_dir(args, resume_ckpt: str | None) -> str:
     save_dir = os.path.abspath(save_dir)
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise FinetuneError(f"--save-dir {save_dir} exists and is not a directory")
-    if os.path.isdir(save_dir) and os.listdir(save_dir) and not args.overwrite:
+    if os.path.isdir(save_dir):
+        _check_not_locked(save_dir)
+    content = os.path.isdir(save_dir) and [f for f in os.listdir(save_dir) if f != LOCK_FILE]
+    if content and not args.overwrite:
         own = resume_ckpt is not None and os.path.realpath(os.path.join(save_dir, CKPT)) == os.path.realpath(resume_ckpt)
         own = own or (resume_ckpt is not None and os.path.realpath(save_dir) == os.path.realpath(resume_ckpt))
         if not own:
@@ -773,6 +1231,7 @@ def _check_save_dir(args, resume_ckpt: str | None) -> str:
                 f"--save-dir {save_dir} is not empty (results or a checkpoint of another run); pass --overwrite "
                 f"to replace them, --resume {save_dir} to continue that run, or another --save-dir"
             )
+    _check_writable(save_dir)
     return save_dir
 
 
@@ -787,13 +1246,13 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     device = _device(args, local_rank)
     spec = _resolve_model(args)
     windows, data_info = _resolve_data(args, spec)
-    targets = _resolved_targets(spec, args)
+    targets, adapter_shapes = _resolved_targets(spec, args)
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None
     resume_ckpt = _find_checkpoint(args.resume) if args.resume is not None else None
     save_dir = _check_save_dir(args, resume_ckpt)
     if args.resume is not None:
-        resume = read_checkpoint(args.resume, rank, config, args.steps)
+        resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
     return Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
 
 
@@ -907,14 +1366,31 @@ def _agree(error: str | None, world_size: int) -> None:
 
 
 def _collective_build(job: Job) -> nn.Module:
-    """Build the base model on every rank; a failure anywhere is an error everywhere."""
+    """Build the base model on every rank and check its weights are finite; a failure
+    anywhere is an error everywhere."""
     model, err = None, None
     try:
-        model = job.spec.build().to(job.device)
+        model = job.spec.build()
+        _check_finite_weights(model, job.spec)
+        model = model.to(job.device)
     except FinetuneError as exc:
         err = str(exc)
     _agree(err, job.world_size)
     return model
+
+
+def _check_finite_weights(model: nn.Module, spec: ModelSpec) -> None:
+    """NaN or Inf in the base weights makes every loss NaN from step 1, whatever the learning
+    rate: say so before training (one pass over the weights, on the CPU copy)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if _nonfinite(t):
+            what = "the embedded model" if spec.embedded else f"the model in {spec.source}"
+            cast = (f" (or values beyond the range of {str(spec.dtype).replace('torch.', '')} became Inf when "
+                    f"loaded in it: try --dtype float32 or bfloat16)") if spec.dtype == torch.float16 else ""
+            raise FinetuneError(
+                f"the base weights of {what} hold NaN or Inf values ({name}, {int((~torch.isfinite(t)).sum())} of "
+                f"{t.numel()}): the weights are damaged{cast}; every loss would be NaN, whatever --lr"
+            )
 
 
 # ============================================================================ training
@@ -950,34 +1426,87 @@ def _lr_at(args, step: int) -> float:
     return args.lr
 
 
+# [Note: segments of a run]
+# A run resumed one or more times is trained by several processes, each from some step to
+# another, each possibly at its own pool budget (residency only: the losses are the same).
+# trainer_state.json keeps one segment per process: its steps, pool budget, and the figures
+# the report is made of (step times, all-gather bytes, peak memory). The report's figures are
+# those of the last segment (the process that trained last); losses.csv and the loss curve
+# span every step, labelled with each segment's budget. A resume of a checkpoint written at
+# the planned last step (the process was killed after it, before the report) trains nothing
+# and writes the adapter and the report from the checkpoint and its last segment.
+
+
+def _segments_label(segments: list[dict]) -> str | None:
+    """'elastic, budget all (steps 1-4), 0 (steps 5-8)', or None when one budget covers all."""
+    if len({seg["pool_budget"] for seg in segments}) < 2:
+        return None
+    parts = [f"{seg['pool_budget']} (step{'s' if seg['last_step'] > seg['first_step'] else ''} {seg['first_step']}"
+             f"{'-' + str(seg['last_step']) if seg['last_step'] > seg['first_step'] else ''})"
+             for seg in segments if seg["last_step"] >= seg["first_step"]]
+    return "elastic, budget " + ", ".join(parts)
+
+
+def _nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> str:
+    """Tell apart what a non-finite loss can come from. The base weights were checked when
+    the model was built, and a resumed checkpoint's adapters and optimizer state when it was
+    read, so: a non-finite loss on the first step of this process, before any update, is the
+    forward pass overflowing in the model's dtype; a later one is training diverging (or,
+    in float16, an update that overflowed)."""
+    args = job.args
+    dtype = args.dtype
+    broken = [n for n, p in named if _nonfinite(p.detach())]
+    head = f"{engine.name}: the loss is {loss} at step {step + 1}"
+    if step == start:
+        origin = "the initial adapters" if job.resume is None else f"the adapters of checkpoint {job.resume.path}"
+        return (f"{head}, before any update, with finite base weights and {origin}: the forward pass overflows in "
+                f"{dtype}" + ("; use --dtype bfloat16 (float32's range) or float32" if dtype == "float16" else
+                              "; check the data and the model (this is not a learning-rate problem)"))
+    updates = step - start
+    adapters = (f"the adapters hold NaN/Inf ({broken[0]}{' and more' if len(broken) > 1 else ''})" if broken
+                else "the adapters are still finite")
+    fp16 = "; in float16, also try --dtype bfloat16" if dtype == "float16" else ""
+    return (f"{head}, after {updates} update{'s' if updates > 1 else ''} from finite weights ({adapters}): training "
+            f"diverged; lower --lr (now {args.lr:g}) or add --warmup-steps{fp16}")
+
+
 def train(job: Job, engine, counter, primary: bool) -> dict:
     """Train `engine.model` for the job's steps; return the run's measurements."""
     from tqdm import tqdm
-
-    from python_api.measure import PeakMemory
 
     args, rank, W, device = job.args, job.rank, job.world_size, job.device
     model = engine.model
     named = engine.params()
     names = [n for n, _ in named]
     opt = torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
-    start, losses = 0, []
+    start, losses, segments = 0, [], []
     if primary and job.resume is not None:
         from python_api.lora import load_adapter
 
         r = job.resume
         if r.param_names != names:
             raise FinetuneError(f"checkpoint {r.path}: its optimizer state belongs to other parameters than this model's adapters")
-        load_adapter(model, r.path)
-        opt.load_state_dict(r.optimizer)
-        start, losses = r.step, list(r.losses)
+        try:
+            load_adapter(model, r.path)
+            opt.load_state_dict(r.optimizer)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            # read_checkpoint checked the files; this is the last line, on every rank alike.
+            raise FinetuneError(f"checkpoint {r.path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        start, losses, segments = r.step, list(r.losses), list(r.segments)
         _restore_rng(r.rng, device)
+        job.checkpoint_step = r.step
     else:
         _seed_rng(args.seed, rank, device)
     mem = job.memory
     mem.reset_peak()
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
     times, gathered, counted = [], [], []
+
+    def segment(peak) -> dict:
+        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": _budget_label(args.pool_budget),
+                "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
+                "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
+
     bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
                dynamic_ncols=True, leave=True, file=sys.stderr)
     model.train()
@@ -1003,17 +1532,26 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         gathered.append(engine.gathered_bytes() - g0)
         counted.append(counter.bytes - c0)
         if not math.isfinite(loss):
-            raise FinetuneError(f"{engine.name}: the loss became {loss} at step {step + 1}; lower --lr")
+            # The loss is all-reduced and the adapters replicated: every rank raises alike.
+            raise FinetuneError(_nan_message(job, engine, loss, step, start, named))
         losses.append(loss)
         steady = _tokens_per_s(times, tokens_per_step)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
         bar.update(1)
         if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            write_checkpoint(job, model, opt, names, step + 1, losses)
+            write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
     bar.close()
     peak = mem.peak_above_baseline()
-    if primary:
-        write_checkpoint(job, model, opt, names, args.steps, losses)
+    first_step = start + 1
+    if primary and times:
+        segments = segments + [segment(peak)]
+        write_checkpoint(job, model, opt, names, args.steps, losses, segments)
+    elif primary and segments:
+        # Resumed at the last step: nothing trained; report the figures of the process that
+        # trained the last steps (see [Note: segments of a run]).
+        last = segments[-1]
+        times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], last["allgather_bytes_counted_per_step"]
+        peak, first_step = last["peak_memory_bytes"], last["first_step"]
     model.eval()
     with torch.no_grad():
         probe = job.windows.probe.to(device)
@@ -1026,10 +1564,10 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "kind": engine.kind,
         "losses": losses,
         "steps_run": len(times),
-        "first_step": start + 1,
+        "first_step": first_step,
         "step_times_s": times,
         "tokens_per_step": tokens_per_step,
-        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0]),
+        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0] if times else None),
         "peak_memory_bytes": peak,
         "allgather_bytes_per_step": gathered,
         "allgather_bytes_counted_per_step": counted,
@@ -1038,6 +1576,12 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "final_loss": losses[-1],
         "heldout_loss": float(out.loss),
     }
+    if primary:
+        result["segments"] = [{k: v for k, v in seg.items() if k in ("first_step", "last_step", "pool_budget")}
+                              for seg in segments]
+        label = _segments_label(segments)
+        if label is not None:
+            result["losses_label"] = label
     if engine.kind == "elastic":
         result["budget_bytes"] = engine.budget_bytes
         result["frozen_bytes"] = engine.frozen_bytes
@@ -1059,7 +1603,7 @@ def _tokens_per_s(times: list[float], tokens_per_step: int) -> float | None:
 
 def run(job: Job) -> dict:
     """The whole job on every rank; rank 0 writes the report. Returns the summary."""
-    from python_api.lora import adapter_state_dict, save_adapter
+    from python_api.lora import adapter_state_dict
     from python_api.measure import AllGatherCounter, PeakMemory
 
     args = job.args
@@ -1080,17 +1624,20 @@ def run(job: Job) -> dict:
         # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
         job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
         result = train(job, engine, counter, primary=True)
-        save_adapter(engine.model, os.path.join(job.save_dir, "adapter"))
+        _save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
         probe_logits = result.pop("probe_logits")
-        if job.rank == 0:
-            from safetensors.torch import save_file
 
-            _write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
-                {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
+        def probe():
+            if job.rank == 0:
+                from safetensors.torch import save_file
+
+                _write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
+                    {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
+
+        _collective(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
         runs.append(result)
         del engine
         gc.collect()
-        dist.barrier()
         # 2. more elastic budgets, from scratch
         for budget in args.compare_budgets:
             job.memory.set_baseline()
@@ -1108,9 +1655,8 @@ def run(job: Job) -> dict:
             gc.collect()
             dist.barrier()
     summary = _summary(job, runs)
-    if job.rank == 0:
-        _write_report(job, runs, summary)
-    dist.barrier()
+    _collective(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
+                "the report was not written (the adapter and checkpoint were)")
     return summary
 
 
@@ -1212,7 +1758,16 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    lock = None
     try:
+        _agree(error, world_size)
+        _agree_configuration(job)
+        error = None
+        if rank == 0:
+            try:
+                lock = lock_save_dir(job.save_dir)
+            except FinetuneError as exc:
+                error = str(exc)
         _agree(error, world_size)
         run(job)
     except FinetuneError as exc:
@@ -1221,6 +1776,8 @@ def main(argv=None) -> int:
         os.write(2, f"{PROG}: error: {exc}\n".encode())
         return 2
     finally:
+        if lock is not None:
+            os.close(lock)  # releases the save-dir lock (so does the process's exit)
         dist.destroy_process_group()
     return 0
 

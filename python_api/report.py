@@ -90,11 +90,17 @@ def csv_text(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+def losses_label(run: dict) -> str:
+    """The name of a run's loss curve: its name, or for a run resumed at another pool budget
+    the budget of each range of steps (`losses_label`, set by the CLI)."""
+    return run.get("losses_label") or run["name"]
+
+
 def losses_csv(runs: list[dict]) -> str:
     """step, then one column per run: the loss of every optimizer step (repr: exact floats)."""
     out = io.StringIO()
     w = csv.writer(out)
-    w.writerow(["step"] + [r["name"] for r in runs])
+    w.writerow(["step"] + [losses_label(r) for r in runs])
     n = max(len(r["losses"]) for r in runs)
     for s in range(n):
         w.writerow([s + 1] + [repr(r["losses"][s]) if s < len(r["losses"]) else "" for r in runs])
@@ -114,7 +120,7 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
     for r in runs:
         steps = list(range(1, len(r["losses"]) + 1))
         style = "--" if r["kind"] == "fsdp2" else "-"
-        ax.plot(steps, r["losses"], style, color=colors[r["name"]], label=r["name"], linewidth=1.5)
+        ax.plot(steps, r["losses"], style, color=colors[r["name"]], label=losses_label(r), linewidth=1.5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (global batch mean)")
     diffs = [r["max_abs_loss_diff_vs_fsdp2"] for r in runs if "max_abs_loss_diff_vs_fsdp2" in r]
