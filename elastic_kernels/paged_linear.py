@@ -8,11 +8,12 @@ Ops (namespace ``elastic``; math, shapes and numerics in ``paged_linear_referenc
     elastic::lora_adapter_grads(lora_x, xa, dy, dyb, scale) -> (dA, dB)
 
 Kernels, bottom to top: ``_lora_down_kernel`` (``xa = lora_x·Aᵀ`` / ``dyb = dy·B``, once per
-row block), ``_paged_linear_fwd_kernel`` (``x·Wᵀ`` through the page table, the LoRA term
-``s·xa·Bᵀ`` fused in the same kernel, bias at the store), ``_paged_linear_dgrad_kernel``
+row block, in the adapter dtype), ``_paged_linear_fwd_kernel`` (``x·Wᵀ`` through the page
+table, the LoRA term ``s·xa·Bᵀ`` fused in the same kernel, bias at the store), ``_paged_linear_dgrad_kernel``
 (``dy·W`` through the page table, ``s·dyb·A`` fused likewise), ``_lora_grad_kernel``
 (``s·aᵀ·b`` over tokens, split for parallelism). Where in the kernel the LoRA term is added:
-[Note: LoRA term as the initial accumulator].
+[Note: LoRA term as the initial accumulator]. fp32 adapters with 16-bit activations:
+[Note: adapter dtype in the kernels].
 
 [Note: page table as element offsets]
 A weight's chunks are separate pool pages, so the kernels cannot address W with one base
@@ -81,6 +82,22 @@ def _dot_in(t, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _lora_dot(a, b, acc, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_PRECISION: tl.constexpr):
+    """acc + a·b for a LoRA product, one of whose operands may be fp32 (an fp32 adapter, xa or
+    dyb) and the other 16-bit (an activation) ([Note: adapter dtype in the kernels])."""
+    if (a.dtype == tl.float32) or (b.dtype == tl.float32):
+        # tl.dot needs one operand dtype: the 16-bit operand is cast UP to fp32 (exact), never
+        # the fp32 one down (that would round the adapter / xa / dyb to 16 bits); the product
+        # is an fp32 one at FP32_PRECISION ("ieee", or "tf32x3" for fp32 adapters in the fused
+        # GEMMs), accumulated in fp32. With fp32 activations every caller passes "ieee", the
+        # dot the kernels always did for fp32 (DOT_PRECISION is "ieee" for fp32).
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=FP32_PRECISION)
+    else:  # (not an early return: the compiler would also build the dot below, of mixed operands)
+        out = tl.dot(_dot_in(a, UPCAST_DOT), _dot_in(b, UPCAST_DOT), acc, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
 def _grouped_pid(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks at a time so that programs
     running together share their column tiles of W in L2."""
@@ -113,9 +130,9 @@ def _page_row_offsets(
 
 @triton.jit
 def _lora_down_kernel(
-    a_ptr,  # [T, L] rows of the input (row stride stride_at, unit column stride)
-    b_ptr,  # [L, R] the adapter, element (l, j) at b_ptr + l * stride_bl + j * stride_bj
-    out_ptr,  # [T, R] output a·b (row stride stride_ot, unit column stride), out_ptr's dtype
+    a_ptr,  # [T, L] rows of the input, activation dtype (row stride stride_at, unit column stride)
+    b_ptr,  # [L, R] the adapter, adapter dtype; element (l, j) at b_ptr + l * stride_bl + j * stride_bj
+    out_ptr,  # [T, R] output a·b in the adapter dtype (row stride stride_ot, unit column stride)
     T,
     L,
     R,
@@ -152,7 +169,7 @@ def _lora_down_kernel(
             l_ok = offs_l < L - lb * BLOCK_L
             a = tl.load(a_ptrs, mask=l_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=l_ok[:, None] & r_ok, other=0.0)
-        acc = tl.dot(_dot_in(a, UPCAST_DOT), _dot_in(b, UPCAST_DOT), acc, input_precision=DOT_PRECISION)
+        acc = _lora_dot(a, b, acc, UPCAST_DOT, DOT_PRECISION, "ieee")  # xa / dyb: true fp32 products
         a_ptrs += BLOCK_L
         b_ptrs += BLOCK_L * stride_bl
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_r[None, :]
@@ -165,8 +182,8 @@ def _paged_linear_fwd_kernel(
     w_ptr,  # [rows_per_chunk, K] chunks[0]: the base of every page offset
     page_ptr,  # [num_chunks] int64 element offset of chunk c's first row from w_ptr
     bias_ptr,  # [N] bias (read only if HAS_BIAS)
-    xa_ptr,  # [T, R] lora_x·Aᵀ in x's dtype, row stride stride_xat (read only if HAS_LORA)
-    b_ptr,  # [N, R] lora_b, contiguous (read only if HAS_LORA)
+    xa_ptr,  # [T, R] lora_x·Aᵀ in the adapter dtype, row stride stride_xat (read only if HAS_LORA)
+    b_ptr,  # [N, R] lora_b (adapter dtype), contiguous (read only if HAS_LORA)
     y_ptr,  # [T, N] output (row stride stride_yt, unit column stride)
     T,
     N,
@@ -214,7 +231,10 @@ def _paged_linear_fwd_kernel(
         else:
             xa = tl.load(xa_ptrs, mask=offs_r[None, :] < R, other=0.0)
             bt = tl.load(bt_ptrs, mask=offs_r[None, :] < R, other=0.0)
-        acc = tl.dot(_dot_in(xa, UPCAST_DOT), tl.trans(_dot_in(bt, UPCAST_DOT)), input_precision=DOT_PRECISION)
+        if xa_ptr.dtype.element_ty == x_ptr.dtype.element_ty:
+            acc = _lora_dot(xa, tl.trans(bt), None, UPCAST_DOT, DOT_PRECISION, "ieee")
+        else:  # fp32 adapters, 16-bit x: [Note: adapter dtype in the kernels] (why tf32x3)
+            acc = _lora_dot(xa, tl.trans(bt), None, UPCAST_DOT, DOT_PRECISION, "tf32x3")
         acc = acc * scale
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -240,8 +260,8 @@ def _paged_linear_dgrad_kernel(
     dy_ptr,  # [T, N] upstream gradient (row stride stride_dyt, unit column stride)
     w_ptr,  # [rows_per_chunk, K] chunks[0]: the base of every page offset
     page_ptr,  # [num_chunks] int64 element offset of chunk c's first row from w_ptr
-    dyb_ptr,  # [T, R] dy·B in dy's dtype, row stride stride_dybt (read only if HAS_LORA)
-    a_ptr,  # [R, K] lora_a, contiguous (read only if HAS_LORA)
+    dyb_ptr,  # [T, R] dy·B in the adapter dtype, row stride stride_dybt (read only if HAS_LORA)
+    a_ptr,  # [R, K] lora_a (adapter dtype), contiguous (read only if HAS_LORA)
     dx_ptr,  # [T, K] output (row stride stride_dxt, unit column stride)
     T,
     N,
@@ -287,7 +307,10 @@ def _paged_linear_dgrad_kernel(
             at = tl.load(at_ptrs)
         else:
             at = tl.load(at_ptrs, mask=(offs_r[:, None] < R) & col_ok, other=0.0)
-        acc = tl.dot(_dot_in(gb, UPCAST_DOT), _dot_in(at, UPCAST_DOT), input_precision=DOT_PRECISION)
+        if dyb_ptr.dtype.element_ty == dy_ptr.dtype.element_ty:
+            acc = _lora_dot(gb, at, None, UPCAST_DOT, DOT_PRECISION, "ieee")
+        else:  # fp32 adapters, 16-bit dy: as in the forward
+            acc = _lora_dot(gb, at, None, UPCAST_DOT, DOT_PRECISION, "tf32x3")
         acc = acc * scale
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -316,8 +339,8 @@ def _paged_linear_dgrad_kernel(
 
 @triton.jit
 def _lora_grad_kernel(
-    a_ptr,  # [T, M] (row stride stride_at, unit column stride)
-    b_ptr,  # [T, P] (row stride stride_bt, unit column stride)
+    a_ptr,  # [T, M] (row stride stride_at, unit column stride); dyb (adapter dtype) or dy (activation)
+    b_ptr,  # [T, P] (row stride stride_bt, unit column stride); lora_x (activation) or xa (adapter)
     out_ptr,  # [SPLIT, M, P] contiguous: split s holds scale·aᵀ·b over its token range
     T,
     M,
@@ -350,7 +373,7 @@ def _lora_grad_kernel(
         toks64 = toks.to(tl.int64)
         at = tl.load(a_ptr + toks64[:, None] * stride_at + offs_m[None, :], mask=t_ok & m_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + toks64[:, None] * stride_bt + offs_p[None, :], mask=t_ok & p_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(_dot_in(at, UPCAST_DOT)), _dot_in(bt, UPCAST_DOT), acc, input_precision=DOT_PRECISION)
+        acc = _lora_dot(tl.trans(at), bt, acc, UPCAST_DOT, DOT_PRECISION, "ieee")  # dA / dB: true fp32 products
     out_ptrs = out_ptr + pid_s.to(tl.int64) * M * P + offs_m.to(tl.int64)[:, None] * P + offs_p[None, :]
     tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & p_ok[None, :])
 
@@ -364,6 +387,36 @@ def _lora_grad_kernel(
 # forward uses 186 registers and no spill (the plain kernel: 182). Measured by compiling for
 # sm_90a without a GPU: `python tests/_aot_compile.py` (TRITON_INTERPRET unset), Triton 3.8.
 # The math is the same up to the order of fp32 additions; the bias is still added at the store.
+
+# [Note: adapter dtype in the kernels]
+# The adapters (lora_a, lora_b) may be fp32 while x, W, bias and dy are bf16/fp16 (PEFT's
+# autocast_adapter_dtype); the op contract is [Note: numerics of the paged LoRA ops]. The kernels
+# take each dtype from their pointers' element types (compile-time), so one source serves both:
+# `_lora_down_kernel` stores xa / dyb in out_ptr's dtype, the adapter dtype (fp32: never rounded
+# to 16 bits); the paged GEMMs read xa / dyb and the adapter in that dtype; `_lora_grad_kernel`
+# stores dA / dB in it. tl.dot needs one operand dtype, so every product with an fp32 operand
+# goes through `_lora_dot`, which casts the 16-bit operand UP to fp32 (exact) and never the fp32
+# one down (that would round the adapter / xa / dyb to 16 bits, what fp32 adapters avoid), then
+# accumulates in fp32 as everywhere. The products' precision:
+# - `_lora_down_kernel` (xa, dyb) and `_lora_grad_kernel` (dA, dB): "ieee", true fp32 products
+#   on the FMA units, as the reference; their outputs are fp32 and kept. Compiled for sm_90a,
+#   none spills, once the dA / dB kernel steps 32 tokens instead of 64 (`_lora_grad_block_t`).
+# - the LoRA term fused into the paged GEMMs (s·xa·Bᵀ, s·dyb·A): "tf32x3", fp32 operands split
+#   into two TF32 parts on the tensor cores, each product within ~3·2^-22 relative (vs 2^-24 for
+#   "ieee"). Reason: with "ieee" the 128×256 forward spilled 2552 bytes per thread (255
+#   registers; tf32x3: 188 registers, no spill), sm_90a, Triton 3.8. The term is summed into an
+#   fp32 accumulator and y / dx are then rounded to 16 bits (up to 2^-8 / 2^-11 relative), so the
+#   difference from true fp32 products is far below what the output can represent; the tests'
+#   bound accounts for it. The interpreter ignores input_precision (its dot is a numpy fp32
+#   matmul), so on CPU these products are plain fp32: the tf32x3 numerics run only on a GPU.
+# The base GEMM (x·Wᵀ, dy·W) is untouched: 16-bit operands, tensor cores. Same-dtype calls take
+# the same dots at the same precisions as before fp32 adapters existed: compiled for sm_90a,
+# every variant of `tests/_aot_compile.py` gave the same PTX (debug info aside), and under the
+# interpreter the same operations run (fp32/bf16/fp16 results compared with torch.equal against
+# the previous commit), so their results are bit for bit unchanged. Cost on a
+# GPU: not measured (no GPU here); each LoRA product is r/K or r/N of its base GEMM's work
+# (16/4096 at rank 16). Under the interpreter a bf16 operand's cast to fp32 is exact (it is
+# what [Note: bf16 under the interpreter] already does) and fp32 outputs need no `_store_dtype`.
 
 # =============================================================================================
 # Launch configurations
@@ -560,9 +613,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lora_down(a: torch.Tensor, b: torch.Tensor, b_is_transposed: bool, r: int) -> torch.Tensor:
-    """[T, R] = a[T, L]·b in a's dtype, b = lora_a [R, L] read transposed, or lora_b [L, R]."""
+    """[T, R] = a[T, L]·b in b's dtype (the adapter dtype), b = lora_a [R, L] read transposed, or
+    lora_b [L, R]; a is in the activation dtype ([Note: adapter dtype in the kernels])."""
     t, l_ = a.shape
-    out = a.new_empty((t, r), dtype=_store_dtype(a.dtype))
+    out = a.new_empty((t, r), dtype=_store_dtype(b.dtype))
     if b_is_transposed:
         stride_bl, stride_bj = 1, b.stride(0)
     else:
@@ -576,7 +630,7 @@ def _lora_down(a: torch.Tensor, b: torch.Tensor, b_is_transposed: bool, r: int) 
         DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
         BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_R=_block_r(r), **extra,
     )  # fmt: skip
-    return out.to(a.dtype)
+    return out.to(b.dtype)
 
 
 @triton_op("elastic::paged_lora_linear_fwd", mutates_args=())
@@ -591,8 +645,10 @@ def _paged_lora_linear_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, k, n, r, rows_per_chunk = ref.check_fwd_args(x, chunks, bias, lora_x, lora_a, lora_b)
     _check_triton_dtype(x.dtype, "x")
+    # xa is in the adapter dtype (x's dtype, or fp32 with fp32 adapters; x's dtype without LoRA).
+    xa_dtype = lora_a.dtype if r else x.dtype
     if t == 0 or _no_launch(x):
-        return x.new_empty((t, n)), x.new_empty((t, r))
+        return x.new_empty((t, n)), x.new_empty((t, r), dtype=xa_dtype)
     _check_launchable(x, "x")
     x = _rows(x)
     table, w_align = page_table(chunks, k)
@@ -603,6 +659,7 @@ def _paged_lora_linear_fwd_op(
         xa = _lora_down(x if lora_x is None else _rows(lora_x), lora_a, True, r)
     else:
         xa = x.new_empty((t, 0))
+    assert xa.dtype == xa_dtype
     if bias is not None:
         bias = bias.contiguous()
     kernel, grid, meta = _gemm_launch(
@@ -635,8 +692,9 @@ def _paged_lora_linear_dgrad_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, k, n, r, rows_per_chunk = ref.check_dgrad_args(dy, chunks, lora_a, lora_b)
     _check_triton_dtype(dy.dtype, "dy")
+    dyb_dtype = lora_b.dtype if r else dy.dtype  # the adapter dtype, as xa in the forward
     if t == 0 or _no_launch(dy):
-        return dy.new_empty((t, k)), dy.new_empty((t, r))
+        return dy.new_empty((t, k)), dy.new_empty((t, r), dtype=dyb_dtype)
     _check_launchable(dy, "dy")
     dy = _rows(dy)
     table, w_align = page_table(chunks, k)
@@ -647,6 +705,7 @@ def _paged_lora_linear_dgrad_op(
         dyb = _lora_down(dy, lora_b, False, r)
     else:
         dyb = dy.new_empty((t, 0))
+    assert dyb.dtype == dyb_dtype
     kernel, grid, meta = _gemm_launch(
         _paged_linear_dgrad_kernel, _paged_linear_dgrad_kernel_tuned, t, k, t * n * k
     )
@@ -667,14 +726,27 @@ def _paged_lora_linear_dgrad_op(
     return dx.to(dy.dtype), dyb
 
 
-def _lora_grad(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """scale · aᵀ·b, [M, P], the token reduction split over programs when the tiles are few."""
+def _lora_grad_block_t(a_dtype: torch.dtype, b_dtype: torch.dtype) -> int:
+    """Tokens per step of `_lora_grad_kernel` on a GPU. 32 when one operand is fp32 and the other
+    16-bit (fp32 adapters): its fp32 "ieee" dot runs on the FMA units with the operands in
+    registers, and at 64 tokens the dA variant (fp32 dyb transposed × bf16 lora_x) spilled 472
+    bytes per thread with 16x128 tiles (332 with 128x16; sm_90a, Triton 3.8), at 32 none."""
+    return 64 if a_dtype == b_dtype else 32
+
+
+def _lora_grad(
+    a: torch.Tensor, b: torch.Tensor, scale: float, act_dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """scale · aᵀ·b, [M, P], the token reduction split over programs when the tiles are few.
+
+    One of a / b is in the activation dtype ``act_dtype``, the other in the adapter dtype
+    ``out_dtype`` (the same dtype, or fp32: [Note: adapter dtype in the kernels])."""
     t, m = a.shape
     p = b.shape[1]
     if INTERPRETED:
         block_t, block_big, extra, target = _INTERP_BLOCK, _INTERP_BLOCK, {}, 4
     else:
-        block_t, block_big, extra = 64, 128, dict(num_warps=4, num_stages=3)
+        block_t, block_big, extra = _lora_grad_block_t(a.dtype, b.dtype), 128, dict(num_warps=4, num_stages=3)
         target = 2 * _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
     block_m = _block_r(m) if m <= 64 else block_big
     block_p = _block_r(p) if p <= 64 else block_big
@@ -688,7 +760,7 @@ def _lora_grad(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.
     out = a.new_empty((split, m, p), dtype=_store_dtype(out_dtype) if split == 1 else torch.float32)
     wrap_triton(_lora_grad_kernel)[(triton.cdiv(m, block_m), triton.cdiv(p, block_p), split)](
         a, b, out, t, m, p, a.stride(0), b.stride(0), tokens_per_split, float(scale),
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
+        DOT_PRECISION=_dot_precision(act_dtype), UPCAST_DOT=_upcast_dot(act_dtype),
         BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, **extra,
     )  # fmt: skip
     return (out[0] if split == 1 else out.sum(0)).to(out_dtype)
@@ -704,12 +776,13 @@ def _lora_adapter_grads_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, k, n, r = ref.check_adapter_grad_args(lora_x, xa, dy, dyb)
     _check_triton_dtype(lora_x.dtype, "lora_x")
+    adapter_dtype = xa.dtype  # lora_x's dtype or fp32 (checked): dA and dB come out in it
     if t == 0 or _no_launch(lora_x):
         # No tokens: the gradients are zero (an empty sum), not garbage.
-        return lora_x.new_zeros((r, k)), lora_x.new_zeros((n, r))
+        return lora_x.new_zeros((r, k), dtype=adapter_dtype), lora_x.new_zeros((n, r), dtype=adapter_dtype)
     _check_launchable(lora_x, "lora_x")
-    grad_a = _lora_grad(_rows(dyb), _rows(lora_x), scale, lora_x.dtype)
-    grad_b = _lora_grad(_rows(dy), _rows(xa), scale, lora_x.dtype)
+    grad_a = _lora_grad(_rows(dyb), _rows(lora_x), scale, lora_x.dtype, adapter_dtype)
+    grad_b = _lora_grad(_rows(dy), _rows(xa), scale, lora_x.dtype, adapter_dtype)
     return grad_a, grad_b
 
 
@@ -750,8 +823,12 @@ def paged_lora_linear_fwd(
     """``(y, xa)``: ``xa = lora_x·Aᵀ``, ``y = x·Wᵀ + bias + scale·xa·Bᵀ``, W given as ``chunks``.
 
     ``lora_x`` is the dropout-applied input (None: x itself). Without LoRA (lora_a and lora_b
-    None) it is a plain paged linear and ``xa`` is ``[T, 0]``. ``impl``: "auto" (Triton for
-    CUDA tensors of fp32/bf16/fp16, the reference otherwise), "triton" or "reference".
+    None) it is a plain paged linear and ``xa`` is ``[T, 0]``. x, chunks, bias and lora_x share
+    the activation dtype; lora_a and lora_b share the adapter dtype, which is the activation
+    dtype or float32 (fp32 adapters with bf16/fp16 activations). ``y`` is in the activation
+    dtype, ``xa`` in the adapter dtype (not rounded to 16 bits with fp32 adapters); numerics in
+    [Note: numerics of the paged LoRA ops]. ``impl``: "auto" (Triton for CUDA tensors of
+    fp32/bf16/fp16, the reference otherwise), "triton" or "reference".
     """
     if _use_triton(impl, x):
         return _paged_lora_linear_fwd_op(x, _as_list(chunks), bias, lora_x, lora_a, lora_b, float(scale))
@@ -767,7 +844,10 @@ def paged_lora_linear_dgrad(
     *,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dyb)``: ``dyb = dy·B``, ``dx = dy·W + scale·dyb·A`` (``dyb`` is ``[T, 0]`` without LoRA)."""
+    """``(dx, dyb)``: ``dyb = dy·B``, ``dx = dy·W + scale·dyb·A`` (``dyb`` is ``[T, 0]`` without LoRA).
+
+    ``dx`` is in dy's dtype, ``dyb`` in the adapter dtype (dy's dtype or float32), as in the forward.
+    """
     if _use_triton(impl, dy):
         return _paged_lora_linear_dgrad_op(dy, _as_list(chunks), lora_a, lora_b, float(scale))
     return ref.paged_lora_linear_dgrad_reference(dy, chunks, lora_a, lora_b, scale)
@@ -782,7 +862,11 @@ def lora_adapter_grads(
     *,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dA, dB)``: ``dA = scale·dybᵀ·lora_x``, ``dB = scale·dyᵀ·xa``, in the inputs' dtype."""
+    """``(dA, dB)``: ``dA = scale·dybᵀ·lora_x``, ``dB = scale·dyᵀ·xa``, in the adapter dtype.
+
+    lora_x and dy share the activation dtype; xa and dyb (as the forward / dgrad returned them)
+    share the adapter dtype, the activation dtype or float32. Accumulated in fp32.
+    """
     if _use_triton(impl, lora_x):
         return _lora_adapter_grads_op(lora_x, xa, dy, dyb, float(scale))
     return ref.lora_adapter_grads_reference(lora_x, xa, dy, dyb, scale)

@@ -17,15 +17,32 @@ A frozen weight ``W [N, K]`` (out_features N, in_features K) arrives as a *page 
         dB = s·dyᵀ·xa                                    [N, r]
 
 [Note: numerics of the paged LoRA ops]
-Every product accumulates in fp32 (in the input dtype when that is fp64, which only the
-reference accepts); each output is rounded once to the input dtype. The intermediates ``xa``
-and ``dyb`` are rounded to the input dtype *before* they enter the LoRA term of ``y`` / ``dx``,
-because they are also returned (autograd saves ``xa`` for ``dB`` and uses ``dyb`` for ``dA``)
-and eager PEFT rounds them the same way (``lora_B(lora_A(x))`` in bf16 rounds ``x·Aᵀ``); the
-Triton kernels in ``paged_linear`` do exactly the same, so both impls define one op.
-Without LoRA, ``xa`` / ``dyb`` are empty ``[T, 0]`` tensors (an op returns tensors, not None).
-The adapter gradients come out in the dtype of their inputs (which must agree), i.e. the
-adapter dtype, since the forward requires x and the adapters to share one dtype.
+Two dtypes. The *activation dtype* is that of x, the chunks, bias and lora_x (forward), of dy
+(dgrad), of lora_x and dy (adapter gradients): they must agree. The *adapter dtype* is that of
+lora_a and lora_b (which must agree) and of the xa / dyb the ops return and take back; it is
+the activation dtype, or float32 (PEFT's autocast_adapter_dtype: fp32 adapters on a bf16/fp16
+model). Any other combination (fp16 adapters with bf16 x, fp64 adapters with fp32 x, ...) is
+a TypeError naming the arguments. (fp32 adapters with fp64 activations are accepted too, by
+the reference only, since only it takes fp64; the accumulation is then fp64.)
+- Every product accumulates in fp32 (in fp64 when the activations are fp64); a 16-bit operand
+  meeting an fp32 one is widened exactly, never the fp32 one narrowed.
+- ``xa = lora_x·Aᵀ`` and ``dyb = dy·B`` are rounded once to the adapter dtype, and the LoRA term
+  ``s·xa·Bᵀ`` / ``s·dyb·A`` is computed from that rounded value, *before* it joins the fp32
+  accumulator of ``y`` / ``dx``: they are also returned (autograd saves ``xa`` for ``dB`` and
+  uses ``dyb`` for ``dA``), so the forward and backward see one value. With 16-bit adapters
+  this is eager PEFT's rounding (``lora_B(lora_A(x))`` in bf16 rounds ``x·Aᵀ``); with fp32
+  adapters it is no rounding at all (fp32 is the accumulator), as in PEFT, which casts x to
+  the adapters' fp32 for the LoRA branch.
+- ``y`` and ``dx`` are in the activation dtype, rounded once from the fp32 sum of base product,
+  bias and LoRA term (eager PEFT rounds the base product and the sum separately).
+- ``dA`` and ``dB`` are in the adapter dtype, each rounded once from its fp32 accumulator.
+The Triton kernels in ``paged_linear`` do the same ([Note: adapter dtype in the kernels]), so
+both impls define one op; the one difference beyond the order of fp32 additions: on a GPU,
+with fp32 adapters, the LoRA term fused into y / dx multiplies in tf32x3 (each product within
+~3·2^-22 relative of the fp32 one, far below y's / dx's 16-bit rounding). Same-dtype calls are
+exactly what they were before fp32 adapters.
+Without LoRA, ``xa`` / ``dyb`` are empty ``[T, 0]`` tensors in the activation dtype (an op
+returns tensors, not None).
 """
 
 from __future__ import annotations
@@ -119,6 +136,22 @@ def check_fwd_args(x, chunks, bias, lora_x, lora_a, lora_b) -> tuple[int, int, i
     return t, k, n, r, rows_per_chunk
 
 
+def adapter_dtypes(activation: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The adapter dtypes allowed with `activation` ([Note: numerics of the paged LoRA ops])."""
+    return (activation,) if activation == torch.float32 else (activation, torch.float32)
+
+
+def _check_adapter_dtype(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) -> None:
+    """t is in the adapter dtype of ref's activations (ref's dtype or fp32), on ref's device."""
+    if t.dtype not in adapter_dtypes(ref.dtype):
+        raise TypeError(
+            f"{name} has dtype {t.dtype}, but {ref_name} has dtype {ref.dtype}; {name} must have "
+            f"{ref_name}'s dtype or torch.float32 (the adapter dtype)"
+        )
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device}, but {ref_name} is on {ref.device}; they must be on one device")
+
+
 def _check_lora(lora_a, lora_b, ref, ref_name: str, k: int, n: int) -> int:
     if (lora_a is None) != (lora_b is None):
         missing = "lora_a" if lora_a is None else "lora_b"
@@ -127,8 +160,13 @@ def _check_lora(lora_a, lora_b, ref, ref_name: str, k: int, n: int) -> int:
         return 0
     _check_tensor(lora_a, "lora_a", 2)
     _check_tensor(lora_b, "lora_b", 2)
-    _check_like(lora_a, "lora_a", ref, ref_name)
-    _check_like(lora_b, "lora_b", ref, ref_name)
+    _check_adapter_dtype(lora_a, "lora_a", ref, ref_name)
+    _check_adapter_dtype(lora_b, "lora_b", ref, ref_name)
+    if lora_b.dtype != lora_a.dtype:
+        raise TypeError(
+            f"lora_b has dtype {lora_b.dtype}, but lora_a has dtype {lora_a.dtype}; the two adapters "
+            f"must share one dtype"
+        )
     r = int(lora_a.shape[0])
     if r < 1:
         raise ValueError(f"lora_a has {r} rows: the LoRA rank r must be positive")
@@ -158,8 +196,10 @@ def check_adapter_grad_args(lora_x, xa, dy, dyb) -> tuple[int, int, int, int]:
     _check_tensor(xa, "xa", 2)
     _check_tensor(dy, "dy", 2)
     _check_tensor(dyb, "dyb", 2)
-    for t, name in ((xa, "xa"), (dy, "dy"), (dyb, "dyb")):
-        _check_like(t, name, lora_x, "lora_x")
+    # lora_x, dy: the activation dtype; xa, dyb: the adapter dtype (lora_x's dtype or fp32).
+    _check_adapter_dtype(xa, "xa", lora_x, "lora_x")
+    _check_like(dy, "dy", lora_x, "lora_x")
+    _check_like(dyb, "dyb", xa, "xa")
     t, k = int(lora_x.shape[0]), int(lora_x.shape[1])
     for ten, name in ((xa, "xa"), (dy, "dy"), (dyb, "dyb")):
         if int(ten.shape[0]) != t:
@@ -178,7 +218,8 @@ def check_adapter_grad_args(lora_x, xa, dy, dyb) -> tuple[int, int, int, int]:
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of the ops: fp32 for 16-bit inputs, the input dtype otherwise."""
+    """Accumulation dtype of the ops for activations of `dtype`: fp32 for 16-bit, `dtype`
+    otherwise (fp32 or fp64, never narrower than the adapter dtype)."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
@@ -220,7 +261,7 @@ def paged_lora_linear_fwd_reference(
         y_t.add_(bias.to(acc)[:, None])
     if r:
         lx = x if lora_x is None else lora_x
-        xa = (lx.to(acc) @ lora_a.to(acc).t()).to(x.dtype)
+        xa = (lx.to(acc) @ lora_a.to(acc).t()).to(lora_a.dtype)  # rounded to the adapter dtype
         y_t.addmm_(lora_b.to(acc), xa.to(acc).t(), alpha=float(scale))
     else:
         xa = x.new_empty((t, 0))
@@ -243,7 +284,7 @@ def paged_lora_linear_dgrad_reference(
     for c, (begin, end) in zip(chunks, chunk_row_ranges(chunks)):
         dx.addmm_(dyacc[:, begin:end], c.to(acc))
     if r:
-        dyb = (dyacc @ lora_b.to(acc)).to(dy.dtype)
+        dyb = (dyacc @ lora_b.to(acc)).to(lora_b.dtype)  # rounded to the adapter dtype
         dx.addmm_(dyb.to(acc), lora_a.to(acc), alpha=float(scale))
     else:
         dyb = dy.new_empty((t, 0))
@@ -258,9 +299,9 @@ def lora_adapter_grads_reference(
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_adapter_grad_args(lora_x, xa, dy, dyb)
-    acc = acc_dtype(lora_x.dtype)
+    acc = acc_dtype(lora_x.dtype)  # the activation dtype's: fp32 for 16-bit, so also for fp32 xa
     s = float(scale)
     grad_a = torch.mm(dyb.to(acc).t(), lora_x.to(acc)).mul_(s)
     grad_b = torch.mm(dy.to(acc).t(), xa.to(acc)).mul_(s)
-    return grad_a.to(lora_x.dtype), grad_b.to(lora_x.dtype)
+    return grad_a.to(xa.dtype), grad_b.to(xa.dtype)  # the adapter dtype
 
