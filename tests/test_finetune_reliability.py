@@ -234,6 +234,42 @@ def test_failed_checkpoint_write_stops_every_rank(tmp_path, fault, pattern):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
 
 
+def test_stopped_rank_ends_its_peers_with_a_clear_error(tmp_path):
+    """Rank 1 is SIGSTOPped during training: rank 0 waits --timeout-s in its collective, then
+    stops with one line naming the cause (today: a gloo traceback). (The stopped rank itself is
+    ended by its torchrun agent here, one node; across nodes see [Note: a rank that stops].)"""
+    import time
+
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "python_api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--timeout-s", "10", "--save-dir", out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + ERROR_TIMEOUT_S
+        while not os.path.exists(os.path.join(out, "checkpoint", "trainer_state.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 1"
+            time.sleep(0.5)
+        rank1 = None
+        for child in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+            with open(f"/proc/{child}/environ", "rb") as f:
+                if b"RANK=1" in f.read().split(b"\0"):
+                    rank1 = int(child)
+        assert rank1 is not None
+        os.kill(rank1, signal.SIGSTOP)
+        try:
+            _, err = proc.communicate(timeout=150)  # 10 s timeout + the agent's 30 s shutdown grace
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 did not end after its peer stopped")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    line = next((ln for ln in err.splitlines() if ln.startswith("elastic-finetune: error: rank 0:")), None)
+    assert line is not None and "a collective did not complete" in line and "--timeout-s (10 s)" in line, err[-4000:]
+    assert not re.search(r"\[rank0\]: Traceback", err), err[-4000:]
+
+
 # ------------------------------------------------------------------------------- 9. lock
 
 
