@@ -16,8 +16,10 @@ the same order. Gathered weights are moved to the CPU one by one (FSDP's offload
 the device never holds more than one extra weight. Before each gather the ranks meet in the
 process group's store, not in a collective: a rank that calls `state_dict()` alone (rank 0 of
 a Trainer on several ranks, say) fails with a clear message after
-`ElasticPolicy.collective_timeout_s` instead of hanging, and no collective is left half-issued
-(the other ranks' next all-gather still pairs up correctly).
+`ElasticPolicy.collective_timeout_s` instead of hanging, and no collective is left half-issued.
+Exports meet by their order number (a rank's n-th weight export pairs with the others' n-th;
+a rank that gave up takes its arrival back), so they must be made alike on every rank, as
+collectives must.
 `load_state_dict` of a full state dict is local: every rank cuts its shard out of the full
 weight with the tensor's layout and drops the pool's cached chunks of it (they would be stale).
 

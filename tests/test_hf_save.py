@@ -382,3 +382,45 @@ def test_save_adapter_error_on_every_rank(tmp_path):
     assert e0 is not None and e0 == e1, (e0, e1)
     assert "save_adapter" in e0 and "failed on rank 0" in e0 and "a_file" in e0, e0
     assert max(t0, t1) < 10
+
+
+# ---------------------------------------------------------------------------- Conv1D (GPT-2)
+
+
+def _gpt2_worker(rank, world_size, tmp):
+    from transformers import AutoModelForCausalLM
+
+    from python_api import ElasticPolicy
+    from python_api.lora import LoRAConfig, convert_to_elastic
+    from tests.test_lora_setups import tiny_gpt2
+
+    want_base = tiny_gpt2().state_dict()
+
+    def converted(seed):
+        model = convert_to_elastic(tiny_gpt2(seed), LoRAConfig(r=4, alpha=8, target_modules=("c_attn", "c_fc")),
+                                   ElasticPolicy(chunk_bytes=32 * 4 * 5, replicate_below_bytes=0))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.1)
+        return model
+
+    model = converted(0)
+    sd = model.state_dict()
+    base = {k: v for k, v in sd.items() if ".lora_" not in k}
+    assert sorted(base) == sorted(want_base)
+    for k, v in want_base.items():  # Conv1D weights come back as [in, out]
+        assert torch.equal(base[k], v), k
+    want = _logits(model)
+    other = converted(1)
+    other.load_state_dict(sd)
+    assert torch.equal(_logits(other), want)
+    out = os.path.join(tmp, "gpt2")
+    model.save_pretrained(out)
+    got = _logits(AutoModelForCausalLM.from_pretrained(out)) if rank == 0 else want
+    return want, got
+
+
+def test_conv1d_state_dict_and_save_pretrained(tmp_path):
+    want, got = run_distributed(_gpt2_worker, 2, str(tmp_path), timeout=300)[0]
+    torch.testing.assert_close(got, want, **TOL)
