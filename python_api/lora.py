@@ -247,7 +247,9 @@ class ElasticLoRAFunction(torch.autograd.Function):
                 dtype: torch.dtype):
         rt = et.runtime
         with no_autocast(x.device.type):
-            xc = x.to(dtype)
+            # Not x.to(dtype) when x already has it: under tracing that is a new tensor aliasing
+            # x, and a saved alias of an input is what AOTAutograd refuses ([Note: torch.compile]).
+            xc = x if x.dtype == dtype else x.to(dtype)
             mask = None
             lora_x = xc
             if dropout > 0.0 and training:
@@ -258,6 +260,12 @@ class ElasticLoRAFunction(torch.autograd.Function):
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=ctx.needs_input_grad[0]) as resident:
                 y, xa = paged_lora_linear_fwd(x2, cast_chunks(resident.chunks(), dtype), bias_c, lx2, a, b, scale)
+        if torch.compiler.is_compiling():
+            # Only when a compiler traces this function (the layers' forward is compiler-
+            # disabled, so not today): the reference op's xa is a no-op .to() of a traced
+            # intermediate, which dynamo counts as an alias and refuses to save
+            # ([Note: torch.compile]); a copy of [T, r] costs nothing.
+            xa = xa.clone()
         ctx.save_for_backward(lora_x, xa, lora_a, lora_b, mask)
         ctx.et, ctx.scale, ctx.dtype = et, scale, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
