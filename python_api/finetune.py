@@ -779,11 +779,13 @@ def _check_segments(segments, step: int, where: str) -> list[dict]:
     bad = FinetuneError(f"{where}: \"segments\" is malformed (edited or damaged file)")
     if not isinstance(segments, list):
         raise bad
-    last = 0
+    last = None  # the first segment may start after step 1 (a checkpoint of a version without segments, resumed)
     for seg in segments:
         if not isinstance(seg, dict) or not all(_is_int(seg.get(k)) for k in ("first_step", "last_step")):
             raise bad
-        if seg["first_step"] != last + 1 or seg["last_step"] < seg["first_step"] - 1 or not isinstance(seg.get("pool_budget"), str):
+        if seg["first_step"] < 1 or (last is not None and seg["first_step"] != last + 1):
+            raise bad
+        if seg["last_step"] < seg["first_step"] - 1 or not isinstance(seg.get("pool_budget"), str):
             raise bad
         for k in ("step_times_s", "allgather_bytes_per_step", "allgather_bytes_counted_per_step"):
             v = seg.get(k)
