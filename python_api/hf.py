@@ -55,6 +55,7 @@ import json
 import logging
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -152,11 +153,29 @@ def rank0_then_agree(rt: ElasticRuntime, fn, what: str) -> None:
 # ---------------------------------------------------------------------------- state dict hooks
 
 
+_gather_only = False  # set by gather_only(): take part in the gathers, keep nothing
+
+
+@contextmanager
+def gather_only():
+    """`state_dict()` inside this context joins every gather but keeps no gathered weight (they
+    are left out of the returned dict): for the ranks that do not write, so that only the
+    writer ever holds the whole model in host memory."""
+    global _gather_only
+    previous, _gather_only = _gather_only, True
+    try:
+        yield
+    finally:
+        _gather_only = previous
+
+
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     et: ElasticTensor = module.et
     rt = et.runtime
     _rendezvous(rt, f"state_dict() ({et.name})")
     weight = rt.full_weight(et)
+    if _gather_only:
+        return
     if getattr(module, "fan_in_fan_out", False):
         weight = weight.t().contiguous()  # Conv1D stores [in, out]; the runtime holds [out, in]
     if weight.device.type != "cpu":
@@ -322,23 +341,30 @@ class ElasticPreTrainedMixin:
         if rt is None:
             return super().save_pretrained(save_directory, *args, state_dict=state_dict,
                                            is_main_process=is_main_process, **kwargs)
-        collective = state_dict is None
-        if collective:
+        what = f"save_pretrained({str(save_directory)!r})"
+        if state_dict is None:  # a collective: every rank gathers, rank 0 writes
+            if rt.rank != 0:
+                with gather_only():  # this rank writes nothing: keep no gathered weight
+                    self.state_dict()
+                rank0_then_agree(rt, lambda: None, what)
+                return
             state_dict = self.state_dict()
-        base, adapters = split_state_dict(self, state_dict)
-        if merged:
-            base = _merge_into(self, base, adapters)
-        writes = is_main_process and (rt.rank == 0 or not collective)
+            collective = True
+        else:
+            collective = False
 
         def write():
+            base, adapters = split_state_dict(self, state_dict)
+            if merged:
+                base = _merge_into(self, base, adapters)
             super(ElasticPreTrainedMixin, self).save_pretrained(
                 save_directory, *args, state_dict=base, is_main_process=True, **kwargs)
             if adapters and not merged:
                 write_adapter(self, str(save_directory), adapters)
 
         if collective:
-            rank0_then_agree(rt, write if writes else (lambda: None), f"save_pretrained({save_directory!r})")
-        elif writes:
+            rank0_then_agree(rt, write if is_main_process else (lambda: None), what)
+        elif is_main_process:
             write()
 
 
@@ -393,9 +419,11 @@ class ElasticTrainerMixin:
     def _save(self, output_dir=None, state_dict=None):
         rt = _runtime(self.model)
         if state_dict is None and rt is not None and rt.world_size > 1:
-            state_dict = self.model.state_dict()  # every rank: a collective
-            if not self.args.should_save:
-                state_dict = None  # only the writer keeps it
+            if self.args.should_save:
+                state_dict = self.model.state_dict()  # every rank: a collective
+            else:
+                with gather_only():  # only the writer holds the whole model
+                    self.model.state_dict()
         return super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

@@ -98,6 +98,16 @@ def _state_dict_worker(rank, world_size):
     except RuntimeError as e:
         errors["missing"] = str(e)
     non_strict = other.load_state_dict(plain_sd, strict=False)
+
+    # A rank that will not write joins the gathers but keeps nothing (ElasticTrainer's non-writers).
+    from python_api import hf
+
+    if rank == 1:
+        with hf.gather_only():
+            partial = model.state_dict()
+        assert "model.layers.0.self_attn.q_proj.weight" not in partial and "model.embed_tokens.weight" in partial
+    else:
+        assert torch.equal(model.state_dict()["lm_head.weight"], want_base["lm_head.weight"])
     return errors, sorted(non_strict.missing_keys), lora_keys
 
 
@@ -369,19 +379,24 @@ def _unwritable_worker(rank, world_size, tmp):
         with open(blocker, "w") as f:
             f.write("not a directory\n")
     torch.distributed.barrier()
-    t0 = time.monotonic()
-    try:
-        save_adapter(model, os.path.join(blocker, "adapter"))
-    except RuntimeError as e:
-        return str(e), time.monotonic() - t0
-    return None, time.monotonic() - t0
+    out = {}
+    for what, save in (("adapter", lambda p: save_adapter(model, p)), ("pretrained", model.save_pretrained)):
+        t0 = time.monotonic()
+        try:
+            save(os.path.join(blocker, what))
+            out[what] = (None, time.monotonic() - t0)
+        except RuntimeError as e:
+            out[what] = (str(e), time.monotonic() - t0)
+    return out
 
 
-def test_save_adapter_error_on_every_rank(tmp_path):
-    (e0, t0), (e1, t1) = run_distributed(_unwritable_worker, 2, str(tmp_path), timeout=120)
-    assert e0 is not None and e0 == e1, (e0, e1)
-    assert "save_adapter" in e0 and "failed on rank 0" in e0 and "a_file" in e0, e0
-    assert max(t0, t1) < 10
+def test_save_errors_on_every_rank(tmp_path):
+    r0, r1 = run_distributed(_unwritable_worker, 2, str(tmp_path), timeout=120)
+    for what, call in (("adapter", "save_adapter"), ("pretrained", "save_pretrained")):
+        (e0, t0), (e1, t1) = r0[what], r1[what]
+        assert e0 is not None and e0 == e1, (e0, e1)
+        assert call in e0 and "failed on rank 0" in e0 and "a_file" in e0, e0
+        assert max(t0, t1) < 10
 
 
 # ---------------------------------------------------------------------------- Conv1D (GPT-2)
