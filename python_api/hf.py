@@ -197,15 +197,15 @@ def _load_state_dict_pre_hook(
         return
     full = state_dict.pop(key)  # not a Parameter of this module: it would count as unexpected
     et: ElasticTensor = module.et
-    if getattr(module, "fan_in_fan_out", False):
-        full = full.t()  # Conv1D's [in, out] as saved, back to the runtime's [out, in]
-    if tuple(full.shape) != et.shape:
+    conv1d = getattr(module, "fan_in_fan_out", False)  # Conv1D saves [in, out]; the runtime holds [out, in]
+    expected = et.shape[::-1] if conv1d else et.shape
+    if tuple(full.shape) != expected:
         error_msgs.append(
             f"size mismatch for {key}: copying a param with shape {tuple(full.shape)} from checkpoint, "
-            f"the shape in current model is {torch.Size(et.shape)}."
+            f"the shape in current model is {torch.Size(expected)}."
         )
         return
-    load_full_weight(et, full)
+    load_full_weight(et, full.t() if conv1d else full)
 
 
 def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
@@ -265,7 +265,8 @@ def _ddp_pre_forward(model: nn.Module, args) -> None:
 
 
 def _is_hf_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
 
 
 def split_state_dict(model: nn.Module, state_dict: dict) -> tuple[dict, dict]:
@@ -385,20 +386,23 @@ def _swap_class(model: nn.Module) -> None:
 
 def attach(model: nn.Module) -> nn.Module:
     """Install the hooks of this module on a model just put under an elastic runtime."""
-    if getattr(model, _ATTACHED_ATTR, False):
-        return model
     rt = _runtime(model)
     if rt is None:
         raise ValueError("attach: the model is not under an elastic runtime")
+    previous = getattr(model, _ATTACHED_ATTR, None)  # (runtime, forward pre-hook handle)
+    if previous is not None:
+        if previous[0] is rt:
+            return model
+        previous[1].remove()  # converted again after merge_adapters: a new runtime
     for module in model.modules():
         if _is_elastic_layer(module):
             module.register_state_dict_post_hook(_state_dict_post_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     object.__setattr__(model, _USER_REDUCE_ATTR, rt.policy.all_reduce_grads)
-    model.register_forward_pre_hook(_ddp_pre_forward)
+    handle = model.register_forward_pre_hook(_ddp_pre_forward)
     if _is_hf_model(model):
         _swap_class(model)
-    object.__setattr__(model, _ATTACHED_ATTR, True)
+    object.__setattr__(model, _ATTACHED_ATTR, (rt, handle))
     return model
 
 

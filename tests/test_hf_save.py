@@ -108,6 +108,18 @@ def _state_dict_worker(rank, world_size):
         assert "model.layers.0.self_attn.q_proj.weight" not in partial and "model.embed_tokens.weight" in partial
     else:
         assert torch.equal(model.state_dict()["lm_head.weight"], want_base["lm_head.weight"])
+
+    # Merged back to plain layers, then converted again: the new layers get the hooks too.
+    from python_api import ElasticPolicy
+    from python_api.lora import LoRAConfig, convert_to_elastic, merge_adapters
+
+    merged = merge_adapters(model)
+    merged_sd = {k: v.clone() for k, v in merged.state_dict().items()}
+    again = convert_to_elastic(merged, LoRAConfig(r=2, alpha=2, target_modules=("k_proj",)), ElasticPolicy(**POLICY))
+    again_sd = again.state_dict()
+    assert all(torch.equal(again_sd[k], v) for k, v in merged_sd.items())
+    assert sorted(set(again_sd) - set(merged_sd)) == [
+        f"model.layers.{i}.self_attn.k_proj.lora_{x}.weight" for i in (0, 1) for x in "AB"]
     return errors, sorted(non_strict.missing_keys), lora_keys
 
 
