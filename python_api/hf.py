@@ -254,6 +254,10 @@ def _ddp_pre_forward(model: nn.Module, args) -> None:
             if cache[id(model)]:
                 logger.info("elastic: the model runs under DDP, which averages the adapter gradients; "
                             "the runtime's own all-reduce is off while it does")
+            else:
+                logger.warning("elastic: the model runs under a DDP that ignores some of its trainable "
+                               "parameters; the runtime keeps averaging all of them, so the others are "
+                               "reduced twice (set ElasticPolicy(all_reduce_grads=False) to leave them to DDP)")
         under_ddp = cache[id(model)]
     want = False if under_ddp else getattr(model, _USER_REDUCE_ATTR, rt.policy.all_reduce_grads)
     if rt.policy.all_reduce_grads != want:
