@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from python_api.config import ElasticPolicy
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase
+from python_api.units import assign_units
 
 _RUNTIME_ATTR = "_elastic_runtime"
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -105,7 +106,8 @@ class ElasticLinearFunction(torch.autograd.Function):
     saves nothing, backward re-gathers W for dx."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, et: ElasticTensor, dtype: torch.dtype):
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, et: ElasticTensor, dtype: torch.dtype,
+                keep_for_backward: bool):
         rt = et.runtime
         out_features = et.shape[0]
         with no_autocast(x.device.type):
@@ -117,7 +119,7 @@ class ElasticLinearFunction(torch.autograd.Function):
                 r0, r1 = et.layout.chunk_rows(c)
                 y[:, r0:r1] = F.linear(x2, w.to(dtype), None if b is None else b[r0:r1])
 
-            with rt.use(et, Phase.FORWARD, needs_backward=ctx.needs_input_grad[0]) as resident:
+            with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
                 resident.execute(fwd_chunk)
         ctx.et, ctx.dtype = et, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -151,7 +153,15 @@ class ElasticLinearFunction(torch.autograd.Function):
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, db, None, None
+        return dx, db, None, None, None
+
+
+def keeps_for_backward(x: torch.Tensor) -> bool:
+    """Will a backward need this layer's weight (dx)? Only with grad enabled *and* an input that
+    requires grad: inside an autograd.Function's forward grad mode is always off and
+    `ctx.needs_input_grad` ignores it, so the layer decides before `apply` (under no_grad no
+    backward comes, and PEAK chunks must not be kept for one)."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
 class ElasticLinear(nn.Module):
@@ -167,8 +177,8 @@ class ElasticLinear(nn.Module):
         self.fan_in_fan_out = fan_in_fan_out
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, runtime: ElasticRuntime, name: str) -> ElasticLinear:
-        et = runtime.register(linear.weight, name)
+    def from_linear(cls, linear: nn.Linear, runtime: ElasticRuntime, name: str, unit: str | None = None) -> ElasticLinear:
+        et = runtime.register(linear.weight, name, unit)
         return cls(et, linear.bias)
 
     @torch.compiler.disable  # [Note: torch.compile]
@@ -176,7 +186,7 @@ class ElasticLinear(nn.Module):
         dtype = op_dtype(x, self.et.dtype, self.et.name)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.et.name}: input has {x.shape[-1]} features, the layer expects {self.in_features}")
-        return ElasticLinearFunction.apply(x, self.bias, self.et, dtype)
+        return ElasticLinearFunction.apply(x, self.bias, self.et, dtype, keeps_for_backward(x))
 
     def _apply(self, fn, recurse=True):
         refuse_conversion(self, fn)
@@ -193,11 +203,14 @@ def _default_filter(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and not module.weight.requires_grad
 
 
-def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=None, device=None) -> nn.Module:
+def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=None, device=None,
+               unit_modules=None) -> nn.Module:
     """Put the frozen `nn.Linear` layers of `model` under one elastic runtime, in place.
 
     `should_wrap(name, module)` picks the layers (default: every `nn.Linear` whose weight does
-    not require grad). Call it on every rank of `group` with the same model and policy.
+    not require grad). `unit_modules` groups the weights gathered together (default: HF
+    decoder layers; see `python_api.units.assign_units`). Call it on every rank of `group`
+    with the same model and policy.
     Returns the model; `stats(model)`, `reset_stats(model)`, `set_pool_budget(model, b)` reach
     its runtime.
     """
@@ -214,7 +227,8 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
     # Build everything (and agree across ranks) before touching the model, so a failure
     # leaves it as it was.
     runtime = ElasticRuntime(policy, group=group, device=device)
-    replacements = [(name, ElasticLinear.from_linear(module, runtime, name)) for name, module in targets]
+    units = assign_units(model, [n for n, _ in targets], unit_modules)
+    replacements = [(name, ElasticLinear.from_linear(module, runtime, name, units[name])) for name, module in targets]
     runtime.check_ranks_agree()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")

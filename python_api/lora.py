@@ -75,12 +75,14 @@ from python_api.elastic_linear import (
     LOW_PRECISION,
     ElasticLinear,
     cast_chunks,
+    keeps_for_backward,
     no_autocast,
     op_dtype,
     refuse_conversion,
     runtime_of,
 )
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase
+from python_api.units import assign_units
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -244,7 +246,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, lora_a, lora_b, et: ElasticTensor, scale: float, dropout: float, training: bool,
-                dtype: torch.dtype):
+                dtype: torch.dtype, keep_for_backward: bool):
         rt = et.runtime
         with no_autocast(x.device.type):
             # Not x.to(dtype) when x already has it: under tracing that is a new tensor aliasing
@@ -258,7 +260,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             a, b = _adapter_operand(lora_a, dtype), _adapter_operand(lora_b, dtype)
             x2, lx2 = xc.reshape(-1, x.shape[-1]), lora_x.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
-            with rt.use(et, Phase.FORWARD, needs_backward=ctx.needs_input_grad[0]) as resident:
+            with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
                 y, xa = paged_lora_linear_fwd(x2, cast_chunks(resident.chunks(), dtype), bias_c, lx2, a, b, scale)
         if torch.compiler.is_compiling():
             # Only when a compiler traces this function (the layers' forward is compiler-
@@ -303,7 +305,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             dx, db,
             da.to(lora_a.dtype) if ctx.needs_input_grad[2] else None,
             dB.to(lora_b.dtype) if ctx.needs_input_grad[3] else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -354,7 +356,7 @@ class ElasticLoRALinear(nn.Module):
             raise ValueError(f"{self.et.name}: input has {x.shape[-1]} features, the layer expects {self.in_features}")
         return ElasticLoRAFunction.apply(
             x, self.bias, self.lora_A.weight, self.lora_B.weight, self.et,
-            self.scaling, self.lora.dropout, self.training, dtype,
+            self.scaling, self.lora.dropout, self.training, dtype, keeps_for_backward(x),
         )
 
     def _apply(self, fn, recurse=True):
@@ -377,9 +379,12 @@ def _shared_params(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None) -> nn.Module:
+def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None,
+                       unit_modules=None) -> nn.Module:
     """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
-    with each parameter]); call on every rank of `group` with the same model. Returns `model`."""
+    with each parameter]); call on every rank of `group` with the same model. `unit_modules`
+    groups the weights gathered in one collective (default: the HF decoder layers,
+    `_no_split_modules`; see `python_api.units.assign_units`). Returns `model`."""
     if not isinstance(lora, LoRAConfig):
         raise TypeError(f"lora must be a LoRAConfig, got {type(lora).__name__}")
     if getattr(model, _RUNTIME_ATTR, None) is not None:
@@ -399,8 +404,9 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     model.requires_grad_(False)
     replacements = []
     chosen = set(targets) | set(others)
+    units = assign_units(model, sorted(chosen), unit_modules)
     for name, module in [(n, m) for n, m in model.named_modules() if n in chosen]:
-        et = runtime.register(_frozen_weight(module), name)
+        et = runtime.register(_frozen_weight(module), name, units[name])
         conv = _is_conv1d(module)
         new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
                else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
@@ -489,11 +495,12 @@ def _atomic_write(path: str, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     os.close(fd)
     try:
-        # mkstemp creates the file 0600; give the result the permissions a plain open() would.
+        write(tmp)
+        # mkstemp creates the file 0600, and a writer may replace the file (safetensors does):
+        # give the finished file the permissions a plain open() would, right before the rename.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
