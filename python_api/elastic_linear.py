@@ -61,6 +61,10 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def op_dtype(x: torch.Tensor, weight_dtype: torch.dtype, name: str) -> torch.dtype:
     """The dtype an elastic layer computes in for input `x` ([Note: mixed precision])."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: the input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: the input is a scalar; a linear layer needs at least one dimension (features)")
     device_type = x.device.type
     if x.dtype in _AUTOCAST_ELIGIBLE and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

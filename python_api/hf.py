@@ -49,7 +49,6 @@ for any other data-parallel wrapper.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -66,7 +65,6 @@ from python_api.runtime import ElasticRuntime, ElasticTensor
 logger = logging.getLogger(__name__)
 
 _RUNTIME_ATTR = "_elastic_runtime"  # same name as python_api.elastic_linear._RUNTIME_ATTR
-_USER_REDUCE_ATTR = "_elastic_user_all_reduce_grads"
 _ATTACHED_ATTR = "_elastic_hf_attached"
 
 
@@ -213,16 +211,13 @@ def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
     keeps its own shard; cached chunks of the old value are dropped from the pool. Local (no
     collective); not while a forward or backward is using the weight."""
     rt = et.runtime
-    pool = rt.pool
-    if pool is not None:
-        cached = [k for k in et.keys if pool.contains(k)]
-        if any(pool.pin_count(k) > 0 for k in cached):
-            raise RuntimeError(f"load_state_dict: {et.name} is in use by a forward or backward; load between steps")
+    try:
+        rt.drop_cached(et)  # before the copy: a weight in use is refused with nothing changed
+    except RuntimeError as exc:
+        raise RuntimeError(f"load_state_dict: {exc}") from None
     with torch.no_grad():
         shard = et.layout.shard(full.detach().to(et.dtype), rt.rank)  # cut where the source lives
         et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
-    if pool is not None and cached:
-        pool.free_many(cached)
 
 
 # ---------------------------------------------------------------------------- DDP
@@ -259,10 +254,7 @@ def _ddp_pre_forward(model: nn.Module, args) -> None:
                                "parameters; the runtime keeps averaging all of them, so the others are "
                                "reduced twice (set ElasticPolicy(all_reduce_grads=False) to leave them to DDP)")
         under_ddp = cache[id(model)]
-    want = False if under_ddp else getattr(model, _USER_REDUCE_ATTR, rt.policy.all_reduce_grads)
-    if rt.policy.all_reduce_grads != want:
-        # The policy is frozen; the runtime reads this field at the end of each backward.
-        rt.policy = dataclasses.replace(rt.policy, all_reduce_grads=want)
+    rt.set_grad_reduction(False if under_ddp else None)
 
 
 # ---------------------------------------------------------------------------- transformers
@@ -402,7 +394,6 @@ def attach(model: nn.Module) -> nn.Module:
         if _is_elastic_layer(module):
             module.register_state_dict_post_hook(_state_dict_post_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-    object.__setattr__(model, _USER_REDUCE_ATTR, rt.policy.all_reduce_grads)
     handle = model.register_forward_pre_hook(_ddp_pre_forward)
     if _is_hf_model(model):
         _swap_class(model)

@@ -248,6 +248,9 @@ class ElasticRuntime:
         self._end_of_backward_queued = False
         self._grad_params: list[torch.nn.Parameter] = []
         self._sync_grads = True  # False inside no_sync(): see [Note: gradient accumulation]
+        # Whether the end of backward averages adapter gradients: the policy's setting, turned
+        # off while another wrapper (DDP) reduces them (set_grad_reduction).
+        self._reduce_grads = policy.all_reduce_grads
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0}
 
     # ---------------------------------------------------------------- registration
@@ -457,9 +460,29 @@ class ElasticRuntime:
         self._end_of_backward_queued = False
         if self.phase is Phase.BACKWARD:
             self._finish_phase()
-        if self.policy.all_reduce_grads and self._sync_grads and self.world_size > 1:
+        if self._reduce_grads and self._sync_grads and self.world_size > 1:
             with self._device_guard():
                 self._all_reduce_grads()
+
+    def set_grad_reduction(self, enabled: bool | None) -> None:
+        """Turn the end-of-backward gradient averaging on or off (None: the policy's
+        `all_reduce_grads`), e.g. off while DDP averages the same gradients. On every rank."""
+        self._reduce_grads = self.policy.all_reduce_grads if enabled is None else bool(enabled)
+
+    @property
+    def reduces_grads(self) -> bool:
+        return self._reduce_grads
+
+    def drop_cached(self, et: ElasticTensor) -> None:
+        """Free the pool pages holding chunks of `et` (after its shard changed). Local; not
+        while a use of `et` is running."""
+        if self.pool is None:
+            return
+        cached = [k for k in et.keys if self.pool.contains(k)]
+        if any(self.pool.pin_count(k) > 0 for k in cached):
+            raise RuntimeError(f"{et.name} is in use by a forward or backward; change it between steps")
+        if cached:
+            self.pool.free_many(cached)
 
     @contextmanager
     def no_sync(self):

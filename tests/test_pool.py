@@ -657,7 +657,8 @@ def test_bad_segment_bytes():
         pytest.param(lambda p: p.page(-1), IndexError, "not a page", id="page-negative"),
         pytest.param(lambda p: p.page(10**6), IndexError, "not a page", id="page-out-of-range"),
         pytest.param(lambda p: p.page(3), IndexError, "no live page", id="page-free-slot"),
-        pytest.param(lambda p: p.allocate('x'), TypeError, "incompatible function arguments", id="allocate-str-key"),
+        pytest.param(lambda p: p.allocate('x'), TypeError, "key must be an int", id="allocate-str-key"),
+        pytest.param(lambda p: p.allocate(True), TypeError, "key must be an int", id="allocate-bool-key"),
     ],
 )
 def test_bad_input_leaves_pool_unchanged(call, exc, match):
@@ -979,3 +980,18 @@ def test_cuda_close_and_shrink_return_memory_to_torch():
     assert torch.cuda.memory_allocated() - base == 8 * MIB == pool.stats()["reserved_bytes"]
     pool.close()
     assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, "1", None])
+def test_keys_must_be_ints(bad):
+    """A bool is an int subclass: pybind11 alone would take key=True as key 1."""
+    pool = PagePool(512, 4096)
+    pool.allocate(1)
+    for call in (pool.allocate, pool.allocate_pinned, pool.get, pool.slot, pool.contains, pool.free, pool.pin,
+                 pool.unpin, pool.pin_count, pool.priority):
+        with pytest.raises(TypeError, match="key must be an int"):
+            call(bad)
+    for call in (pool.lookup_pin, pool.unpin_many, pool.allocate_many, pool.free_many):
+        with pytest.raises(TypeError, match="key"):
+            call([2, bad])
+    assert pool.keys() == [1] and pool.pin_count(1) == 0

@@ -45,6 +45,45 @@ py::dict stats_dict(const PoolStats& s) {
   return d;
 }
 
+// Keys arrive as Python ints. pybind11's int64_t caster also takes a bool (an int subclass),
+// so `key=True` would silently be key 1: every key goes through these instead.
+int64_t key_of(py::handle h) {
+  if (PyBool_Check(h.ptr()) || !PyLong_Check(h.ptr())) {
+    throw py::type_error(std::string("PagePool: a key must be an int, got ") + Py_TYPE(h.ptr())->tp_name);
+  }
+  return h.cast<int64_t>();
+}
+
+std::vector<int64_t> keys_of(py::handle seq) {
+  if (PyLong_Check(seq.ptr()) || !PySequence_Check(seq.ptr())) {
+    throw py::type_error(std::string("PagePool: keys must be a sequence of ints, got ") + Py_TYPE(seq.ptr())->tp_name);
+  }
+  py::sequence s = py::reinterpret_borrow<py::sequence>(seq);
+  std::vector<int64_t> out;
+  out.reserve(s.size());
+  for (auto item : s) out.push_back(key_of(item));
+  return out;
+}
+
+// Converts the key(s) with the GIL held, then runs `fn` without it.
+template <typename F>
+auto one_key(F fn) {
+  return [fn](PagePool& self, py::handle key) {
+    int64_t k = key_of(key);
+    py::gil_scoped_release release;
+    return fn(self, k);
+  };
+}
+
+template <typename F>
+auto many_keys(F fn) {
+  return [fn](PagePool& self, py::handle keys) {
+    std::vector<int64_t> ks = keys_of(keys);
+    py::gil_scoped_release release;
+    return fn(self, ks);
+  };
+}
+
 }  // namespace
 
 void bind_page_pool(py::module_& m) {
@@ -85,11 +124,26 @@ void bind_page_pool(py::module_& m) {
                                py::gil_scoped_release release;
                                return self.closed();
                              })
-      .def("allocate", &PagePool::allocate, py::arg("key"), py::arg("pin") = false, Release())
-      .def("allocate_many", &PagePool::allocate_many, py::arg("keys"), py::arg("pin") = false, Release())
+      .def(
+          "allocate",
+          [](PagePool& self, py::handle key, bool pin) {
+            int64_t k = key_of(key);
+            py::gil_scoped_release release;
+            return self.allocate(k, pin);
+          },
+          py::arg("key"), py::arg("pin") = false)
+      .def(
+          "allocate_many",
+          [](PagePool& self, py::handle keys, bool pin) {
+            std::vector<int64_t> ks = keys_of(keys);
+            py::gil_scoped_release release;
+            return self.allocate_many(ks, pin);
+          },
+          py::arg("keys"), py::arg("pin") = false)
       .def(
           "get",
-          [](PagePool& self, int64_t key) -> py::object {
+          [](PagePool& self, py::handle key_obj) -> py::object {
+            int64_t key = key_of(key_obj);
             at::Tensor t;
             {
               py::gil_scoped_release release;
@@ -99,18 +153,34 @@ void bind_page_pool(py::module_& m) {
             return py::cast(std::move(t));
           },
           py::arg("key"))
-      .def("slot", &PagePool::slot, py::arg("key"), Release())
-      .def("contains", &PagePool::contains, py::arg("key"), Release())
-      .def("free", &PagePool::free, py::arg("key"), Release())
-      .def("free_many", &PagePool::free_many, py::arg("keys"), Release())
-      .def("pin", &PagePool::pin, py::arg("key"), Release())
-      .def("unpin", &PagePool::unpin, py::arg("key"), Release())
-      .def("pin_count", &PagePool::pin_count, py::arg("key"), Release())
-      .def("priority", &PagePool::priority, py::arg("key"), Release())
-      .def("set_priority", &PagePool::set_priority, py::arg("key"), py::arg("priority"), Release())
-      .def("record_stream", &PagePool::record_stream, py::arg("key"), py::arg("stream_handle"), Release())
-      .def("lookup_pin", &PagePool::lookup_pin, py::arg("keys"), Release())
-      .def("unpin_many", &PagePool::unpin_many, py::arg("keys"), Release())
+      .def("slot", one_key([](PagePool& p, int64_t k) { return p.slot(k); }), py::arg("key"))
+      .def("contains", one_key([](PagePool& p, int64_t k) { return p.contains(k); }), py::arg("key"))
+      .def("free", one_key([](PagePool& p, int64_t k) { p.free(k); }), py::arg("key"))
+      .def("free_many", many_keys([](PagePool& p, const std::vector<int64_t>& k) { p.free_many(k); }), py::arg("keys"))
+      .def("pin", one_key([](PagePool& p, int64_t k) { p.pin(k); }), py::arg("key"))
+      .def("unpin", one_key([](PagePool& p, int64_t k) { p.unpin(k); }), py::arg("key"))
+      .def("pin_count", one_key([](PagePool& p, int64_t k) { return p.pin_count(k); }), py::arg("key"))
+      .def("priority", one_key([](PagePool& p, int64_t k) { return p.priority(k); }), py::arg("key"))
+      .def(
+          "set_priority",
+          [](PagePool& self, py::handle key, int64_t priority) {
+            int64_t k = key_of(key);
+            py::gil_scoped_release release;
+            self.set_priority(k, priority);
+          },
+          py::arg("key"), py::arg("priority"))
+      .def(
+          "record_stream",
+          [](PagePool& self, py::handle key, StreamHandle stream_handle) {
+            int64_t k = key_of(key);
+            py::gil_scoped_release release;
+            self.record_stream(k, stream_handle);
+          },
+          py::arg("key"), py::arg("stream_handle"))
+      .def("lookup_pin", many_keys([](PagePool& p, const std::vector<int64_t>& k) { return p.lookup_pin(k); }),
+           py::arg("keys"))
+      .def("unpin_many", many_keys([](PagePool& p, const std::vector<int64_t>& k) { p.unpin_many(k); }),
+           py::arg("keys"))
       .def("page", &PagePool::page, py::arg("slot"), Release())
       .def("drain_evicted", &PagePool::drain_evicted, Release())
       .def("set_budget", &PagePool::set_budget, py::arg("budget_bytes"), py::arg("evict_to_release") = false,
