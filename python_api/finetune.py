@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_layers']})")
     g.add_argument("--num-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_heads']})")
     g.add_argument("--num-kv-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_kv_heads']})")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the model and adapters")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the model (adapters stay fp32 for bfloat16/float16, as PEFT keeps them)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL where CUDA is available, else CPU with gloo")
 

@@ -621,12 +621,12 @@ class ElasticRuntime:
                     use.chunks[c] = page
 
     def _segment_wids(self, position: int) -> list[int]:
-        """Weights of the segment holding `position` of the current phase's learned order."""
+        """Weights used from `position` to the end of its segment in the current phase's
+        learned order (those before it in the segment have had their use)."""
         order, segments = self._order[self.phase], self._segments[self.phase]
         if order is None or position >= len(order):
             return []
-        first, end = segments[position]
-        return list(dict.fromkeys(order[first:end]))
+        return list(dict.fromkeys(order[position : segments[position][1]]))
 
     def _start_use(self, et: ElasticTensor) -> _Use:
         """The use of `et` now: prefetched, or started together with the rest of its segment."""
