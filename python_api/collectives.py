@@ -30,17 +30,21 @@ one `collective_timeout_s`. Pages of a failed gather never received data; the ru
 them (`GatherWork.failed`), so a caller that catches the error and retries gathers again.
 
 [Note: collective headers]
-On the host-waited (gloo) path every send buffer carries a 16-byte header after its payload,
-packed as one more "run": (magic, sequence number of the collective on this runtime, crc32 of
-the runs it carries (weight ids and chunk ranges), payload elements). On arrival every rank
-compares all ranks' headers before unpacking: ranks that issue the same number of bytes but
-not the same gathers (one rank evaluating alone, a budget changed on one rank, `generate()`
-stopping at different lengths) fail at once, on every rank, with a message that names the
-rule, instead of computing on another layer's weights. Ranks whose gathers differ in *size*
-are stopped by the backend before any header can be read: gloo aborts the process with
-"Received data size doesn't match expected size ... collective mismatch", and the surviving
-ranks fail within `collective_timeout_s`. The header costs 16 bytes per rank per collective;
-the traffic stats count payload bytes only.
+On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
+all-gathers 4 int64 (magic, sequence number of the collective on this runtime, crc32 of the
+runs it carries (weight ids and chunk ranges), payload elements), waits for it (bounded by
+`collective_timeout_s`) and compares all ranks' headers before the data collective is issued.
+Ranks that diverge (one rank evaluating alone, `generate()` stopping at different lengths, a
+budget changed on one rank) then fail at once, on every rank, with a message that names the
+rule, whatever the sizes of their gathers: a data all-gather whose sizes differ across ranks
+is what gloo cannot survive (its worker thread aborts the process, "Received data size doesn't
+match expected size"). The header is a fixed 32 bytes per rank, so the exchange itself cannot
+mismatch in size against another gather's header; it can against a *different* collective on
+the peer (an all-reduce of gradients), which the rule forbids too. Cost: one small collective
+round trip per data collective, on the host; measured in NOTES.md (make demo). It uses
+`dist.all_gather` (not the all-gather the data uses), and the traffic stats count payload
+bytes only. On NCCL no header is exchanged (the host never waits there: the check would cost
+a device sync per gather).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from elastic_kernels import pack_shards, unpack_gathered
 # GPU machine) has only the former. Looked up at call time so tests can wrap it.
 ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
-_HEADER_BYTES = 16
+_HEADER_BYTES = 32  # 4 int64 per rank, exchanged before each host-waited gather
 _HEADER_MAGIC = 0x454C4153  # "ELAS"
 
 SYMMETRY_RULE = (
@@ -112,7 +116,6 @@ class GatherWork:
         self.device = device
         self.event = None
         self.work = None
-        self._header = None
         with record_function("elastic::gather"):
             if comm_stream is not None:
                 compute = torch.cuda.current_stream(device)
@@ -127,18 +130,8 @@ class GatherWork:
                 # See [Note: where a gather runs ...]: stream-ordered, safe to drop now.
                 self.output = None
             else:
-                dtype = shards[0].dtype
-                h = _HEADER_BYTES // shards[0].element_size()
-                words = torch.tensor(
-                    [_HEADER_MAGIC, seq & 0x7FFFFFFF, _runs_digest(runs), self.payload_numel & 0x7FFFFFFF],
-                    dtype=torch.int32, device=shards[0].device,
-                )
-                header = words.view(torch.uint8).view(dtype)
-                send = pack_shards(
-                    shards + [header], slices + [h],
-                    [r.begin for r in runs] + [0], [r.end for r in runs] + [1],
-                )  # fmt: skip
-                self._header = (h, words)
+                self._check_headers(runs, group, seq, shards[0].device)
+                send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
                 self.output = send.new_empty(world_size * send.numel())
                 self.work = all_gather_into(self.output, send, group, async_op=True)
 
@@ -153,28 +146,34 @@ class GatherWork:
 
     def _unpack(self) -> None:
         dests = [p for r in self.runs for p in r.pages]
-        if self._header is None:
-            unpack_gathered(self.output, self.world_size, self._slices, self._counts, dests)
-            return
-        h, _ = self._header
-        scratch = self.output.new_empty(self.world_size * h)
-        unpack_gathered(self.output, self.world_size, self._slices + [h], self._counts + [1], dests + [scratch])
+        unpack_gathered(self.output, self.world_size, self._slices, self._counts, dests)
 
-    def _check_headers(self) -> None:
-        h, mine = self._header
-        per_rank = self.output.view(self.world_size, -1)[:, -h:].contiguous()
-        theirs = per_rank.view(torch.uint8).view(torch.int32).view(self.world_size, 4)
-        bad = [r for r in range(self.world_size) if not torch.equal(theirs[r], mine)]
+    def _check_headers(self, runs: list[ChunkRun], group, seq: int, device) -> None:
+        """[Note: collective headers]: exchange and compare before the data collective."""
+        mine = torch.tensor([_HEADER_MAGIC, seq, _runs_digest(runs), self.payload_numel], dtype=torch.int64,
+                            device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(every, mine, group=group, async_op=True)
+        try:
+            if self.timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise RuntimeError(
+                f"elastic: the all-gather of {_describe(runs)} failed or timed out before it started "
+                f"(timeout {self.timeout_s} s); a peer rank probably failed: {exc}"
+            ) from exc
+        bad = [r for r in range(self.world_size) if not torch.equal(every[r], mine)]
         if bad:
-            r = bad[0]
-            other = theirs[r].tolist()
+            other = every[bad[0]].tolist()
             what = "no elastic all-gather header" if other[0] != _HEADER_MAGIC else (
-                f"collective #{other[1]} (runs digest {other[2]:#x})"
+                f"all-gather #{other[1]} (runs digest {other[2]:#x}, {other[3]} elements)"
             )
             raise RuntimeError(
-                f"elastic: ranks diverged: this rank's all-gather #{int(mine[1])} carries "
-                f"{_describe(self.runs)} (runs digest {int(mine[2]):#x}), rank(s) {bad} sent {what}. "
-                f"Rule: {SYMMETRY_RULE}."
+                f"elastic: ranks diverged: this rank's all-gather #{seq} carries {_describe(runs)} "
+                f"(runs digest {int(mine[2]):#x}, {self.payload_numel} elements), rank(s) {bad} "
+                f"issued {what}. Rule: {SYMMETRY_RULE}."
             )
 
     def wait(self, what: str) -> None:
@@ -199,12 +198,6 @@ class GatherWork:
                     self.error.__cause__ = exc
                     self.output = None
                     raise self.error from exc
-                try:
-                    self._check_headers()
-                except RuntimeError as exc:
-                    self.error = exc
-                    self.output = None
-                    raise
                 self._unpack()
         self.output = None  # the pages hold the data now
         self.done = True

@@ -207,15 +207,13 @@ def test_matches_plain_linear_and_averages_grads():
 def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, iters):
     from python_api import ElasticPolicy, elasticize, reset_stats, stats
 
-    from python_api.collectives import _HEADER_BYTES, ALL_GATHER_NAME
+    from python_api.collectives import ALL_GATHER_NAME
 
     received = []
     real = getattr(dist, ALL_GATHER_NAME)
 
     def counting(output, inp, group=None, async_op=False):
-        # Payload bytes on the wire: each gloo send buffer ends with a 16-byte header
-        # ([Note: collective headers] in python_api/collectives.py).
-        received.append((dist.get_world_size(group) - 1) * (inp.numel() * inp.element_size() - _HEADER_BYTES))
+        received.append((dist.get_world_size(group) - 1) * inp.numel() * inp.element_size())
         return real(output, inp, group=group, async_op=async_op)
 
     setattr(dist, ALL_GATHER_NAME, counting)

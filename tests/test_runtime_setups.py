@@ -366,6 +366,36 @@ def test_diverged_ranks_fail_with_the_rule():
         assert "ranks diverged" in msg and "every rank must run the same forward and backward passes" in msg, msg
 
 
+def _diverge_sizes_worker(rank, world_size, units):
+    from python_api import ElasticPolicy, elasticize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pair(24), Pair(24))
+    elasticize(model, ElasticPolicy(chunk_bytes=32 * FP32 * 8, keep_ratio=0.0, persist_ratio=0.0,
+                                    collective_timeout_s=30), unit_modules=[Pair] if units else False)
+    for _ in range(2):
+        model(torch.randn(3, 24, requires_grad=True)).sum().backward()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                model(torch.randn(3, 24))  # evaluation on rank 0 only
+        model(torch.randn(3, 24, requires_grad=True)).sum().backward()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("units", [True, False])
+def test_rank_evaluating_alone_fails_every_rank_with_the_rule(units):
+    """Gathers of *different sizes* (a whole decoder layer on one rank, one weight's on the
+    other): gloo would abort the process; the header exchange catches it first, on every rank."""
+    for msg, elapsed in run_distributed(_diverge_sizes_worker, 2, units, timeout=120):
+        assert "ranks diverged" in msg and "Rule: every rank must run" in msg, msg
+        assert elapsed < 10, elapsed
+
+
 def _disagree_worker(rank, world_size, what):
     from python_api import ElasticPolicy, elasticize
 
