@@ -64,7 +64,6 @@ from elastic_kernels import pack_shards, unpack_gathered
 # GPU machine) has only the former. Looked up at call time so tests can wrap it.
 ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
-_HEADER_BYTES = 32  # 4 int64 per rank, exchanged before each host-waited gather
 _HEADER_MAGIC = 0x454C4153  # "ELAS"
 
 SYMMETRY_RULE = (

@@ -16,8 +16,10 @@ higher-index chunks are still being gathered.
 `ElasticPolicy.pool_budget_bytes` is the memory for chunks kept *beyond their use*. The chunks
 of the layers in flight (the one running plus `prefetch_depth` ahead) are pinned while in use,
 which is the memory FSDP2 spends on unsharded parameters; the runtime sizes the pool as
-budget + that working set (bounded by the pages of the `1 + prefetch_depth` largest weights),
-so a budget of zero means "FSDP2 behaviour": nothing is kept, nothing fails. The pool's own
+budget + that working set (bounded by the pages of the `1 + prefetch_depth` largest units,
+[Note: units and coalesced gathers]), so a budget of zero means "FSDP2 behaviour": nothing is
+kept beyond the working set's pages (which still serve a hit while LRU has not reused them,
+e.g. the last forward layers at the start of backward), nothing fails. The pool's own
 budget is never exceeded except by pinned pages, and with this sizing it never needs to be.
 
 [Note: symmetric residency]
@@ -79,7 +81,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import math
 import zlib
 from contextlib import contextmanager
 
@@ -88,7 +89,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from elastic_kernels import ChunkLayout, PagePool, unpack_gathered
-from python_api.collectives import SYMMETRY_RULE, ChunkRun, GatherWork, all_gather_into
+from python_api.collectives import ChunkRun, GatherWork, all_gather_into
 from python_api.config import ElasticPolicy
 
 

@@ -263,7 +263,7 @@ def _compile_worker(rank, world_size, backend):
     import torch._dynamo
 
     from python_api import ElasticPolicy
-    from python_api.lora import LoRAConfig, _lora_layers, convert_to_elastic
+    from python_api.lora import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(tiny_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS), ElasticPolicy(**CHUNKED))
     _copy_adapters_into_peft(model, _peft_of(tiny_llama(), 4, 8, TARGETS))  # non-zero B

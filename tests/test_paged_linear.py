@@ -42,7 +42,6 @@ import torch.nn.functional as F
 
 import elastic_kernels
 from elastic_kernels import paged_linear as pl
-from elastic_kernels import paged_linear_reference as ref
 
 K_RULE = 2.0
 U = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
