@@ -107,6 +107,39 @@ class ChunkLayout:
         per_rank = padded.view(self.num_chunks, self.world_size, self.slice_numel)
         return per_rank[:, rank, :].contiguous().reshape(-1)
 
+    def slice_rows(self, c: int, rank: int) -> tuple[int, int]:
+        """Row range [begin, end) of the weight that rank `rank`'s slice of chunk c overlaps
+        (empty when the slice is all padding)."""
+        begin, end = self.chunk_rows(c)
+        n = (end - begin) * self.cols
+        lo, hi = min(rank * self.slice_numel, n), min((rank + 1) * self.slice_numel, n)
+        if lo >= hi:
+            return begin, begin
+        return begin + lo // self.cols, begin + -(-hi // self.cols)
+
+    def shard_from_rows(self, read_rows, rank: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """`shard(weight, rank)` without the whole weight: `read_rows(begin, end)` returns rows
+        [begin, end) of the weight (any shape with (end - begin) * cols elements); only the rows
+        that rank's slices overlap are read (about 1/world_size of the weight)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
+        out = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        for c in range(self.num_chunks):
+            r0, r1 = self.slice_rows(c, rank)
+            if r0 == r1:
+                continue
+            begin, end = self.chunk_rows(c)
+            n = (end - begin) * self.cols
+            lo, hi = rank * self.slice_numel, min((rank + 1) * self.slice_numel, n)
+            rows = read_rows(r0, r1)
+            if rows.numel() != (r1 - r0) * self.cols:
+                raise ValueError(f"read_rows({r0}, {r1}) returned {rows.numel()} elements, "
+                                 f"expected {(r1 - r0) * self.cols}")
+            flat = rows.reshape(-1)
+            skip = lo - (r0 - begin) * self.cols
+            out[c * self.slice_numel : c * self.slice_numel + (hi - lo)] = flat[skip : skip + hi - lo]
+        return out
+
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `shard`: the full weight (rows, cols) from every rank's shard."""
         if len(shards) != self.world_size:

@@ -3,7 +3,8 @@
 [Note: residency classes]
 Chunk c of a weight with n chunks is PERSISTENT if c < round(persist_ratio * n), else PEAK if
 c < round(keep_ratio * n), else TRANSIENT (round half up, so keep >= persist carries over to
-chunk counts). The kept chunks are the *first* ones because `execute` walks chunks in index
+chunk counts). A plan sets the counts per weight instead (`ElasticRuntime.set_residency`,
+python_api/planner/apply.py); the ratios are only the default. The kept chunks are the *first* ones because `execute` walks chunks in index
 order, forward and backward: whatever is resident is computed on at once while the missing,
 higher-index chunks are still being gathered.
 - TRANSIENT: gathered for each use, discarded right after it.
@@ -110,10 +111,15 @@ def _round_half_up(x: float) -> int:
 
 
 def residency_classes(num_chunks: int, keep_ratio: float, persist_ratio: float) -> list[Residency]:
-    n_persist = _round_half_up(persist_ratio * num_chunks)
-    n_keep = _round_half_up(keep_ratio * num_chunks)
+    return residency_of_counts(num_chunks, _round_half_up(keep_ratio * num_chunks),
+                               _round_half_up(persist_ratio * num_chunks))
+
+
+def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) -> list[Residency]:
+    """The first `persist_chunks` chunks PERSISTENT, then PEAK up to `keep_chunks`, the rest
+    TRANSIENT ([Note: residency classes])."""
     return [
-        Residency.PERSISTENT if c < n_persist else Residency.PEAK if c < n_keep else Residency.TRANSIENT
+        Residency.PERSISTENT if c < persist_chunks else Residency.PEAK if c < keep_chunks else Residency.TRANSIENT
         for c in range(num_chunks)
     ]
 
@@ -121,13 +127,16 @@ def residency_classes(num_chunks: int, keep_ratio: float, persist_ratio: float) 
 class ElasticTensor:
     """One frozen weight: its chunk-major shard on this rank and the residency of its chunks."""
 
-    def __init__(self, runtime: ElasticRuntime, wid: int, name: str, weight: torch.Tensor, unit: str | None = None):
+    def __init__(self, runtime: ElasticRuntime, wid: int, name: str, weight: torch.Tensor, unit: str | None = None,
+                 rows=None):
+        """`rows(begin, end)`, if given, reads rows [begin, end) of the weight (e.g. from a
+        memory-mapped file) and `weight` may be a meta tensor giving only shape and dtype: only
+        the rows this rank's shard needs are read ([Note: loading from files])."""
         policy = runtime.policy
         self.runtime = runtime
         self.wid = wid
         self.name = name
         self.unit = unit if unit is not None else f"weight:{name}"
-        self.fingerprint = _fingerprint(weight)
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
@@ -135,7 +144,14 @@ class ElasticTensor:
         self.residency = residency_classes(self.layout.num_chunks, policy.keep_ratio, policy.persist_ratio)
         self.keys = [runtime.key(wid, c) for c in range(self.layout.num_chunks)]
         with torch.no_grad():
-            self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+            if rows is None:
+                self.fingerprint = _fingerprint(weight)
+                self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+            else:
+                self.fingerprint = _fingerprint_rows(rows, self.layout.rows)
+                self.shard = self.layout.shard_from_rows(
+                    lambda b, e: rows(b, e).to(device=runtime.device, dtype=self.dtype), runtime.rank,
+                    self.dtype, runtime.device)
         # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
         self._local_chunks = None
         if runtime.world_size == 1:
@@ -149,6 +165,21 @@ class ElasticTensor:
     @property
     def num_chunks(self) -> int:
         return self.layout.num_chunks
+
+    @property
+    def keep_chunks(self) -> int:
+        """Chunks kept from forward to backward (PEAK or PERSISTENT)."""
+        return sum(1 for r in self.residency if r >= Residency.PEAK)
+
+    @property
+    def persist_chunks(self) -> int:
+        """Chunks kept across iterations (PERSISTENT)."""
+        return sum(1 for r in self.residency if r is Residency.PERSISTENT)
+
+    @property
+    def slice_bytes(self) -> int:
+        """Bytes of this rank's slice of one chunk (what a peer sends for a missing chunk)."""
+        return self.layout.slice_numel * self.shard.element_size()
 
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
         return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
@@ -184,6 +215,21 @@ def _fingerprint(weight: torch.Tensor) -> int:
     idx = torch.linspace(0, n - 1, steps=min(n, _FINGERPRINT_SAMPLES), device=flat.device).round().long()
     sample = flat[idx].contiguous().cpu()
     return zlib.crc32(sample.view(torch.uint8).numpy().tobytes())
+
+
+_FINGERPRINT_ROWS = 16
+
+
+def _fingerprint_rows(rows, num_rows: int) -> int:
+    """The fingerprint of a weight read through `rows(begin, end)`: crc32 of up to 16 evenly
+    spaced whole rows (cheap on a memory-mapped file; compared only between ranks that all
+    load the same way)."""
+    picks = sorted({round(i * (num_rows - 1) / max(1, _FINGERPRINT_ROWS - 1)) for i in range(min(num_rows, _FINGERPRINT_ROWS))})
+    crc = 0
+    for r in picks:
+        row = rows(r, r + 1).detach().contiguous().cpu()
+        crc = zlib.crc32(row.view(torch.uint8).numpy().tobytes(), crc)
+    return crc
 
 
 class _Use:
@@ -253,15 +299,18 @@ class ElasticRuntime:
         # off while another wrapper (DDP) reduces them (set_grad_reduction).
         self._reduce_grads = policy.all_reduce_grads
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0}
+        self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
 
     # ---------------------------------------------------------------- registration
 
     def key(self, wid: int, chunk: int) -> int:
         return (wid << self._KEY_BITS) | chunk
 
-    def register(self, weight: torch.Tensor, name: str, unit: str | None = None) -> ElasticTensor:
+    def register(self, weight: torch.Tensor, name: str, unit: str | None = None, rows=None) -> ElasticTensor:
         """Shard `weight` under the runtime. `unit` groups weights gathered together (see
-        [Note: units and coalesced gathers]); None: the weight is its own unit."""
+        [Note: units and coalesced gathers]); None: the weight is its own unit. With `rows`
+        (a callable reading rows [begin, end) of the weight), `weight` may be on the meta
+        device and only this rank's rows are read."""
         if self.pool is not None:
             raise RuntimeError("ElasticRuntime.register: all weights must be registered before the first use")
         if weight.requires_grad:
@@ -271,7 +320,9 @@ class ElasticRuntime:
             )
         if weight.dim() not in (1, 2):
             raise ValueError(f"{name}: expected a 1-D or 2-D frozen weight, got shape {tuple(weight.shape)}")
-        et = ElasticTensor(self, len(self.tensors), name, weight, unit)
+        if rows is None and weight.is_meta:
+            raise ValueError(f"{name} is on the meta device: pass `rows` to read it from its file")
+        et = ElasticTensor(self, len(self.tensors), name, weight, unit, rows)
         self.tensors.append(et)
         return et
 
@@ -337,6 +388,26 @@ class ElasticRuntime:
         largest = max((et.page_bytes for et in self.tensors), default=1)
         return -(-largest // 512) * 512
 
+    def set_residency(self, et: ElasticTensor, keep_chunks: int, persist_chunks: int) -> None:
+        """Residency of one weight by chunk counts (0 <= persist <= keep <= chunks), e.g. from a
+        plan. Between steps and on every rank alike ([Note: symmetric residency]). Resident
+        chunks that are no longer PERSISTENT are released now, so the next step already
+        gathers exactly what the new residency implies."""
+        n = et.num_chunks
+        for what, v in (("keep_chunks", keep_chunks), ("persist_chunks", persist_chunks)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= n:
+                raise ValueError(f"set_residency({et.name}): {what} must be an int in [0, {n}], got {v!r}")
+        if persist_chunks > keep_chunks:
+            raise ValueError(f"set_residency({et.name}): persist_chunks ({persist_chunks}) > keep_chunks ({keep_chunks})")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError(f"set_residency({et.name}): change residency between steps, not inside a forward or backward")
+        et.residency = residency_of_counts(n, keep_chunks, persist_chunks)
+        if self.pool is not None:
+            stale = [k for c, k in enumerate(et.keys) if et.residency[c] is not Residency.PERSISTENT
+                     and self.pool.contains(k) and self.pool.pin_count(k) == 0]
+            if stale:
+                self.pool.free_many(stale)
+
     def _working_set_pages(self) -> int:
         units: dict[str, int] = {}
         for et in self.tensors:
@@ -369,14 +440,19 @@ class ElasticRuntime:
 
     # ---------------------------------------------------------------- stats
 
-    def stats(self) -> dict:
+    def stats(self, per_weight: bool = False) -> dict:
+        """Cumulative per-rank counters; `per_weight` adds "allgather_bytes_per_weight"
+        (name -> bytes received for that weight's chunks, `full_weight` excluded)."""
         out = dict(self._stats)
         out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
+        if per_weight:
+            out["allgather_bytes_per_weight"] = {et.name: self._weight_bytes.get(et.name, 0) for et in self.tensors}
         return out
 
     def reset_stats(self) -> None:
         for k in self._stats:
             self._stats[k] = 0
+        self._weight_bytes.clear()
         if self.pool is not None:
             self.pool.reset_peak()
 
@@ -617,6 +693,9 @@ class ElasticRuntime:
             self._stats["allgather_calls"] += 1
             self._stats["allgather_bytes"] += work.received_bytes
             for (use, run), r in zip(batch, chunk_runs):
+                name = use.tensor.name
+                self._weight_bytes[name] = self._weight_bytes.get(name, 0) + \
+                    (self.world_size - 1) * len(run) * use.tensor.slice_bytes
                 for c, page in zip(run, r.pages):
                     use.works[c] = work
                     use.chunks[c] = page
