@@ -52,6 +52,19 @@ class ElasticPolicy:
                        group at the end of each backward.
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears smaller than
                        this replicated (sharding them would cost more collectives than memory).
+    weights_on         where the source of truth of the frozen weights lives: "device" (each
+                       rank keeps its shard on the device) or "host" (one whole copy per node in
+                       shared host memory, the host store; no device shard at all: every chunk
+                       the pool misses is copied host -> page). See [Note: chunk sources] in
+                       python_api/runtime.py.
+    host_fraction      the share of missing chunks filled from the host store rather than from
+                       peers (both in flight together); None: 0 with weights_on="device", 1 with
+                       "host" (the only value allowed there). Any value > 0 builds the host store.
+    offload_activations  move the tensors the elastic LoRA layers save for backward to host
+                       memory after their forward and bring them back one layer ahead of their
+                       backward (python_api/activation_offload.py).
+    host_budget_bytes  host bytes the host tier may take beyond the store (the recycled
+                       activation buffers); past it activations stay on the device. None: no cap.
     """
 
     chunk_bytes: int = 4 << 20
@@ -64,6 +77,10 @@ class ElasticPolicy:
     collective_timeout_s: float | None = 300.0
     all_reduce_grads: bool = True
     replicate_below_bytes: int = 1 << 20
+    weights_on: str = "device"
+    host_fraction: float | None = None
+    offload_activations: bool = False
+    host_budget_bytes: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
@@ -103,6 +120,30 @@ class ElasticPolicy:
             )
         if not isinstance(self.all_reduce_grads, bool):
             raise ValueError(f"ElasticPolicy.all_reduce_grads must be True or False, got {self.all_reduce_grads!r}")
+        if self.weights_on not in ("device", "host"):
+            raise ValueError(f'ElasticPolicy.weights_on must be "device" or "host", got {self.weights_on!r}')
+        if self.host_fraction is not None:
+            _check_ratio("host_fraction", self.host_fraction)
+            if self.weights_on == "host" and self.host_fraction != 1:
+                raise ValueError(
+                    f'ElasticPolicy: with weights_on="host" there is no device shard to gather from, so every '
+                    f"missing chunk comes from the host store: host_fraction must be 1 or None, got {self.host_fraction}"
+                )
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"ElasticPolicy.offload_activations must be True or False, got {self.offload_activations!r}")
+        if self.host_budget_bytes is not None and (not _is_int(self.host_budget_bytes) or self.host_budget_bytes < 0):
+            raise ValueError(f"ElasticPolicy.host_budget_bytes must be None or an int >= 0, got {self.host_budget_bytes!r}")
+
+    @property
+    def source_fraction(self) -> float:
+        """The effective host_fraction (None resolved by weights_on)."""
+        if self.host_fraction is not None:
+            return float(self.host_fraction)
+        return 1.0 if self.weights_on == "host" else 0.0
+
+    @property
+    def uses_host_store(self) -> bool:
+        return self.weights_on == "host" or self.source_fraction > 0
 
     def rows_per_chunk(self, row_bytes: int, what: str = "weight") -> int:
         """Whole rows per chunk for rows of `row_bytes` bytes."""
