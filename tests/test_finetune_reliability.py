@@ -334,7 +334,8 @@ def test_nan_message_tells_causes_apart():
     after updates (divergence), with the adapters named when they are NaN."""
     from types import SimpleNamespace
 
-    from python_api.finetune import _nan_message, parse_args
+    from python_api.finetune import parse_args
+    from python_api.finetune.loop import _nan_message
 
     job = SimpleNamespace(args=parse_args(["--dtype", "float16", "--lr", "0.5"]), resume=None)
     engine = SimpleNamespace(name="elastic, budget all")

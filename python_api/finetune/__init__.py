@@ -1,0 +1,85 @@
+"""elastic-finetune: LoRA fine-tuning of a causal language model across ranks on the elastic
+runtime, optionally beside the same run under FSDP2.
+
+    torchrun --nproc-per-node 4 -m python_api.finetune --baseline fsdp2 --save-dir out/demo
+    torchrun --nproc-per-node 4 --no-python elastic-finetune ...          # the console script
+    torchrun --nnodes 2 --node-rank R --master-addr HOST --master-port P --nproc-per-node 8 \\
+        -m python_api.finetune --model /models/llama --data corpus.jsonl --dtype bfloat16
+    python -m python_api.finetune ...                                     # one process
+
+NCCL with one GPU per process (cuda:LOCAL_RANK) where CUDA is available, gloo on CPU otherwise
+(`--device cpu` forces CPU).
+
+Model: `--model DIR`, a Hugging Face directory (config.json + *.safetensors; its tokenizer if
+it has one, else the byte-level tokenizer when the vocabulary has >= 256 ids), or by default
+the embedded model: a Llama configuration built here (sizes from --hidden-size etc., vocabulary
+257 = bytes + end-of-document) with random weights drawn from --seed. Data: `--data FILE`
+(.txt or .jsonl with a "text" field), or by default the Python language reference shipped
+with CPython (see python_api/data.py). Both are read without network access.
+
+Writes into --save-dir (default out/finetune): results.md / results.csv (the table),
+finetune.png (loss curves; throughput, traffic and memory bars), losses.csv, summary.json,
+adapter/ (PEFT format: `PeftModel.from_pretrained(base, DIR/adapter)`), probe.safetensors (a
+held-out batch and the trained elastic model's logits on it), checkpoint/.
+
+Layout (one concern per file; `python -m python_api.finetune` runs cli.main):
+  constants.py    the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
+  errors.py       FinetuneError and OutputError: what is reported as one line
+  options.py      the command line: option types and ranges, build_parser, parse_args, the elastic policy
+  models.py       the base model (embedded or a directory), tokenizer, data and LoRA targets
+  agreement.py    what ranks and checkpoints must agree on, and the collectives that check it
+  files.py        output files: atomic writes, writes agreed across ranks, the adapter's save
+  checkpoints.py  reading, checking and writing checkpoints
+  save_dir.py     the output folder: checks before the run and the lock
+  job.py          Job and prepare(): everything checked before the first collective
+  engines.py      ElasticEngine, FSDP2Engine and the collective model build
+  loop.py         train(): the training loop, learning rate, RNG, non-finite loss messages
+  runner.py       run(): the runs of a job, the summary and the report
+  cli.py          main(): process group, rank agreement, lock, error reporting
+
+[Note: failures during the run]
+Before step 1: every rank checks that all ranks run the same configuration ([Note: what
+ranks must agree on]); --save-dir is probed for writability on every rank (a file created and
+removed) and locked by rank 0 ([Note: the save-dir lock]). During the run, every write (the
+checkpoint's files, the adapter, the report) is followed by an agreement: a write that fails
+on any rank (disk full, a folder gone) stops every rank with one message naming the path;
+the previous checkpoint stays whole. A non-finite loss names its likely cause (base weights,
+checked when the model is built; overflow in the forward pass; divergence). Output files get
+the permissions a plain open() gives (0666 minus the umask).
+"""
+
+from python_api.finetune.agreement import agreed_configuration, configuration_differences, rank_differences, run_configuration
+from python_api.finetune.checkpoints import CKPT, Resume, read_checkpoint, write_checkpoint
+from python_api.finetune.cli import main
+from python_api.finetune.constants import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    CHECKPOINT_FORMAT,
+    DEFAULT_GRAD_ACCUM,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_STEPS,
+    DEFAULT_TARGETS,
+    EMBEDDED,
+    EMBEDDED_MAX_POSITIONS,
+    EMBEDDED_VOCAB,
+    PROBE_SEQS,
+    PROG,
+)
+from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+from python_api.finetune.errors import FinetuneError, OutputError
+from python_api.finetune.job import Job, prepare
+from python_api.finetune.loop import train
+from python_api.finetune.models import ModelSpec, embedded_config, embedded_model
+from python_api.finetune.options import build_parser, parse_args
+from python_api.finetune.runner import run
+from python_api.finetune.save_dir import LOCK_FILE, lock_save_dir
+
+__all__ = [
+    "ADAM_BETAS", "ADAM_EPS", "CHECKPOINT_FORMAT", "CKPT", "DEFAULT_GRAD_ACCUM", "DEFAULT_MICRO_BATCH",
+    "DEFAULT_SEQ_LEN", "DEFAULT_STEPS", "DEFAULT_TARGETS", "EMBEDDED", "EMBEDDED_MAX_POSITIONS", "EMBEDDED_VOCAB",
+    "LOCK_FILE", "PROBE_SEQS", "PROG", "ElasticEngine", "FSDP2Engine", "FinetuneError", "Job", "ModelSpec",
+    "OutputError", "Resume", "agreed_configuration", "build_parser", "configuration_differences", "embedded_config",
+    "embedded_model", "lock_save_dir", "main", "parse_args", "prepare", "rank_differences", "read_checkpoint",
+    "run", "run_configuration", "train", "write_checkpoint",
+]

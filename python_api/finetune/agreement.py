@@ -1,0 +1,169 @@
+"""What must agree: a checkpoint with the run resuming it (run_configuration), every rank
+with every other (agreed_configuration, before step 1), and an error on one rank with all
+(_agree, a collective)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch.distributed as dist
+
+from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.models import ModelSpec
+from python_api.finetune.options import _budget_label, _policy
+
+
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache", "_attn_implementation_autoset",
+}
+
+
+def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str], world_size: int) -> dict:
+    """What a checkpoint must agree with to be resumed (see [Note: checkpoint layout and resume])."""
+    model_cfg = {k: v for k, v in spec.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return {
+        "world_size": world_size,
+        "model": {
+            "kind": "embedded" if spec.embedded else "directory",
+            "config": json.loads(json.dumps(model_cfg, default=str)),
+            "dtype": args.dtype,
+            "init_seed": spec.seed if spec.embedded else None,
+        },
+        "tokenizer": spec.tokenizer.fingerprint,
+        "data": {"tokens": data_info["tokens"], "sha256": data_info["sha256"]},
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "optimizer": {"name": "AdamW", "lr": args.lr, "warmup_steps": args.warmup_steps,
+                      "weight_decay": args.weight_decay, "betas": list(ADAM_BETAS), "eps": ADAM_EPS},
+        "seed": args.seed,
+        "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "targets": targets},
+        "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
+                   "replicate_below_bytes": _policy(args, None).replicate_below_bytes},
+    }
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"lora": {"r": 4}} -> {"lora.r": 4} (field names for error messages)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def configuration_differences(saved: dict, current: dict) -> list[str]:
+    a, b = _flatten(saved), _flatten(current)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            diffs.append(f"{key}: checkpoint has {a.get(key, '<absent>')!r}, this run {b.get(key, '<absent>')!r}")
+    return diffs
+
+
+# [Note: what ranks must agree on]
+# torchrun starts every rank with its own command line, environment and files; nothing makes
+# them equal. A rank with another --lr trains other adapters (the replicated adapters drift
+# apart silently: every rank applies the averaged gradient with its own step), one with
+# another --steps or --save-every issues more collectives than its peers (a hang until the
+# timeout), one with another pool budget or ratio gathers other chunks (a wrong result or a
+# hang). So before step 1 every rank sends agreed_configuration() to every other (one
+# all_gather_object) and every rank refuses the run, with the same message, if any field
+# differs: the resume configuration (run_configuration: model, dtype, data digest, batch
+# shape, optimizer, LoRA, chunk size, world size) plus everything else that changes what is
+# computed or how many collectives run: steps, the checkpoint cadence, the residency policy,
+# the extra runs, the checkpoint resumed from (step and file digests). Not compared: paths
+# (nodes may mount the same folder at different places), the timeout, the progress bar.
+
+_OPTION_OF = {
+    "steps": "--steps", "save_every": "--save-every", "seq_len": "--seq-len", "micro_batch": "--micro-batch",
+    "grad_accum": "--grad-accum", "seed": "--seed", "optimizer.lr": "--lr", "optimizer.warmup_steps": "--warmup-steps",
+    "optimizer.weight_decay": "--weight-decay", "lora.r": "--lora-r", "lora.alpha": "--lora-alpha",
+    "lora.dropout": "--lora-dropout", "lora.targets": "--lora-targets", "model.dtype": "--dtype",
+    "policy.chunk_bytes": "--chunk-kib", "residency.pool_budget": "--pool-budget",
+    "residency.keep_ratio": "--keep-ratio", "residency.persist_ratio": "--persist-ratio",
+    "residency.prefetch_depth": "--prefetch-depth", "residency.collective_bytes": "--collective-kib",
+    "runs.baseline": "--baseline", "runs.compare_budgets": "--compare-budgets", "data.sha256": "--data",
+    "data.tokens": "--data", "model.kind": "--model", "tokenizer": "--model",
+}
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def agreed_configuration(job) -> dict:
+    """What every rank of a run must have equal (see [Note: what ranks must agree on])."""
+    a = job.args
+    r = job.resume
+    return {
+        **job.config,
+        "steps": a.steps,
+        "save_every": a.save_every,
+        "residency": {"pool_budget": _budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
+                      "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
+                      "collective_bytes": a.collective_kib << 10},
+        "runs": {"baseline": a.baseline, "compare_budgets": [_budget_label(b) for b in a.compare_budgets]},
+        "resume": None if r is None else {"step": r.step, "adapters_sha256": _file_sha256(
+            os.path.join(r.path, "adapter_model.safetensors")), "optimizer_sha256": _file_sha256(
+            os.path.join(r.path, "optimizer.pt"))},
+    }
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def rank_differences(configs: list[dict]) -> list[str]:
+    """One line per field whose value is not the same on every rank: the field (and its
+    option), each value and the ranks that have it."""
+    flat = [_flatten(c) for c in configs]
+    out = []
+    for key in sorted(set().union(*flat)):
+        groups: dict[str, list[int]] = {}
+        for rank, f in enumerate(flat):
+            text = json.dumps(f[key], sort_keys=True, default=str) if key in f else "<absent>"
+            groups.setdefault(text, []).append(rank)
+        if len(groups) > 1:
+            option = f" ({_OPTION_OF[key]})" if key in _OPTION_OF else ""
+            out.append(f"{key}{option}: " + ", ".join(f"{v} on {_ranks_text(rs)}" for v, rs in groups.items()))
+    return out
+
+
+def _agree_configuration(job) -> None:
+    """Collective: refuse the run on every rank if the ranks' configurations differ."""
+    configs = [None] * job.world_size
+    dist.all_gather_object(configs, agreed_configuration(job))
+    diffs = rank_differences(configs)
+    if diffs:
+        raise FinetuneError(
+            f"the ranks were started with different settings ({len(diffs)} field{'s' if len(diffs) > 1 else ''} "
+            "differ; every rank needs the same options, model, data and checkpoint): " + "; ".join(diffs[:6])
+            + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        )
+
+
+def _agree(error: str | None, world_size: int) -> None:
+    """Collective: raise FinetuneError on every rank if any rank has an error."""
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return
+    if len({e for _, e in bad}) == 1:
+        msg = bad[0][1]
+        if len(bad) < world_size:
+            msg += f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(str(r) for r, _ in bad)})"
+        raise FinetuneError(msg)
+    raise FinetuneError("; ".join(f"rank {r}: {e}" for r, e in bad))

@@ -1,0 +1,119 @@
+"""The entry point (`elastic-finetune`, `python -m python_api.finetune`): main() parses the
+options, prepares the job, starts the process group, has the ranks agree on the
+configuration, locks the save dir, runs, and reports a failure as one line."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from python_api.finetune.agreement import _agree, _agree_configuration
+from python_api.finetune.checkpoints import CKPT
+from python_api.finetune.constants import PROG
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.job import _device, prepare
+from python_api.finetune.options import parse_args
+from python_api.finetune.runner import run
+from python_api.finetune.save_dir import lock_save_dir
+
+
+def _dist_env() -> tuple[int, int, int]:
+    """Rank, world size and local rank from torchrun's environment; a lone process (no
+    torchrun) gets a one-process group on a free local port."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# [Note: a rank that stops]
+# A rank that dies closes its connections: its peers fail at once ("Connection closed by
+# peer") and exit. A rank that stops (SIGSTOP, a hung driver, a swapped-out node) keeps them
+# open: its peers wait in their next collective for --timeout-s (the process group's timeout
+# and the runtime's collective timeout), then fail with "Timed out ..." and exit (reported by
+# main() as one line). Nothing inside the stopped process runs, so no timeout of its own can
+# fire, and nothing in this CLI can see it. What ends it is its torchrun agent: with the
+# static rendezvous (--master-addr/--master-port) the agent only checks that its workers are
+# alive, which a stopped one is, and waits forever; with --rdzv-backend c10d the agent syncs
+# with the rendezvous store every --monitor-interval seconds, so when the store's host (the
+# agent at --rdzv-endpoint) exits, the other agents fail their next sync and stop their
+# workers (SIGTERM, then SIGKILL after the shutdown timeout, which ends a stopped process
+# too). Measured on one machine (two 'nodes', --timeout-s 20, --monitor-interval 1):
+# static, the surviving side exits after 25 s and the stopped side is still there 80 s later;
+# c10d, 24 s and 56 s.
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank (its exit, a stop, a timeout), as
+    opposed to an error of this rank's own."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def main(argv=None) -> int:
+    # transformers 5.23 warns about its own deprecated attribute whenever FSDP2 inspects the
+    # model; it says nothing about this job.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    args = parse_args(argv)
+    args._argv = None if argv is None else list(argv)
+    rank, world_size, local_rank = _dist_env()
+    job, error = None, None
+    try:
+        job = prepare(args, rank, world_size, local_rank)
+    except FinetuneError as exc:
+        error = str(exc)
+    try:
+        device = job.device if job is not None else _device(args, local_rank)
+    except FinetuneError:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    lock = None
+    try:
+        _agree(error, world_size)
+        _agree_configuration(job)
+        error = None
+        if rank == 0:
+            try:
+                lock = lock_save_dir(job.save_dir)
+            except FinetuneError as exc:
+                error = str(exc)
+        _agree(error, world_size)
+        run(job)
+    except FinetuneError as exc:
+        # One write per message: several ranks share the terminal or pipe.
+        sys.stderr.flush()
+        os.write(2, f"{PROG}: error: {exc}\n".encode())
+        return 2
+    except Exception as exc:  # noqa: BLE001 - only a peer's failure is reported here; the rest re-raised
+        if not _peer_failure(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        sys.stderr.flush()
+        os.write(2, (f"{PROG}: error: rank {rank}: a collective did not complete ({type(exc).__name__}: {first}): "
+                     f"another rank stopped, crashed, was killed or fell more than --timeout-s ({args.timeout_s:g} s) "
+                     f"behind; see that rank's output (checkpoints, if any: "
+                     f"{os.path.join(job.save_dir, CKPT) if job is not None else '--save-dir'}). A stopped, not "
+                     f"dead, rank on another node is not ended by torchrun's static rendezvous: launch with "
+                     f"--rdzv-backend c10d (see [Note: a rank that stops] in python_api/finetune/cli.py)\n").encode())
+        return 1
+    finally:
+        if lock is not None:
+            os.close(lock)  # releases the save-dir lock (so does the process's exit)
+        dist.destroy_process_group()
+    return 0

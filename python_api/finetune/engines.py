@@ -1,0 +1,150 @@
+"""The engines a job trains: the elastic runtime (ElasticEngine) and the FSDP2 baseline
+(FSDP2Engine), each on a base model built on every rank with its failures agreed.
+
+[Note: what is compared with FSDP2, and the tolerance]
+`--baseline fsdp2` trains the same base model (same weights), PEFT LoRA with the same r, alpha
+and target modules and *the same initial adapter values* (copied from the elastic model), with
+`fully_shard` per decoder layer (reshard_after_forward=True) and on the root, AdamW with the
+same hyper-parameters, on the same batches. In exact arithmetic the two runs are the same
+computation; in fp32 they differ only in summation order (the elastic GEMMs run chunk by
+chunk, gradients are averaged by all-reduce instead of reduce-scatter, PEFT adds the LoRA term
+after the base GEMM). Those differences start at fp32 rounding (~1e-7 relative) and grow only
+as far as training amplifies them; the test bounds the loss curves' difference by 1e-5
+absolute over its short run (measured: 1.2e-7; see tests/test_finetune.py for the
+number). With `--lora-dropout` > 0 the runs draw different masks and are not comparable step
+by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+
+from python_api.finetune.agreement import _agree
+from python_api.finetune.checkpoints import _nonfinite
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.job import Job
+from python_api.finetune.models import ModelSpec, _lora_config, _target_list
+from python_api.finetune.options import _budget_label, _policy
+
+
+class ElasticEngine:
+    """The model under convert_to_elastic; gradient accumulation through the runtime's no_sync."""
+
+    kind = "elastic"
+
+    def __init__(self, job: Job, budget):
+        from python_api.elastic_linear import runtime_of
+        from python_api.lora import convert_to_elastic
+
+        model = _collective_build(job)
+        self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget))
+        self.runtime = runtime_of(self.model)
+        frozen = sum(math.prod(et.shape) * et.shard.element_size() for et in self.runtime.tensors)
+        self.frozen_bytes = frozen
+        if isinstance(budget, tuple):
+            self.budget_bytes = int(budget[1] * frozen)
+        else:
+            self.budget_bytes = budget
+        self.runtime.set_pool_budget(self.budget_bytes)
+        self.name = f"elastic, budget {_budget_label(budget)}"
+
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def accumulate(self, is_last: bool):
+        return contextlib.nullcontext() if is_last else self.runtime.no_sync()
+
+    def gathered_bytes(self) -> int:
+        return self.runtime.stats()["allgather_bytes"]
+
+
+class FSDP2Engine:
+    """The same base model with PEFT LoRA (same initial adapters), fully_shard per decoder layer
+    (reshard_after_forward=True) and on the root."""
+
+    kind = "fsdp2"
+    name = "FSDP2 + PEFT (reshard after forward)"
+
+    def __init__(self, job: Job, counter):
+        from peft import LoraConfig, get_peft_model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        args = job.args
+        base = _collective_build(job)
+        self.model = get_peft_model(base, LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+            target_modules=_target_list(args), use_rslora=False,
+        ))
+        _adapters_into_peft(self.model, job.initial_adapters)
+        layer_types = set(getattr(base, "_no_split_modules", None) or [])
+        layers = [m for m in self.model.modules() if type(m).__name__ in layer_types]
+        if not layers:
+            raise FinetuneError(f"--baseline fsdp2: cannot find the decoder layers of {type(base).__name__} (_no_split_modules)")
+        mesh = init_device_mesh(job.device.type, (job.world_size,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self.model, mesh=mesh)
+        self.counter = counter
+
+    def params(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def accumulate(self, is_last: bool):
+        self.model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def gathered_bytes(self) -> int:
+        return self.counter.bytes
+
+
+def _adapters_into_peft(peft_model, state: dict) -> None:
+    """Copy adapters saved under PEFT's file names (base_model.model.<module>.lora_A.weight)
+    into a PEFT model's modules; every LoRA module must get one, and every tensor must land."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = peft_model.base_model.model
+    names = {n for n, m in inner.named_modules() if isinstance(m, LoraLayer)}
+    wanted = {k[len("base_model.model."):].rsplit(".lora_", 1)[0] for k in state}
+    if names != wanted:
+        raise FinetuneError(
+            f"--baseline fsdp2: PEFT put LoRA on {len(names)} modules, the elastic model on {len(wanted)}; "
+            f"differing: {sorted(names ^ wanted)[:4]}"
+        )
+    with torch.no_grad():
+        for key, value in state.items():
+            module_name, _, rest = key[len("base_model.model."):].rpartition(".lora_")
+            which = "lora_A" if rest.startswith("A.") else "lora_B"
+            getattr(inner.get_submodule(module_name), which)["default"].weight.copy_(value)
+
+
+def _collective_build(job: Job) -> nn.Module:
+    """Build the base model on every rank and check its weights are finite; a failure
+    anywhere is an error everywhere."""
+    model, err = None, None
+    try:
+        model = job.spec.build()
+        _check_finite_weights(model, job.spec)
+        model = model.to(job.device)
+    except FinetuneError as exc:
+        err = str(exc)
+    _agree(err, job.world_size)
+    return model
+
+
+def _check_finite_weights(model: nn.Module, spec: ModelSpec) -> None:
+    """NaN or Inf in the base weights makes every loss NaN from step 1, whatever the learning
+    rate: say so before training (one pass over the weights, on the CPU copy)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if _nonfinite(t):
+            what = "the embedded model" if spec.embedded else f"the model in {spec.source}"
+            cast = (f" (or values beyond the range of {str(spec.dtype).replace('torch.', '')} became Inf when "
+                    f"loaded in it: try --dtype float32 or bfloat16)") if spec.dtype == torch.float16 else ""
+            raise FinetuneError(
+                f"the base weights of {what} hold NaN or Inf values ({name}, {int((~torch.isfinite(t)).sum())} of "
+                f"{t.numel()}): the weights are damaged{cast}; every loss would be NaN, whatever --lr"
+            )

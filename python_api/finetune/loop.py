@@ -1,0 +1,221 @@
+"""The training loop: train() runs an engine for the job's steps (learning-rate schedule, RNG
+seeding and restore, checkpoints at the cadence, a message for a non-finite loss) and
+returns the run's measurements."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from python_api.finetune.checkpoints import _nonfinite, _to_tuple, write_checkpoint
+from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.job import Job
+from python_api.finetune.options import _budget_label
+
+
+def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
+    s = (seed * 1_000_003 + rank) & 0xFFFFFFFFFFFF
+    torch.manual_seed(s)
+    random.seed(s)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(s)
+
+
+def _restore_rng(rng: dict, device: torch.device) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(_to_tuple(rng["python"]))
+    if device.type == "cuda" and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _lr_at(args, step: int) -> float:
+    if args.warmup_steps and step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    return args.lr
+
+
+# [Note: segments of a run]
+# A run resumed one or more times is trained by several processes, each from some step to
+# another, each possibly at its own pool budget (residency only: the losses are the same).
+# trainer_state.json keeps one segment per process: its steps, pool budget, and the figures
+# the report is made of (step times, all-gather bytes, peak memory). The report's figures are
+# those of the last segment (the process that trained last); losses.csv and the loss curve
+# span every step, labelled with each segment's budget. A resume of a checkpoint written at
+# the planned last step (the process was killed after it, before the report) trains nothing
+# and writes the adapter and the report from the checkpoint and its last segment.
+
+
+def _segments_label(segments: list[dict]) -> str | None:
+    """'elastic, budget all (steps 1-4), 0 (steps 5-8)', or None when one budget covers all."""
+    if len({seg["pool_budget"] for seg in segments}) < 2:
+        return None
+    parts = [f"{seg['pool_budget']} (step{'s' if seg['last_step'] > seg['first_step'] else ''} {seg['first_step']}"
+             f"{'-' + str(seg['last_step']) if seg['last_step'] > seg['first_step'] else ''})"
+             for seg in segments if seg["last_step"] >= seg["first_step"]]
+    return "elastic, budget " + ", ".join(parts)
+
+
+def _nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> str:
+    """Tell apart what a non-finite loss can come from. The base weights were checked when
+    the model was built, and a resumed checkpoint's adapters and optimizer state when it was
+    read, so: a non-finite loss on the first step of this process, before any update, is the
+    forward pass overflowing in the model's dtype; a later one is training diverging (or,
+    in float16, an update that overflowed)."""
+    args = job.args
+    dtype = args.dtype
+    broken = [n for n, p in named if _nonfinite(p.detach())]
+    head = f"{engine.name}: the loss is {loss} at step {step + 1}"
+    if step == start:
+        origin = "the initial adapters" if job.resume is None else f"the adapters of checkpoint {job.resume.path}"
+        return (f"{head}, before any update, with finite base weights and {origin}: the forward pass overflows in "
+                f"{dtype}" + ("; use --dtype bfloat16 (float32's range) or float32" if dtype == "float16" else
+                              "; check the data and the model (this is not a learning-rate problem)"))
+    updates = step - start
+    adapters = (f"the adapters hold NaN/Inf ({broken[0]}{' and more' if len(broken) > 1 else ''})" if broken
+                else "the adapters are still finite")
+    fp16 = "; in float16, also try --dtype bfloat16" if dtype == "float16" else ""
+    return (f"{head}, after {updates} update{'s' if updates > 1 else ''} from finite weights ({adapters}): training "
+            f"diverged; lower --lr (now {args.lr:g}) or add --warmup-steps{fp16}")
+
+
+def train(job: Job, engine, counter, primary: bool) -> dict:
+    """Train `engine.model` for the job's steps; return the run's measurements."""
+    from tqdm import tqdm
+
+    args, rank, W, device = job.args, job.rank, job.world_size, job.device
+    model = engine.model
+    named = engine.params()
+    names = [n for n, _ in named]
+    opt = torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
+    start, losses, segments = 0, [], []
+    if primary and job.resume is not None:
+        from python_api.lora import load_adapter
+
+        r = job.resume
+        if r.param_names != names:
+            raise FinetuneError(f"checkpoint {r.path}: its optimizer state belongs to other parameters than this model's adapters")
+        try:
+            load_adapter(model, r.path)
+            opt.load_state_dict(r.optimizer)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            # read_checkpoint checked the files; this is the last line, on every rank alike.
+            raise FinetuneError(f"checkpoint {r.path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        start, losses, segments = r.step, list(r.losses), list(r.segments)
+        _restore_rng(r.rng, device)
+        job.checkpoint_step = r.step
+    else:
+        _seed_rng(args.seed, rank, device)
+    mem = job.memory
+    mem.reset_peak()
+    tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
+    times, gathered, counted = [], [], []
+
+    def segment(peak) -> dict:
+        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": _budget_label(args.pool_budget),
+                "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
+                "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
+
+    bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
+               dynamic_ncols=True, leave=True, file=sys.stderr)
+    model.train()
+    for step in range(start, args.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(args, step)
+        batch = job.windows.batch(args.seed, step, W, rank, args.micro_batch, args.grad_accum).to(device)
+        g0, c0 = engine.gathered_bytes(), counter.bytes
+        _sync(device)
+        t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for a in range(args.grad_accum):
+            with engine.accumulate(is_last=a == args.grad_accum - 1):
+                out = model(input_ids=batch[a], labels=batch[a])
+                (out.loss / args.grad_accum).backward()
+            total += out.loss.detach().double()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        loss = total.item() / (args.grad_accum * W)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        gathered.append(engine.gathered_bytes() - g0)
+        counted.append(counter.bytes - c0)
+        if not math.isfinite(loss):
+            # The loss is all-reduced and the adapters replicated: every rank raises alike.
+            raise FinetuneError(_nan_message(job, engine, loss, step, start, named))
+        losses.append(loss)
+        steady = _tokens_per_s(times, tokens_per_step)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
+        bar.update(1)
+        if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
+    bar.close()
+    peak = mem.peak_above_baseline()
+    first_step = start + 1
+    if primary and times:
+        segments = segments + [segment(peak)]
+        write_checkpoint(job, model, opt, names, args.steps, losses, segments)
+    elif primary and segments:
+        # Resumed at the last step: nothing trained; report the figures of the process that
+        # trained the last steps (see [Note: segments of a run]).
+        last = segments[-1]
+        times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], last["allgather_bytes_counted_per_step"]
+        peak, first_step = last["peak_memory_bytes"], last["first_step"]
+    model.eval()
+    with torch.no_grad():
+        probe = job.windows.probe.to(device)
+        out = model(input_ids=probe, labels=probe)
+    model.train()
+    first = gathered[0] if gathered else 0
+    steady_bytes = (sum(gathered[1:]) / (len(gathered) - 1)) if len(gathered) > 1 else float(first)
+    result = {
+        "name": engine.name,
+        "kind": engine.kind,
+        "losses": losses,
+        "steps_run": len(times),
+        "first_step": first_step,
+        "step_times_s": times,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0] if times else None),
+        "peak_memory_bytes": peak,
+        "allgather_bytes_per_step": gathered,
+        "allgather_bytes_counted_per_step": counted,
+        "allgather_bytes_first_step": first,
+        "allgather_bytes_steady": steady_bytes,
+        "final_loss": losses[-1],
+        "heldout_loss": float(out.loss),
+    }
+    if primary:
+        result["segments"] = [{k: v for k, v in seg.items() if k in ("first_step", "last_step", "pool_budget")}
+                              for seg in segments]
+        label = _segments_label(segments)
+        if label is not None:
+            result["losses_label"] = label
+    if engine.kind == "elastic":
+        result["budget_bytes"] = engine.budget_bytes
+        result["frozen_bytes"] = engine.frozen_bytes
+        result["runtime_stats"] = engine.runtime.stats()
+    if primary:
+        result["probe_logits"] = out.logits.detach().float().cpu()
+    return result
+
+
+def _tokens_per_s(times: list[float], tokens_per_step: int) -> float | None:
+    """Steady state: global tokens per step over the median time of the steps after the first
+    of this process (the first learns the layer order, gathers everything and warms the
+    allocators). The median, not the mean: on a shared machine a few steps stall for reasons
+    that have nothing to do with the run."""
+    if len(times) < 2:
+        return None
+    return tokens_per_step / statistics.median(times[1:])

@@ -1,0 +1,217 @@
+"""The base model (embedded or a Hugging Face directory), its tokenizer, the data, and the
+LoRA targets: resolved from the options, checked before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from python_api.data import (
+    ByteTokenizer,
+    DataError,
+    HFTokenizer,
+    TokenWindows,
+    embedded_documents,
+    read_documents,
+    token_digest,
+    tokenize,
+)
+from python_api.finetune.constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
+from python_api.finetune.errors import FinetuneError
+
+
+@dataclass
+class ModelSpec:
+    """Where the base model comes from; `build()` makes a fresh copy on the CPU each time."""
+
+    source: str  # "embedded" or an absolute directory
+    config: object  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    seed: int
+    tokenizer: object
+
+    @property
+    def embedded(self) -> bool:
+        return self.source == "embedded"
+
+    def build(self) -> nn.Module:
+        if self.embedded:
+            return embedded_model(self.config, self.seed, self.dtype)
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                self.source, local_files_only=True, dtype=self.dtype, output_loading_info=True
+            )
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a bad model directory
+            raise FinetuneError(f"model directory {self.source}: cannot load the model: {type(exc).__name__}: {exc}") from exc
+        missing = [k for k in info.get("missing_keys", []) if "rotary_emb" not in k]
+        if missing:
+            raise FinetuneError(
+                f"model directory {self.source}: the weights lack {len(missing)} parameters of the model, "
+                f"e.g. {sorted(missing)[:3]} (they would be left randomly initialised)"
+            )
+        model.train()
+        return model
+
+    def meta_model(self) -> nn.Module:
+        """The model's module structure without weights (to check target names early)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.config)
+
+    def description(self) -> str:
+        c = self.config
+        what = "embedded Llama" if self.embedded else f"{c.model_type} from {self.source}"
+        return (f"{what}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate "
+                f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}")
+
+
+def embedded_config(hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=EMBEDDED_VOCAB, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=EMBEDDED_MAX_POSITIONS, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=EMBEDDED_VOCAB - 1, pad_token_id=None,
+    )
+
+
+def embedded_model(config, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The embedded base model: `LlamaForCausalLM(config)` with weights drawn after
+    `torch.manual_seed(seed)` (the same on every rank and in every process). This is the base
+    model a saved adapter of an embedded run belongs to."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.train()
+    return model
+
+
+def _resolve_model(args) -> ModelSpec:
+    dtype = getattr(torch, args.dtype)
+    dims = {k: getattr(args, k) for k in EMBEDDED}
+    if args.model is None:
+        d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
+        if d["hidden_size"] % d["num_heads"]:
+            raise FinetuneError(f"--hidden-size {d['hidden_size']} is not a multiple of --num-heads {d['num_heads']}")
+        if d["num_heads"] % d["num_kv_heads"]:
+            raise FinetuneError(f"--num-heads {d['num_heads']} is not a multiple of --num-kv-heads {d['num_kv_heads']}")
+        if (d["hidden_size"] // d["num_heads"]) % 2:
+            raise FinetuneError(f"head size {d['hidden_size'] // d['num_heads']} must be even (rotary embeddings)")
+        config = embedded_config(**d)
+        return ModelSpec("embedded", config, dtype, args.seed, ByteTokenizer(eos=True))
+
+    given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
+    if given:
+        raise FinetuneError(f"{', '.join(given)} size the embedded model only; --model {args.model} brings its own configuration")
+    path = os.path.abspath(args.model)
+    if not os.path.exists(path):
+        raise FinetuneError(f"model directory {args.model} does not exist")
+    if not os.path.isdir(path):
+        raise FinetuneError(f"--model {args.model} is not a directory (expected a Hugging Face model directory)")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FinetuneError(f"model directory {args.model} has no config.json (a Hugging Face model directory holds config.json and *.safetensors)")
+    try:
+        with open(cfg_file) as f:
+            json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FinetuneError(f"model directory {args.model}: config.json is not valid JSON: {exc}") from exc
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise FinetuneError(f"model directory {args.model}: cannot read config.json: {type(exc).__name__}: {exc}") from exc
+    weights = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not weights:
+        raise FinetuneError(f"model directory {args.model} has no *.safetensors weights")
+    from safetensors import safe_open
+
+    for w in weights:
+        try:
+            with safe_open(os.path.join(path, w), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # noqa: BLE001 - header parse errors come in several types
+            raise FinetuneError(f"model directory {args.model}: {w} is not a valid safetensors file: {exc}") from exc
+    tokenizer = _resolve_tokenizer(path, args.model, config)
+    return ModelSpec(path, config, dtype, args.seed, tokenizer)
+
+
+def _resolve_tokenizer(path: str, shown: str, config):
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        try:
+            return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), shown)
+        except Exception as exc:  # noqa: BLE001
+            raise FinetuneError(f"model directory {shown}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from exc
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None or vocab < 256:
+        raise FinetuneError(
+            f"model directory {shown} has no tokenizer and a vocabulary of {vocab} ids: the byte-level "
+            "tokenizer needs at least 256 (add the model's tokenizer files to the directory)"
+        )
+    return ByteTokenizer(eos=vocab > 256)
+
+
+def _resolve_data(args, spec: ModelSpec):
+    try:
+        if args.data is None:
+            docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
+        else:
+            docs, source = read_documents(args.data), os.path.abspath(args.data)
+        tokens = tokenize(docs, spec.tokenizer)
+        vocab = spec.config.vocab_size
+        if tokens.numel() and int(tokens.max()) >= vocab:
+            raise DataError(
+                f"the tokenizer ({spec.tokenizer.name}) produced id {int(tokens.max())}, outside the model's "
+                f"vocabulary of {vocab}"
+            )
+        max_pos = getattr(spec.config, "max_position_embeddings", None)
+        if max_pos is not None and args.seq_len > max_pos:
+            raise DataError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+        windows = TokenWindows(tokens, args.seq_len, PROBE_SEQS, args.data or "the embedded corpus")
+    except DataError as exc:
+        raise FinetuneError(str(exc)) from exc
+    info = {"source": source, "documents": len(docs), "tokens": int(tokens.numel()), "sha256": token_digest(tokens)}
+    return windows, info
+
+
+def _target_list(args) -> list[str] | str:
+    return "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+
+
+def _lora_config(args):
+    from python_api.lora import LoRAConfig
+
+    t = _target_list(args)
+    return LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                      target_modules=t if isinstance(t, str) else tuple(t), seed=args.seed)
+
+
+def _resolved_targets(spec: ModelSpec, args) -> tuple[list[str], dict]:
+    """The adapted module names, and the adapter tensors they get: PEFT key -> shape (None
+    where the module is not an nn.Linear and the shape is not derived here)."""
+    from python_api.lora import _target_names
+
+    meta = spec.meta_model()
+    try:
+        targets = _target_names(meta, _lora_config(args))
+    except ValueError as exc:
+        raise FinetuneError(f"--lora-targets {args.lora_targets}: {exc}") from exc
+    shapes = {}
+    for name in targets:
+        m = meta.get_submodule(name)
+        linear = isinstance(m, nn.Linear)
+        shapes[f"base_model.model.{name}.lora_A.weight"] = (args.lora_r, m.in_features) if linear else None
+        shapes[f"base_model.model.{name}.lora_B.weight"] = (m.out_features, args.lora_r) if linear else None
+    return targets, shapes

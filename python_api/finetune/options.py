@@ -1,0 +1,230 @@
+"""The command line: option types and their ranges, the parser, parse_args, and the elastic
+policy the options describe."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from python_api.finetune.constants import (
+    DEFAULT_GRAD_ACCUM,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_STEPS,
+    DEFAULT_TARGETS,
+    EMBEDDED,
+    PROG,
+)
+
+
+def _budget(text: str):
+    """'all' -> None (every frozen chunk), 'N%' -> fraction, else bytes ('0', '64MiB', '2G')."""
+    t = text.strip()
+    if t.lower() in ("all", "none", "full"):
+        return None
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+        if not 0.0 <= pct <= 100.0:
+            raise argparse.ArgumentTypeError(f"a percentage in [0, 100] is expected, got {text!r}")
+        return ("fraction", pct / 100.0)
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1, "": 1}
+    num = t.rstrip("KMGBikmgb")
+    unit = t[len(num):].lower()
+    if unit not in units:
+        raise argparse.ArgumentTypeError(f"unknown unit in {text!r} (use B, KiB, MiB, GiB, N% or all)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 0, 64MiB, 50%, all)") from None
+    if value < 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"a budget must be >= 0, got {text!r}")
+    if not value * units[unit] < _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"a budget must be a finite size below 8 EiB (2**63 bytes), got {text!r}")
+    return int(value * units[unit])
+
+
+def _budget_label(spec) -> str:
+    if spec is None:
+        return "all"
+    if isinstance(spec, tuple):
+        return f"{spec[1] * 100:g}%"
+    return _fmt_bytes(spec)
+
+
+def _fmt_bytes(n: int) -> str:
+    if n == 0:
+        return "0"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n}B"
+
+
+# [Note: option ranges]
+# Every number an option takes ends up in a fixed-width C/C++ or torch integer, a timedelta or
+# a float computation: counts and sizes are capped at 2**31 - 1 (they index tensors and step
+# seeds, see data._step_seed), the seed at 2**32 - 1 (data._step_seed keeps 32 bits of it:
+# larger seeds would repeat smaller ones' batches), byte sizes below 2**63, the timeout at
+# _MAX_TIMEOUT_S (a timedelta in milliseconds must fit the backends' int64 and stay
+# meaningful), and floats must be finite. Out of range is an option error, before anything runs.
+_MAX_INT = 2**31 - 1
+_MAX_SEED = 2**32 - 1
+_MAX_BYTES = 2**63
+_MAX_TIMEOUT_S = 1e7  # ~115 days
+
+
+def _int_in(low: int, high: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"expected {what} (at most {high}), got {v}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+_positive_int = _int_in(1, _MAX_INT, "a positive integer")
+_nonneg_int = _int_in(0, _MAX_INT, "an integer >= 0")
+_seed_int = _int_in(0, _MAX_SEED, "an integer in [0, 2**32 - 1]")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return v
+
+
+def _timeout(text: str) -> float:
+    v = _positive_float(text)
+    if v > _MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected at most {_MAX_TIMEOUT_S:g} seconds, got {text!r}")
+    return v
+
+
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return v
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None/False ones (their help says what happens without them)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="LoRA fine-tuning across ranks with elastic frozen weights (launch with torchrun; "
+                    "see the module docstring or README.md, 'The main job').",
+        formatter_class=_HelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face model directory (config.json + *.safetensors); default: the embedded Llama model")
+    g.add_argument("--hidden-size", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['hidden_size']})")
+    g.add_argument("--intermediate-size", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['intermediate_size']})")
+    g.add_argument("--num-layers", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_layers']})")
+    g.add_argument("--num-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_heads']})")
+    g.add_argument("--num-kv-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_kv_heads']})")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the model (adapters stay fp32 for bfloat16/float16, as PEFT keeps them)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL where CUDA is available, else CPU with gloo")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, metavar="FILE",
+                   help=".txt (raw text) or .jsonl (a \"text\" field per line); default: the Python language reference (pydoc_data)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help="optimizer steps (total, counting resumed ones)")
+    g.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN, help="tokens per sequence")
+    g.add_argument("--micro-batch", type=_positive_int, default=DEFAULT_MICRO_BATCH, help="sequences per rank per micro-step")
+    g.add_argument("--grad-accum", type=_positive_int, default=DEFAULT_GRAD_ACCUM, help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=_positive_float, default=2e-3, help="AdamW learning rate")
+    g.add_argument("--warmup-steps", type=_nonneg_int, default=0, help="linear warm-up of the learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--seed", type=_seed_int, default=0, help="embedded weights, adapter init, batches, dropout")
+
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora-r", type=_positive_int, default=8, help="adapter rank")
+    g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="scaling = alpha / r")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapter input (the FSDP2 comparison is exact only without it)")
+    g.add_argument("--lora-targets", default=DEFAULT_TARGETS,
+                   help="comma-separated module names (PEFT's matching: a name or a suffix), or all-linear")
+
+    g = p.add_argument_group("elastic policy")
+    g.add_argument("--chunk-kib", type=_positive_int, default=256, help="chunk size of frozen weights, KiB")
+    g.add_argument("--keep-ratio", type=_ratio, default=1.0, help="fraction of chunks kept from forward to backward")
+    g.add_argument("--persist-ratio", type=_ratio, default=1.0, help="fraction of chunks kept across iterations")
+    g.add_argument("--pool-budget", type=_budget, default=None, metavar="BUDGET",
+                   help="cache budget per rank: all (the default), 0, a size (64MiB) or a percentage of the frozen bytes (50%%)")
+    g.add_argument("--prefetch-depth", type=_nonneg_int, default=1, help="frozen weights gathered ahead of use, in the learned order")
+    g.add_argument("--collective-kib", type=_positive_int, default=32 << 10, help="coalescing cap per all-gather, KiB per rank")
+    g.add_argument("--timeout-s", type=_timeout, default=300.0, help="collective and process-group timeout, seconds")
+
+    g = p.add_argument_group("comparison")
+    g.add_argument("--baseline", choices=("none", "fsdp2"), default="none",
+                   help="also train the same job with PEFT LoRA under FSDP2 (from scratch) and compare")
+    g.add_argument("--compare-budgets", default="", metavar="B1,B2",
+                   help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%) and compare")
+
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="results, adapter and checkpoint (default out/finetune; with --resume: the resumed folder)")
+    g.add_argument("--save-every", type=_nonneg_int, default=0, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue from DIR/checkpoint (or DIR itself)")
+    g.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty --save-dir")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        args.compare_budgets = [_budget(b) for b in args.compare_budgets.split(",") if b.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument --compare-budgets: {exc}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        p.error(f"argument --lora-dropout: expected a number in [0, 1), got {args.lora_dropout}")
+    if not 0 <= args.weight_decay < math.inf:
+        p.error(f"argument --weight-decay: expected a finite number >= 0, got {args.weight_decay}")
+    if args.keep_ratio < args.persist_ratio:
+        p.error(f"--keep-ratio ({args.keep_ratio}) must be >= --persist-ratio ({args.persist_ratio})")
+    targets = args.lora_targets.strip()
+    if targets != "all-linear":
+        names = [t.strip() for t in targets.split(",")]
+        if not names or not all(names):
+            p.error(f"argument --lora-targets: expected comma-separated module names or all-linear, got {args.lora_targets!r}")
+        args.lora_targets = ",".join(names)
+    return args
+
+
+def _policy(args, budget):
+    from python_api.config import ElasticPolicy
+
+    return ElasticPolicy(
+        chunk_bytes=args.chunk_kib << 10, keep_ratio=args.keep_ratio, persist_ratio=args.persist_ratio,
+        pool_budget_bytes=budget if isinstance(budget, int) else None, prefetch_depth=args.prefetch_depth,
+        collective_bytes=args.collective_kib << 10, collective_timeout_s=args.timeout_s,
+    )
