@@ -90,7 +90,7 @@ def refuse_conversion(module: nn.Module, fn) -> None:
     """Raise if `fn` (what `Module._apply` applies) would change the frozen weight's dtype or
     device; a no-op conversion passes ([Note: mixed precision])."""
     et = module.et
-    probe = torch.empty(0, dtype=et.dtype, device=et.shard.device)
+    probe = torch.empty(0, dtype=et.dtype, device=et.device)
     try:
         out = fn(probe)
     except Exception:  # noqa: BLE001 - not a conversion we can judge: let _apply do what it does
@@ -233,7 +233,7 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
     runtime = ElasticRuntime(policy, group=group, device=device)
     units = assign_units(model, [n for n, _ in targets], unit_modules)
     replacements = [(name, ElasticLinear.from_linear(module, runtime, name, units[name])) for name, module in targets]
-    runtime.check_ranks_agree()
+    runtime.finish_registration()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -216,8 +216,14 @@ def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
     except RuntimeError as exc:
         raise RuntimeError(f"load_state_dict: {exc}") from None
     with torch.no_grad():
-        shard = et.layout.shard(full.detach().to(et.dtype), rt.rank)  # cut where the source lives
-        et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
+        full = full.detach().to(et.dtype)
+        if et.shard is not None:
+            shard = et.layout.shard(full, rt.rank)  # cut where the source lives
+            et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
+        if et.store_offset is not None:
+            # Every local rank writes the same bytes into the node's store ([Note: chunk sources]).
+            rt.host_store.view(et.store_offset, et.dtype, (et.layout.rows, et.layout.cols)).copy_(
+                full.reshape(et.layout.rows, et.layout.cols))
 
 
 # ---------------------------------------------------------------------------- DDP

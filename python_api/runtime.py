@@ -92,6 +92,7 @@ from torch.profiler import record_function
 from elastic_kernels import ChunkLayout, PagePool, unpack_gathered
 from python_api.collectives import ChunkRun, GatherWork, all_gather_into
 from python_api.config import ElasticPolicy
+from python_api.host_tier import HostCopyWork, host_chunks, store_offsets
 
 
 class Residency(enum.IntEnum):
@@ -143,18 +144,32 @@ class ElasticTensor:
         self.layout = ChunkLayout.for_weight(weight.shape, policy.rows_per_chunk(row_bytes, name), runtime.world_size)
         self.residency = residency_classes(self.layout.num_chunks, policy.keep_ratio, policy.persist_ratio)
         self.keys = [runtime.key(wid, c) for c in range(self.layout.num_chunks)]
+        # [Note: chunk sources] in python_api/host_tier.py
+        self.from_host = host_chunks(self.layout.num_chunks, policy.source_fraction)
+        self.store_offset: int | None = None  # byte offset in the runtime's host store
+        # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
+        self._reader = None
         with torch.no_grad():
             if rows is None:
                 self.fingerprint = _fingerprint(weight)
-                self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+                if policy.uses_host_store:
+                    w = weight.detach()
+                    self._reader = lambda b, e: w[b:e]
             else:
                 self.fingerprint = _fingerprint_rows(rows, self.layout.rows)
-                self.shard = self.layout.shard_from_rows(
-                    lambda b, e: rows(b, e).to(device=runtime.device, dtype=self.dtype), runtime.rank,
-                    self.dtype, runtime.device)
+                self._reader = rows
+            # weights_on="host": no device shard at all, every chunk comes from the host store.
+            self.shard = None
+            if policy.weights_on == "device":
+                if rows is None:
+                    self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+                else:
+                    self.shard = self.layout.shard_from_rows(
+                        lambda b, e: rows(b, e).to(device=runtime.device, dtype=self.dtype), runtime.rank,
+                        self.dtype, runtime.device)
         # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
         self._local_chunks = None
-        if runtime.world_size == 1:
+        if runtime.world_size == 1 and self.shard is not None:
             self._local_chunks = [
                 self.shard[c * self.layout.slice_numel : c * self.layout.slice_numel + self.layout.chunk_numel_of(c)].view(
                     self.layout.chunk_shape(c)
@@ -177,9 +192,33 @@ class ElasticTensor:
         return sum(1 for r in self.residency if r is Residency.PERSISTENT)
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole weight."""
+        return self.layout.numel * self.element_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
     def slice_bytes(self) -> int:
         """Bytes of this rank's slice of one chunk (what a peer sends for a missing chunk)."""
-        return self.layout.slice_numel * self.shard.element_size()
+        return self.layout.slice_numel * self.element_size
+
+    def chunk_bytes_of(self, c: int) -> int:
+        """Real bytes of chunk c (what a host copy moves)."""
+        return self.layout.chunk_numel_of(c) * self.element_size
+
+    def host_chunk(self, c: int) -> torch.Tensor:
+        """Chunk c as a view of the host store."""
+        rt = self.runtime
+        r0, _ = self.layout.chunk_rows(c)
+        offset = self.store_offset + r0 * self.layout.cols * self.element_size
+        return rt.host_store.view(offset, self.dtype, self.layout.chunk_shape(c))
 
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
         return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
@@ -187,7 +226,7 @@ class ElasticTensor:
     @property
     def page_bytes(self) -> int:
         """Bytes of the largest chunk of this weight (what one pool page must hold)."""
-        return self.layout.chunk_numel * self.shard.element_size()
+        return self.layout.chunk_numel * self.element_size
 
     def signature(self) -> dict:
         """What must be equal on every rank for this weight (checked at wrap time)."""
@@ -284,6 +323,10 @@ class ElasticRuntime:
         self._cache_budget = policy.pool_budget_bytes
         # The communication stream: all-gathers, their pack/unpack copies. Created here only.
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The copy stream: host store -> page copies ([Note: host copies are stream ordered]).
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and policy.uses_host_store else None
+        self.host_store = None  # built by finish_registration when the policy uses the host tier
+        self.activation_offload = None  # python_api/activation_offload.py, created on first use
         self.phase = Phase.IDLE
         self._order = {Phase.FORWARD: None, Phase.BACKWARD: None}  # learned wid sequences
         # per phase, per position of the learned order: (first, end) positions of its segment
@@ -298,7 +341,7 @@ class ElasticRuntime:
         # Whether the end of backward averages adapter gradients: the policy's setting, turned
         # off while another wrapper (DDP) reduces them (set_grad_reduction).
         self._reduce_grads = policy.all_reduce_grads
-        self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0}
+        self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0, "h2d_bytes": 0}
         self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
 
     # ---------------------------------------------------------------- registration
@@ -364,6 +407,36 @@ class ElasticRuntime:
                 "elastic: the ranks do not agree on what they wrap (every rank must build the same model "
                 "with the same weights and the same ElasticPolicy): " + "; ".join(problems[:3])
             )
+
+    def finish_registration(self) -> None:
+        """After the last `register`, on every rank: check that the ranks agree, then build the
+        host store when the policy uses the host tier ([Note: chunk sources])."""
+        self.check_ranks_agree()
+        if self.policy.uses_host_store and self.host_store is None:
+            self._build_host_store()
+
+    def _build_host_store(self) -> None:
+        from python_api.host_store import node_host_store
+
+        offsets, size = store_offsets(self.tensors)
+        for et, off in zip(self.tensors, offsets):
+            et.store_offset = off
+
+        def fill(store, local_rank: int, local_world: int) -> None:
+            # Each local rank writes a contiguous share of every weight's rows.
+            for et in self.tensors:
+                rows = et.layout.rows
+                r0, r1 = rows * local_rank // local_world, rows * (local_rank + 1) // local_world
+                if r0 == r1:
+                    continue
+                cols = et.layout.cols
+                dst = store.view(et.store_offset + r0 * cols * et.element_size, et.dtype, (r1 - r0, cols))
+                dst.copy_(et._reader(r0, r1).reshape(r1 - r0, cols).to(dtype=et.dtype))
+
+        self.host_store = node_host_store(size, group=self.group, fill=fill,
+                                          timeout_s=self.policy.collective_timeout_s, device=self.device)
+        for et in self.tensors:
+            et._reader = None
 
     def set_trainable(self, params: list[torch.nn.Parameter]) -> None:
         """Replicated trainable parameters whose gradients are averaged at the end of backward."""
@@ -442,9 +515,20 @@ class ElasticRuntime:
 
     def stats(self, per_weight: bool = False) -> dict:
         """Cumulative per-rank counters; `per_weight` adds "allgather_bytes_per_weight"
-        (name -> bytes received for that weight's chunks, `full_weight` excluded)."""
+        (name -> bytes received for that weight's chunks, `full_weight` excluded).
+        h2d_bytes: host -> device bytes (host-store chunks and activations brought back);
+        d2h_bytes: activations offloaded; host_store_bytes: the node's host store;
+        host_pinned_bytes: host buffers of the activation offload held now."""
         out = dict(self._stats)
         out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
+        out["d2h_bytes"] = 0
+        out["host_store_bytes"] = self.host_store.nbytes if self.host_store is not None else 0
+        out["host_pinned_bytes"] = 0
+        if self.activation_offload is not None:
+            act = self.activation_offload.stats()
+            out["h2d_bytes"] += act["h2d_bytes"]
+            out["d2h_bytes"] += act["d2h_bytes"]
+            out["host_pinned_bytes"] += act["host_pinned_bytes"]
         if per_weight:
             out["allgather_bytes_per_weight"] = {et.name: self._weight_bytes.get(et.name, 0) for et in self.tensors}
         return out
@@ -453,6 +537,8 @@ class ElasticRuntime:
         for k in self._stats:
             self._stats[k] = 0
         self._weight_bytes.clear()
+        if self.activation_offload is not None:
+            self.activation_offload.reset_stats()
         if self.pool is not None:
             self.pool.reset_peak()
 
@@ -604,6 +690,10 @@ class ElasticRuntime:
             for d, src in zip(dests, et._local_chunks):
                 d.copy_(src)
             return out
+        if et.shard is None:  # weights_on="host": the store holds the whole weight
+            for c, d in enumerate(dests):
+                d.copy_(et.host_chunk(c))
+            return out
         gathered = et.shard.new_empty(self.world_size * et.shard.numel())
         with record_function("elastic::gather_full"):
             all_gather_into(gathered, et.shard, self.group, async_op=False)
@@ -637,7 +727,10 @@ class ElasticRuntime:
                         missing.append(c)
                 self._stats["pool_hits"] += et.num_chunks - len(missing)
                 self._stats["pool_misses"] += len(missing)
-                pending.extend(self._runs(use, missing))
+                from_host = [c for c in missing if et.from_host[c]]
+                if from_host:
+                    self._copy_from_host(use, from_host)
+                pending.extend(self._runs(use, [c for c in missing if not et.from_host[c]]))
             self._issue_gathers(pending)
         except BaseException:
             # Nothing of a use that failed to start may stay pinned or hold pages without data.
@@ -647,12 +740,27 @@ class ElasticRuntime:
         return uses
 
     def _local_only(self) -> bool:
-        return self.world_size == 1 and not self._force_pool
+        return self.world_size == 1 and not self._force_pool and self.policy.weights_on == "device"
+
+    def _copy_from_host(self, use: _Use, chunks: list[int]) -> None:
+        """Fill `chunks` of the use from the host store ([Note: chunk sources])."""
+        et = use.tensor
+        pairs = []
+        for c in chunks:
+            page = self.pool.allocate_pinned(et.keys[c])
+            use.keys_pinned.append(et.keys[c])
+            use.fresh.add(et.keys[c])
+            use.chunks[c] = et.chunk_view(page, c)
+            pairs.append((et.host_chunk(c), use.chunks[c]))
+        work = HostCopyWork(pairs, self.copy_stream, self.device)
+        for c in chunks:
+            use.works[c] = work
+        self._stats["h2d_bytes"] += work.bytes
 
     def _runs(self, use: _Use, missing: list[int]) -> list[tuple[_Use, list[int]]]:
         """Missing chunks as runs of consecutive indices of at most `collective_bytes` per rank."""
         cap = self.policy.collective_bytes
-        per_chunk = use.tensor.layout.slice_numel * use.tensor.shard.element_size()
+        per_chunk = use.tensor.slice_bytes
         runs: list[list[int]] = []
         for c in missing:
             if runs and c == runs[-1][-1] + 1 and (cap is None or (len(runs[-1]) + 1) * per_chunk <= cap):
@@ -667,7 +775,7 @@ class ElasticRuntime:
         batches: list[list[tuple[_Use, list[int]]]] = []
         size = 0
         for use, run in runs:
-            b = len(run) * use.tensor.layout.slice_numel * use.tensor.shard.element_size()
+            b = len(run) * use.tensor.slice_bytes
             if batches and (cap is None or size + b <= cap) and use.tensor.dtype == batches[-1][0][0].tensor.dtype:
                 batches[-1].append((use, run))
                 size += b

@@ -1,0 +1,360 @@
+"""A `Profile` measured from warm-up steps of the real model under its elastic runtime.
+
+    profile = measure_profile(model, batches, capacity_bytes=...)    # on every rank
+
+What is measured, per unit of the runtime (a decoder layer, or a weight that is its own unit),
+in forward order:
+- forward and backward compute time: module hooks time the unit's forward; a hook on the
+  gradient of the unit's output marks the start of its backward, whose end is the start of the
+  previous unit's backward (or the end of the whole backward). The steps run with every chunk
+  resident (all weights PERSISTENT for the duration, pool unbounded, one warm-up step first),
+  so no gather is in these times: they are compute alone. With two micro-batch sizes (the
+  batch and its first half) the time is fitted as fixed + per-token; with one, fixed is 0.
+- activation bytes per token: `saved_tensors_hooks` count the bytes each unit's forward saves
+  for backward (storages counted once, parameters and the pool's pages never), and the bytes
+  of its input (what a recomputed unit keeps);
+- the all-gather and all-reduce links: timed collectives on the runtime's group at two sizes
+  (a chunk's slice and a unit's worth of slices; the adapter gradients and a small buffer),
+  median of 5 each, fitted as latency + bytes / bandwidth;
+- static bytes (shards, replicated parameters and buffers, adapters with their gradients and
+  AdamW's two states), the page size, and on CUDA the device's capacity and the memory that is
+  not ours (total - free - what torch has reserved). On CPU the capacity is the caller's
+  (`capacity_bytes`, the CLI's --memory-cap) and nothing is counted as not ours: the measured
+  peaks the model is checked against are above the process's baseline.
+Every rank measures; timings are then reduced with MAX across the group (the slowest rank sets
+the pace), so every rank holds the same profile and computes the same plan.
+
+Side effects: the warm-up and timed steps run forward and backward (dropout draws random
+numbers; adapter gradients are cleared before and after); residency and the pool budget are
+restored at the end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from python_api.collectives import all_gather_into
+from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+
+_REPEATS = 5
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(value, dict):
+        for v in value.values():
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+class _StepProbe:
+    """Hooks that time each unit's forward and backward and count what it saves."""
+
+    def __init__(self, model: nn.Module, units: dict[str, nn.Module], device: torch.device):
+        self.units = units
+        self.device = device
+        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.handles = []
+        self.active: list[str] = []
+        self.reset()
+        for name, module in units.items():
+            self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(name)))
+
+    def reset(self) -> None:
+        self.fwd_s = {n: 0.0 for n in self.units}
+        self.bwd_start: dict[str, float] = {}
+        self.saved = {n: 0 for n in self.units}
+        self.saved_outside = 0
+        self.input_bytes = {n: 0 for n in self.units}
+        self.seen: set[int] = set()
+        self._t0: dict[str, float] = {}
+
+    def _pre(self, name):
+        def hook(_module, args, kwargs):
+            x = _first_tensor(args) if args else _first_tensor(kwargs)
+            if x is not None and torch.is_grad_enabled():
+                self.input_bytes[name] += x.numel() * x.element_size()
+            _sync(self.device)
+            self.active.append(name)
+            self._t0[name] = time.perf_counter()
+        return hook
+
+    def _post(self, name):
+        def hook(_module, _args, output):
+            _sync(self.device)
+            self.fwd_s[name] += time.perf_counter() - self._t0.pop(name)
+            self.active.pop()
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+                def on_grad(_g, name=name):
+                    _sync(self.device)
+                    self.bwd_start.setdefault(name, time.perf_counter())
+                out.register_hook(on_grad)
+        return hook
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.param_storages and ptr not in self.seen:
+            self.seen.add(ptr)
+            nbytes = t.untyped_storage().nbytes()
+            if self.active:
+                self.saved[self.active[-1]] += nbytes
+            else:
+                self.saved_outside += nbytes
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _unit_modules(model: nn.Module, rt) -> tuple[list[str], dict[str, nn.Module]]:
+    """The runtime's units in forward order and the module of each."""
+    from python_api.runtime import Phase
+
+    order = rt._order[Phase.FORWARD]
+    if order is None:
+        raise RuntimeError("measure_profile: the runtime has not learned the forward order (run a step first)")
+    names = list(dict.fromkeys(rt.tensors[w].unit for w in order))
+    modules = {}
+    for u in names:
+        path = u[len("weight:"):] if u.startswith("weight:") else u
+        modules[u] = model.get_submodule(path)
+    return names, modules
+
+
+def _timed(fn, device) -> float:
+    times = []
+    for _ in range(_REPEATS):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
+    """(fixed, per_unit) of a line through two points, both clamped at >= 0."""
+    if x1 == x0:
+        return 0.0, t1 / x1 if x1 else 0.0
+    slope = max(0.0, (t1 - t0) / (x1 - x0))
+    return max(0.0, t1 - slope * x1), slope
+
+
+def _link(rt, sizes: list[int], kind: str) -> Link:
+    """Fit latency + bytes / bandwidth to timed collectives of `sizes` bytes per rank."""
+    if rt.world_size == 1:
+        return Link(latency_s=0.0, bytes_per_s=1e18)
+    W, device = rt.world_size, rt.device
+    points = []
+    for size in sizes:
+        numel = max(1, size // 4)
+        send = torch.zeros(numel, dtype=torch.float32, device=device)
+        if kind == "allgather":
+            out = torch.empty(W * numel, dtype=torch.float32, device=device)
+            t = _timed(lambda: all_gather_into(out, send, rt.group, async_op=False), device)
+            points.append(((W - 1) * numel * 4, t))
+        else:
+            t = _timed(lambda: dist.all_reduce(send, group=rt.group), device)
+            points.append((numel * 4, t))
+    (b0, t0), (b1, t1) = points
+    latency, per_byte = _fit(b0, t0, b1, t1)
+    return Link(latency_s=latency, bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e18)
+
+
+def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
+    """Forward and backward of one micro-batch; returns (forward seconds, backward seconds)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    if probe is not None:
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+            loss = forward_loss(model, batch)
+    else:
+        loss = forward_loss(model, batch)
+    _sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    for p in model.parameters():
+        p.grad = None
+    return t1 - t0, t2 - t1, t1, t2, loss
+
+
+def _static_bytes(model: nn.Module, rt) -> int:
+    shards = sum(et.shard.numel() * et.shard.element_size() for et in rt.tensors if et.shard is not None)
+    params = 0
+    for p in model.parameters():
+        b = p.numel() * p.element_size()
+        params += b * 4 if p.requires_grad else b  # trainable: value, gradient, AdamW's two states
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return shards + params + buffers
+
+
+def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
+                    capacity_bytes: int | None = None, steps: int = 2) -> Profile:
+    """Measure a `Profile` of `model` (under convert_to_elastic / elasticize) on `batches`
+    (at least one micro-batch of input ids [B, T]). A collective: call on every rank alike."""
+    from python_api.elastic_linear import runtime_of
+
+    if not batches:
+        raise ValueError("measure_profile: give at least one micro-batch")
+    rt = runtime_of(model)
+    device = rt.device
+    forward_loss = forward_loss or _hf_loss
+    batch = batches[0]
+    if batch.dim() != 2:
+        raise ValueError(f"measure_profile: a micro-batch is input ids [B, T], got shape {tuple(batch.shape)}")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        capacity = int(total) if capacity_bytes is None else int(capacity_bytes)
+        reserved = int(total - free - torch.cuda.memory_reserved(device))
+    else:
+        if capacity_bytes is None:
+            raise ValueError("measure_profile: on CPU give capacity_bytes (the memory to plan for)")
+        capacity, reserved = int(capacity_bytes), 0
+
+    saved = [(et, et.keep_chunks, et.persist_chunks) for et in rt.tensors]
+    budget = rt._cache_budget
+    was_training = model.training
+    model.train()
+    try:
+        for et in rt.tensors:
+            rt.set_residency(et, et.num_chunks, et.num_chunks)
+        rt.set_pool_budget(None)
+        _run_step(model, batch, forward_loss, None, device)  # learns the order, gathers everything
+        names, modules = _unit_modules(model, rt)
+        probe = _StepProbe(model, modules, device)
+        try:
+            sizes = [batch] + ([batch[: batch.shape[0] // 2]] if batch.shape[0] >= 2 else [])
+            per_size = []
+            for b in sizes:
+                rows = []
+                for _ in range(steps):
+                    probe.reset()
+                    fwd, bwd, t_fwd_end, t_bwd_end, loss = _run_step(model, b, forward_loss, probe, device)
+                    starts = [probe.bwd_start.get(n) for n in names]
+                    bwd_units = []
+                    for i, n in enumerate(names):
+                        if starts[i] is None:
+                            bwd_units.append(0.0)
+                            continue
+                        end = next((starts[j] for j in range(i - 1, -1, -1) if starts[j] is not None), t_bwd_end)
+                        bwd_units.append(max(0.0, end - starts[i]))
+                    rows.append((fwd, bwd, [probe.fwd_s[n] for n in names], bwd_units))
+                tokens = b.numel()
+                med = lambda xs: statistics.median(xs)  # noqa: E731
+                per_size.append((tokens,
+                                 med([r[0] for r in rows]), med([r[1] for r in rows]),
+                                 [med([r[2][i] for r in rows]) for i in range(len(names))],
+                                 [med([r[3][i] for r in rows]) for i in range(len(names))],
+                                 dict(probe.saved), probe.saved_outside, dict(probe.input_bytes)))
+        finally:
+            probe.close()
+    finally:
+        for et, k, p in saved:
+            rt.set_residency(et, k, p)
+        rt.set_pool_budget(budget)
+        model.train(was_training)
+
+    tokens, fwd, bwd, fwd_units, bwd_units, act, act_out, inputs = per_size[0]
+    # Timings: fixed + per token from the two sizes (per token only with one size).
+    fits_f, fits_b = [], []
+    for i in range(len(names)):
+        if len(per_size) == 2:
+            t2 = per_size[1]
+            fits_f.append(_fit(t2[0], t2[3][i], tokens, fwd_units[i]))
+            fits_b.append(_fit(t2[0], t2[4][i], tokens, bwd_units[i]))
+        else:
+            fits_f.append((0.0, fwd_units[i] / tokens))
+            fits_b.append((0.0, bwd_units[i] / tokens))
+    out_fwd = max(0.0, fwd - sum(fwd_units)) / tokens
+    out_bwd = max(0.0, bwd - sum(bwd_units)) / tokens
+    # Reduce timings with MAX and byte counts with MAX over the ranks: one profile everywhere.
+    flat = [x for f in fits_f for x in f] + [x for f in fits_b for x in f] + [out_fwd, out_bwd]
+    if rt.world_size > 1:
+        tensor = torch.tensor(flat, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=rt.group)
+        flat = tensor.tolist()
+    n = len(names)
+    fits_f = [(flat[2 * i], flat[2 * i + 1]) for i in range(n)]
+    fits_b = [(flat[2 * n + 2 * i], flat[2 * n + 2 * i + 1]) for i in range(n)]
+    out_fwd, out_bwd = flat[4 * n], flat[4 * n + 1]
+
+    from python_api.runtime import Phase
+
+    backward_wids = set(rt._order[Phase.BACKWARD] or ())
+    layers = []
+    for i, u in enumerate(names):
+        weights = tuple(
+            WeightProfile(name=et.name, chunks=et.num_chunks, slice_bytes=et.slice_bytes,
+                          chunk_bytes=et.page_bytes, backward=et.wid in backward_wids)
+            for et in rt.tensors if et.unit == u
+        )
+        recomputable = not u.startswith("weight:")
+        a = act[u] / tokens
+        x = inputs[u] / tokens
+        layers.append(LayerProfile(
+            name=u, recomputable=recomputable and x <= a,
+            fwd_s_fixed=fits_f[i][0], fwd_s_per_token=fits_f[i][1],
+            bwd_s_fixed=fits_b[i][0], bwd_s_per_token=fits_b[i][1],
+            act_bytes_per_token=a, input_bytes_per_token=min(x, a), weights=weights,
+        ))
+    logits_bytes = _logits_bytes_per_token(model, batch)
+    adapter_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    allgather = _link(rt, [max(et.slice_bytes for et in rt.tensors),
+                           max(sum(w.slice_bytes * w.chunks for w in layer.weights) for layer in layers)], "allgather")
+    allreduce = _link(rt, [4096, max(8192, adapter_grad)], "allreduce")
+    profile = Profile(
+        source="measured", device=_device_name(device), world_size=rt.world_size, seq_len=int(batch.shape[1]),
+        capacity_bytes=capacity, reserved_bytes=max(0, reserved), static_bytes=_static_bytes(model, rt),
+        page_bytes=rt.page_bytes(), adapter_grad_bytes=adapter_grad, allgather=allgather, allreduce=allreduce,
+        layers=tuple(layers),
+        outside=OutsideProfile(fwd_s_per_token=out_fwd, bwd_s_per_token=out_bwd,
+                               act_bytes_per_token=act_out / tokens, peak_bytes_per_token=logits_bytes),
+    )
+    if rt.world_size > 1:
+        # Links and the memory not ours are rank 0's (timings are already the MAX over ranks).
+        box = [profile.to_dict()]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(rt.group, 0), group=rt.group)
+        profile = Profile.from_dict(box[0])
+    return profile
+
+
+def _logits_bytes_per_token(model: nn.Module, batch: torch.Tensor) -> float:
+    """The end-of-forward transient per token: the logits, their fp32 copy for the loss and
+    the loss's gradient of the same shape (3 x vocab x 4 bytes for an HF causal LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = getattr(head, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", 0) or 0
+    return 3.0 * vocab * 4
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
