@@ -20,6 +20,7 @@ COLUMNS = [
     "peak memory MiB",
     "all-gather MiB/step (steady)",
     "all-gather MiB (first step)",
+    "host->device MiB/step (steady)",
     "final train loss",
     "held-out loss",
 ]
@@ -43,6 +44,7 @@ def table_rows(runs: list[dict]) -> list[dict]:
             "peak memory MiB": _mib(r["peak_memory_bytes"]),
             "all-gather MiB/step (steady)": _mib(r["allgather_bytes_steady"]),
             "all-gather MiB (first step)": _mib(r["allgather_bytes_first_step"]),
+            "host->device MiB/step (steady)": _mib(r.get("h2d_bytes_steady", 0)),
             "final train loss": r["final_loss"],
             "held-out loss": r["heldout_loss"],
         })

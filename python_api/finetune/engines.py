@@ -36,21 +36,42 @@ class ElasticEngine:
 
     kind = "elastic"
 
-    def __init__(self, job: Job, budget):
+    def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False):
         from python_api.elastic_linear import runtime_of
         from python_api.lora import convert_to_elastic
 
         model = _collective_build(job)
-        self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget))
+        self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget, weights_on))
         self.runtime = runtime_of(self.model)
-        frozen = sum(math.prod(et.shape) * et.shard.element_size() for et in self.runtime.tensors)
+        frozen = sum(math.prod(et.shape) * et.element_size for et in self.runtime.tensors)
         self.frozen_bytes = frozen
         if isinstance(budget, tuple):
             self.budget_bytes = int(budget[1] * frozen)
         else:
             self.budget_bytes = budget
         self.runtime.set_pool_budget(self.budget_bytes)
-        self.name = f"elastic, budget {_budget_label(budget)}"
+        policy = self.runtime.policy
+        where = ""
+        if policy.weights_on == "host":
+            where = ", weights on host"
+        elif policy.source_fraction > 0:
+            where = f", {policy.source_fraction:g} from host"
+        self.name = f"elastic, budget {_budget_label(budget)}{where}"
+        # The micro-batch split of each step: the job's, or the plan's (python_api/finetune/planning.py).
+        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
+        self.planner = None
+        if planned:
+            from python_api.finetune.planning import JobPlanner
+
+            self.kind = "planned"
+            self.planner = JobPlanner(job, self)
+            self.name = f"planned, cap {self.planner.cap_label()}{where}"
+
+    def before_step(self, step: int) -> None:
+        """At the start of optimizer step `step` (0-based): a planned run re-plans if its memory
+        changed (a collective decision, the same on every rank)."""
+        if self.planner is not None:
+            self.planner.before_step(step)
 
     def params(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -60,6 +81,9 @@ class ElasticEngine:
 
     def gathered_bytes(self) -> int:
         return self.runtime.stats()["allgather_bytes"]
+
+    def h2d_bytes(self) -> int:
+        return self.runtime.stats()["h2d_bytes"]
 
 
 class FSDP2Engine:
@@ -90,6 +114,13 @@ class FSDP2Engine:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         fully_shard(self.model, mesh=mesh)
         self.counter = counter
+        self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def h2d_bytes(self) -> int:
+        return 0
 
     def params(self):
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

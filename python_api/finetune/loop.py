@@ -120,7 +120,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     mem = job.memory
     mem.reset_peak()
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
-    times, gathered, counted = [], [], []
+    times, gathered, counted, h2d, splits = [], [], [], [], []
 
     def segment(peak) -> dict:
         return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": _budget_label(args.pool_budget),
@@ -133,24 +133,31 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(args, step)
-        batch = job.windows.batch(args.seed, step, W, rank, args.micro_batch, args.grad_accum).to(device)
-        g0, c0 = engine.gathered_bytes(), counter.bytes
+        # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
+        # planned run's (which may change it at this step: the same global batch, the same
+        # windows across the ranks, [Note: adaptive accumulation] in planning.py).
+        engine.before_step(step)
+        mb, accum = engine.micro_batch, engine.grad_accum
+        splits.append((mb, accum))
+        batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
+        g0, c0, h0 = engine.gathered_bytes(), counter.bytes, engine.h2d_bytes()
         _sync(device)
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for a in range(args.grad_accum):
-            with engine.accumulate(is_last=a == args.grad_accum - 1):
+        for a in range(accum):
+            with engine.accumulate(is_last=a == accum - 1):
                 out = model(input_ids=batch[a], labels=batch[a])
-                (out.loss / args.grad_accum).backward()
+                (out.loss / accum).backward()
             total += out.loss.detach().double()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)
-        loss = total.item() / (args.grad_accum * W)
+        loss = total.item() / (accum * W)
         _sync(device)
         times.append(time.perf_counter() - t0)
         gathered.append(engine.gathered_bytes() - g0)
         counted.append(counter.bytes - c0)
+        h2d.append(engine.h2d_bytes() - h0)
         if not math.isfinite(loss):
             # The loss is all-reduced and the adapters replicated: every rank raises alike.
             raise FinetuneError(_nan_message(job, engine, loss, step, start, named))
@@ -179,6 +186,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     model.train()
     first = gathered[0] if gathered else 0
     steady_bytes = (sum(gathered[1:]) / (len(gathered) - 1)) if len(gathered) > 1 else float(first)
+    h2d_steady = (sum(h2d[1:]) / (len(h2d) - 1)) if len(h2d) > 1 else float(h2d[0] if h2d else 0)
     result = {
         "name": engine.name,
         "kind": engine.kind,
@@ -193,6 +201,9 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "allgather_bytes_counted_per_step": counted,
         "allgather_bytes_first_step": first,
         "allgather_bytes_steady": steady_bytes,
+        "h2d_bytes_per_step": h2d,
+        "h2d_bytes_steady": h2d_steady,
+        "micro_batch_splits": splits,
         "final_loss": losses[-1],
         "heldout_loss": float(out.loss),
     }
@@ -202,10 +213,13 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         label = _segments_label(segments)
         if label is not None:
             result["losses_label"] = label
-    if engine.kind == "elastic":
+    if engine.kind in ("elastic", "planned"):
         result["budget_bytes"] = engine.budget_bytes
         result["frozen_bytes"] = engine.frozen_bytes
         result["runtime_stats"] = engine.runtime.stats()
+    planner = getattr(engine, "planner", None)
+    if planner is not None:
+        result.update(planner.report())
     if primary:
         result["probe_logits"] = out.logits.detach().float().cpu()
     return result

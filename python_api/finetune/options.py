@@ -46,6 +46,33 @@ def _budget(text: str):
     return int(value * units[unit])
 
 
+def _size(text: str) -> int:
+    """A byte size ('0', '64MiB', '2G'): what _budget accepts, without 'all' or percentages."""
+    value = _budget(text)
+    if not isinstance(value, int):
+        raise argparse.ArgumentTypeError(f"a size in bytes is expected (e.g. 512MiB), got {text!r}")
+    return value
+
+
+def _memory_cap(text: str):
+    """'auto' (the device's memory; on CPU this process's share of the machine's) or a size."""
+    return "auto" if text.strip().lower() == "auto" else _size(text)
+
+
+def _cap_change(text: str) -> tuple[int, int]:
+    """STEP:SIZE: from optimizer step STEP (1-based) on, the memory cap is SIZE."""
+    step, sep, size = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected STEP:SIZE (e.g. 10:256MiB), got {text!r}")
+    try:
+        n = int(step)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer step before ':', got {step!r}") from None
+    if not 1 <= n <= _MAX_INT:
+        raise argparse.ArgumentTypeError(f"the step must be in [1, {_MAX_INT}], got {n}")
+    return n, _size(size)
+
+
 def _budget_label(spec) -> str:
     if spec is None:
         return "all"
@@ -182,11 +209,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--collective-kib", type=_positive_int, default=32 << 10, help="coalescing cap per all-gather, KiB per rank")
     g.add_argument("--timeout-s", type=_timeout, default=300.0, help="collective and process-group timeout, seconds")
 
+    g = p.add_argument_group("host tier")
+    g.add_argument("--weights-on", choices=("device", "host"), default="device",
+                   help="where the frozen weights live: each rank's shard on the device, or one copy per node in "
+                        "shared host memory streamed into the pool")
+    g.add_argument("--host-fraction", type=_ratio, default=None,
+                   help="share of missing chunks copied from the host store instead of all-gathered from peers "
+                        "(default 0 with --weights-on device, 1 with host)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="move the activations the LoRA layers save for backward to host memory until backward")
+    g.add_argument("--host-budget", type=_size, default=None, metavar="SIZE",
+                   help="host memory the activation offload may hold (default: no cap)")
+
+    g = p.add_argument_group("planner")
+    g.add_argument("--plan", choices=("none", "auto"), default="none",
+                   help="auto: profile the model, plan residency, recompute, micro-batch and pool budget under "
+                        "--memory-cap, write plan.json, follow it and re-plan when the memory changes")
+    g.add_argument("--memory-cap", type=_memory_cap, default="auto", metavar="SIZE|auto",
+                   help="memory per rank the planner may use (auto: the device's; on CPU the machine's memory "
+                        "divided by the local ranks)")
+    g.add_argument("--memory-cap-change", type=_cap_change, action="append", default=[], metavar="STEP:SIZE",
+                   help="from optimizer step STEP on, the memory cap is SIZE (repeatable; the planner re-plans "
+                        "the micro-batch split at that step on every rank)")
+
     g = p.add_argument_group("comparison")
     g.add_argument("--baseline", choices=("none", "fsdp2"), default="none",
                    help="also train the same job with PEFT LoRA under FSDP2 (from scratch) and compare")
     g.add_argument("--compare-budgets", default="", metavar="B1,B2",
                    help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%) and compare")
+    g.add_argument("--compare-host", action="store_true",
+                   help="also train the elastic job from scratch with --weights-on host (same budget) and compare")
+    g.add_argument("--compare-planned", action="store_true",
+                   help="also train the elastic job from scratch under the planner's plan (--memory-cap) and compare")
 
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--save-dir", default=None, metavar="DIR",
@@ -211,6 +265,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --weight-decay: expected a finite number >= 0, got {args.weight_decay}")
     if args.keep_ratio < args.persist_ratio:
         p.error(f"--keep-ratio ({args.keep_ratio}) must be >= --persist-ratio ({args.persist_ratio})")
+    if args.weights_on == "host" and args.host_fraction not in (None, 1.0):
+        p.error(f"--host-fraction {args.host_fraction}: with --weights-on host every chunk comes from the host store "
+                "(there is no device shard to gather from); leave --host-fraction out or set it to 1")
+    if args.host_budget is not None and 0 < args.host_budget < 512:
+        p.error(f"argument --host-budget: {args.host_budget} bytes is less than one 512-byte page")
+    steps = [s for s, _ in args.memory_cap_change]
+    if len(set(steps)) != len(steps):
+        p.error(f"--memory-cap-change: step(s) {sorted({s for s in steps if steps.count(s) > 1})} given twice")
+    if args.memory_cap_change and args.plan != "auto" and not args.compare_planned:
+        p.error("--memory-cap-change needs --plan auto or --compare-planned (only a planned run adapts)")
     targets = args.lora_targets.strip()
     if targets != "all-linear":
         names = [t.strip() for t in targets.split(",")]
@@ -220,11 +284,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _policy(args, budget):
+def _policy(args, budget, weights_on: str | None = None):
     from python_api.config import ElasticPolicy
 
+    weights_on = weights_on or args.weights_on
     return ElasticPolicy(
         chunk_bytes=args.chunk_kib << 10, keep_ratio=args.keep_ratio, persist_ratio=args.persist_ratio,
         pool_budget_bytes=budget if isinstance(budget, int) else None, prefetch_depth=args.prefetch_depth,
         collective_bytes=args.collective_kib << 10, collective_timeout_s=args.timeout_s,
+        weights_on=weights_on, host_fraction=None if weights_on == "host" else args.host_fraction,
+        offload_activations=args.offload_activations, host_budget_bytes=args.host_budget,
     )

@@ -37,7 +37,7 @@ def run(job: Job) -> dict:
     with AllGatherCounter() as counter:
         # 1. the elastic run (checkpointed, its adapter exported)
         job.memory.set_baseline()
-        engine = ElasticEngine(job, args.pool_budget)
+        engine = ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
         # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
         job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
         result = train(job, engine, counter, primary=True)
@@ -63,7 +63,20 @@ def run(job: Job) -> dict:
             del engine
             gc.collect()
             dist.barrier()
-        # 3. the FSDP2 baseline, from scratch
+        # 3. the host tier and the planner, from scratch
+        extra = []
+        if args.compare_host:
+            extra.append(dict(budget=args.pool_budget, weights_on="host"))
+        if args.compare_planned:
+            extra.append(dict(budget=args.pool_budget, weights_on="device", planned=True))
+        for kwargs in extra:
+            job.memory.set_baseline()
+            engine = ElasticEngine(job, **kwargs)
+            runs.append(train(job, engine, counter, primary=False))
+            del engine
+            gc.collect()
+            dist.barrier()
+        # 4. the FSDP2 baseline, from scratch
         if args.baseline == "fsdp2":
             job.memory.set_baseline()
             engine = FSDP2Engine(job, counter)

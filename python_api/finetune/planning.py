@@ -1,0 +1,179 @@
+"""The planned run of the CLI (`--plan auto`, `--compare-planned`): profile the model, plan
+under the memory cap, write plan.json, apply the plan, and re-plan when the memory changes.
+
+[Note: adaptive accumulation]
+The global batch of a step (world_size x micro_batch x grad_accum sequences, the options'
+values) never changes; how a rank splits its share into micro-batches does. Before every
+optimizer step the planned run takes the memory it may use now: the --memory-cap in force at
+that step (--memory-cap-change STEP:SIZE), and on CUDA with `--memory-cap auto` also what the
+device has left (free memory plus what torch holds), then the MIN of that over the ranks by
+one all-reduce. A departure of more than 5% from the memory the current plan was made for
+re-plans from the same profile (deterministic: every rank computes the same plan from the same
+numbers); a plan that differs is applied on every rank at that step (residency, pool budget,
+recompute, and the micro-batch split of the step's batch). The windows of a step are the same
+set whatever the split (python_api/data.py draws world_size x micro_batch x grad_accum starts
+per step and deals them out), so the loss and the averaged gradient are the same sums in
+another order: equal to a fixed-split run within fp32 summation-order rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from python_api.finetune.constants import PROG
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.files import _collective, _write_json
+from python_api.finetune.options import _fmt_bytes
+
+_REPLAN_TOLERANCE = 0.05
+
+
+def _host_memory_share() -> int:
+    """This process's share of the machine's memory: MemTotal / local ranks."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+                break
+        else:
+            raise FinetuneError("--memory-cap auto: cannot read MemTotal from /proc/meminfo; give a size")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return total // max(1, local)
+
+
+class JobPlanner:
+    """Profile, plan and adapt one planned elastic run (see the module docstring)."""
+
+    def __init__(self, job, engine):
+        from python_api.planner.search import PlanningError
+        from python_api.planner.apply import apply_plan
+        from python_api.planner.measure import measure_profile
+
+        args = job.args
+        self.job, self.engine = job, engine
+        policy = engine.runtime.policy
+        if policy.uses_host_store:
+            raise FinetuneError(
+                "--plan auto / --compare-planned: the planner does not model the host tier yet (its profile has no "
+                "host link); plan with --weights-on device and no --host-fraction"
+            )
+        self.global_batch = job.world_size * args.micro_batch * args.grad_accum
+        self.changes = sorted(args.memory_cap_change)
+        self.device_auto = args.memory_cap == "auto" and job.device.type == "cuda"
+        if args.memory_cap == "auto":
+            self.base_cap = None if job.device.type == "cuda" else _host_memory_share()
+        else:
+            self.base_cap = args.memory_cap
+        caps = [c for c in [self.base_cap] + [c for _, c in self.changes] if c is not None]
+        batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
+        t0 = time.perf_counter()
+        profile = measure_profile(engine.model, [batch], capacity_bytes=max(caps) if caps and not self.device_auto else None)
+        self.profile_seconds = time.perf_counter() - t0
+        if caps and max(caps) > profile.capacity_bytes:
+            profile = dataclasses.replace(profile, capacity_bytes=max(caps))
+        self.profile = profile
+        self.apply_plan, self.PlanningError = apply_plan, PlanningError
+        self.cap = self._agreed_cap(0)
+        self.plan = self._plan(self.cap, step=1)
+        self.apply_plan(engine.model, self.plan)
+        engine.budget_bytes = self.plan.pool_budget_bytes
+        engine.micro_batch, engine.grad_accum = self.plan.micro_batch, self.plan.accumulation
+        self.events = [self._event(1, None)]
+        if job.rank == 0:
+            print(f"{PROG}: profiled in {self.profile_seconds:.1f} s, planned in {self.plan.planning_seconds:.3f} s "
+                  f"for {_fmt_bytes(self.cap)} per rank:", flush=True)
+            print(self.plan.table(), flush=True)
+        self._write()
+
+    # ------------------------------------------------------------ memory
+
+    def cap_label(self) -> str:
+        return "auto" if self.base_cap is None else _fmt_bytes(self.base_cap)
+
+    def _cap_at(self, step: int) -> int:
+        """The cap in force at optimizer step `step` (0-based) on this rank."""
+        cap = self.base_cap
+        for at, size in self.changes:
+            if at <= step + 1:
+                cap = size
+        if self.device_auto:
+            dev = self.job.device
+            free, total = torch.cuda.mem_get_info(dev)
+            available = int(free + torch.cuda.memory_reserved(dev))
+            cap = available if cap is None else min(cap, available)
+        return int(cap)
+
+    def _agreed_cap(self, step: int) -> int:
+        """The MIN over the ranks of the cap each observes: one decision for every rank."""
+        mine = torch.tensor([self._cap_at(step)], dtype=torch.int64, device=self.job.device)
+        if self.job.world_size > 1:
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        return int(mine.item())
+
+    def _plan(self, cap: int, step: int):
+        from python_api.planner.apply import plan
+
+        try:
+            return plan(self.engine.model, self.profile, min(cap, self.profile.capacity_bytes), self.global_batch)
+        except self.PlanningError as exc:
+            raise FinetuneError(f"the planner found no plan for {_fmt_bytes(cap)} per rank at step {step}: {exc}") from exc
+
+    # ------------------------------------------------------------ adapting
+
+    def before_step(self, step: int) -> None:
+        cap = self._agreed_cap(step)
+        if abs(cap - self.cap) <= _REPLAN_TOLERANCE * self.cap:
+            return
+        old = self.plan
+        new = self._plan(cap, step + 1)
+        self.cap = cap
+        if new.to_dict() | {"planning_seconds": 0} == old.to_dict() | {"planning_seconds": 0}:
+            return
+        self.apply_plan(self.engine.model, new)
+        self.plan = new
+        self.engine.budget_bytes = new.pool_budget_bytes
+        self.engine.micro_batch, self.engine.grad_accum = new.micro_batch, new.accumulation
+        self.events.append(self._event(step + 1, old))
+        if self.job.rank == 0:
+            print(f"{PROG}: step {step + 1}: memory {_fmt_bytes(cap)} per rank: micro-batch x accumulation "
+                  f"{old.micro_batch}x{old.accumulation} -> {new.micro_batch}x{new.accumulation}, pool budget "
+                  f"{_fmt_bytes(old.pool_budget_bytes)} -> {_fmt_bytes(new.pool_budget_bytes)}, recomputed layers "
+                  f"{sum(lp.recompute for lp in old.layers)} -> {sum(lp.recompute for lp in new.layers)}", flush=True)
+        self._write()
+
+    def _event(self, step: int, old) -> dict:
+        p = self.plan
+        return {"step": step, "memory_bytes": self.cap, "micro_batch": p.micro_batch, "accumulation": p.accumulation,
+                "pool_budget_bytes": p.pool_budget_bytes, "recomputed_layers": sum(lp.recompute for lp in p.layers),
+                "predicted_allgather_bytes_per_step": p.predicted_allgather_bytes_per_step,
+                "predicted_peak_bytes": p.predicted_peak_bytes, "predicted_step_time_s": p.predicted_step_time_s}
+
+    def _write(self) -> None:
+        job = self.job
+
+        def write():
+            if job.rank == 0:
+                doc = self.plan.to_dict()
+                doc["adaptations"] = self.events
+                doc["profile_seconds"] = self.profile_seconds
+                _write_json(os.path.join(job.save_dir, "plan.json"), doc)
+                _write_json(os.path.join(job.save_dir, "profile.json"), self.profile.to_dict())
+
+        _collective(job, write, "plan.json was not written")
+
+    def report(self) -> dict:
+        """What the run's entry in summary.json carries about its plan."""
+        p = self.plan
+        return {"plan": {"memory_bytes": p.memory_bytes, "micro_batch": p.micro_batch, "accumulation": p.accumulation,
+                         "pool_budget_bytes": p.pool_budget_bytes,
+                         "recomputed_layers": [lp.name for lp in p.layers if lp.recompute],
+                         "predicted_peak_bytes": p.predicted_peak_bytes,
+                         "predicted_allgather_bytes_per_step": p.predicted_allgather_bytes_per_step,
+                         "predicted_step_time_s": p.predicted_step_time_s,
+                         "planning_seconds": p.planning_seconds, "profile_seconds": self.profile_seconds},
+                "plan_adaptations": self.events}
