@@ -16,6 +16,7 @@ CUDA toolkit is found (CUDA_HOME, or nvcc on PATH), whether or not a GPU is visi
 
 Layout of the sources (compile time matters, see NOTES.md):
   csrc/*.cpp           schemas (TORCH_LIBRARY) and C++ CPU impls, the pool, the Python module
+  csrc/host/*.cpp      the host store (shared host segment; cudaHostRegister in the CUDA build)
   csrc/cuda/*.cu       CUDA kernels; they include only CUDA headers and csrc/include/elastic/*.h
   csrc/cuda/*.cpp      thin bindings: argument checks + TORCH_LIBRARY_IMPL(elastic, CUDA)
 """
@@ -87,6 +88,7 @@ def _extensions():
 
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cpp_sources += sorted(glob.glob(os.path.join("csrc", "pool", "*.cpp")))
+    cpp_sources += sorted(glob.glob(os.path.join("csrc", "host", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
 

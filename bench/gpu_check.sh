@@ -22,6 +22,7 @@ BENCHES=(
   bench/bench_paged_linear.py
   bench/bench_lora_linear.py
   bench/bench_pool.py
+  bench/bench_offload.py   # host store -> pool pages H2D (pinned store vs pinned/pageable copy_) + layer loop
 )
 
 start=$(date +%s)

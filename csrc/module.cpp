@@ -1,8 +1,9 @@
 // The Python module elastic_kernels._C. Importing it runs the static registrations of every
 // translation unit (TORCH_LIBRARY schemas, CPU and CUDA impls) and exposes the stateful
-// objects (the page pool) through pybind11.
+// objects (the page pool, the host store) through pybind11.
 #include <torch/extension.h>
 
+#include "host/host_store_py.h"
 #include "pool/page_pool_py.h"
 
 PYBIND11_MODULE(_C, m) {
@@ -15,4 +16,5 @@ PYBIND11_MODULE(_C, m) {
 #endif
   }, "Whether this build carries the CUDA kernels.");
   elastic::bind_page_pool(m);
+  elastic::bind_host_store(m);
 }

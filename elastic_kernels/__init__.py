@@ -12,6 +12,7 @@ _ext.load()
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
 from elastic_kernels.ops import pack_shards, unpack_gathered  # noqa: E402 - after _ext.load(): registers fakes
 from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
+from elastic_kernels.host_store import HostStore, HostStoreError  # noqa: E402, F401 - shared host segment (csrc/host/)
 
 # Paged LoRA linear (Triton ops elastic::paged_lora_linear_fwd / _dgrad / lora_adapter_grads,
 # registered on import, each with its pure-torch reference; impl="auto" picks per device).
