@@ -378,11 +378,15 @@ def _shared_params(model: nn.Module) -> set[int]:
 
 
 def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None,
-                       unit_modules=None) -> nn.Module:
+                       unit_modules=None, source=None) -> nn.Module:
     """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
     with each parameter]); call on every rank of `group` with the same model. `unit_modules`
     groups the weights gathered in one collective (default: the HF decoder layers,
-    `_no_split_modules`; see `python_api.units.assign_units`). Returns `model`."""
+    `_no_split_modules`; see `python_api.units.assign_units`). `source` (a
+    `python_api.loading.SafetensorsSource`): the weights come from its files, not from `model`,
+    whose parameters may be on the meta device; each rank reads only its shard of each elastic
+    weight and the replicated tensors, on `source.device` ([Note: loading from files] in
+    python_api/loading.py). Returns `model`."""
     if not isinstance(lora, LoRAConfig):
         raise TypeError(f"lora must be a LoRAConfig, got {type(lora).__name__}")
     if getattr(model, _RUNTIME_ATTR, None) is not None:
@@ -397,14 +401,21 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     tied = [n for n in targets if id(model.get_submodule(n).weight) in shared]
     if tied:
         raise ValueError(f"convert_to_elastic: target linears {tied} share their weight with another module (tied)")
-    device = model.get_submodule(targets[0]).weight.device
+    if source is not None:
+        source.check(model, group=group)  # every rank, before anything is read
+        device = source.device
+    else:
+        device = model.get_submodule(targets[0]).weight.device
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
     chosen = set(targets) | set(others)
     units = assign_units(model, sorted(chosen), unit_modules)
+    if source is not None:
+        source.materialize(model, skip_modules=chosen)  # biases and every replicated tensor
     for name, module in [(n, m) for n, m in model.named_modules() if n in chosen]:
-        et = runtime.register(_frozen_weight(module), name, units[name])
+        rows = None if source is None else source.rows(f"{name}.weight", transpose=_is_conv1d(module))
+        et = runtime.register(_frozen_weight(module), name, units[name], rows=rows)
         conv = _is_conv1d(module)
         new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
                else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
