@@ -67,6 +67,7 @@ import torch
 import torch.nn as nn
 
 from elastic_kernels import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
+from python_api.activation_offload import activation_offload_of, save_for_backward, saved_for_backward
 from python_api.config import ElasticPolicy
 from python_api.elastic_linear import (
     _RUNTIME_ATTR,
@@ -246,6 +247,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
     def forward(ctx, x, bias, lora_a, lora_b, et: ElasticTensor, scale: float, dropout: float, training: bool,
                 dtype: torch.dtype, keep_for_backward: bool):
         rt = et.runtime
+        offload = activation_offload_of(rt)  # None unless policy.offload_activations
         with no_autocast(x.device.type):
             # Not x.to(dtype) when x already has it: under tracing that is a new tensor aliasing
             # x, and a saved alias of an input is what AOTAutograd refuses ([Note: torch.compile]).
@@ -266,7 +268,9 @@ class ElasticLoRAFunction(torch.autograd.Function):
             # intermediate, which dynamo counts as an alias and refuses to save
             # ([Note: torch.compile]); a copy of [T, r] costs nothing.
             xa = xa.clone()
-        ctx.save_for_backward(lora_x, xa, lora_a, lora_b, mask)
+        # The activations may go to host memory until backward ([Note: activation offload] in
+        # python_api/activation_offload.py); the adapters are always saved as they are.
+        save_for_backward(ctx, offload, (lora_x, xa, lora_a, lora_b, mask), activations=(0, 1, 4))
         ctx.et, ctx.scale, ctx.dtype = et, scale, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -274,7 +278,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        lora_x, xa, lora_a, lora_b, mask = ctx.saved_tensors
+        lora_x, xa, lora_a, lora_b, mask = saved_for_backward(ctx)
         et, s, dtype = ctx.et, ctx.scale, ctx.dtype
         dx = db = None
         with no_autocast(dy.device.type):
