@@ -355,3 +355,42 @@ def test_bad_input(tmp_path, model_dirs):
     model = load_elastic(bad["dtype"][0], LoRAConfig(r=4, alpha=8, target_modules=LLAMA_TARGETS), ElasticPolicy(),
                          dtype=torch.float32)
     assert model.model.layers[0].self_attn.k_proj.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- the CLI's --model DIR
+
+
+def _cli_engine_worker(rank, world_size, mdir):
+    from python_api.finetune import parse_args, prepare
+    from python_api.finetune.engines import ElasticEngine
+    from python_api.loading import SafetensorsSource
+    from tests.test_finetune import TINY
+
+    reads = []
+    real_rows = SafetensorsSource.rows
+    SafetensorsSource.rows = lambda self, *a, **k: reads.append(a[0]) or real_rows(self, *a, **k)
+    try:
+        job = prepare(parse_args(TINY[10:] + ["--model", mdir, "--steps", "1"]), rank, world_size, 0)
+        engine = ElasticEngine(job, job.args.pool_budget)
+    finally:
+        SafetensorsSource.rows = real_rows
+    assert len(reads) == len(engine.runtime.tensors)  # every elastic weight read by rows
+    assert not any(t.is_meta for t in list(engine.model.parameters()) + list(engine.model.buffers()))
+    assert engine.model.training
+    return True
+
+
+def test_cli_model_dir_loads_by_rows(tmp_path):
+    """`--model DIR`: the elastic engine builds on meta and reads each rank's rows from the
+    files; a 2-rank run trains bit-identically to the embedded model with the same weights
+    (the directory holds embedded_model(seed=3)), which is built in memory."""
+    from tests.test_finetune import TINY, _tiny_model_dir, summary_of, torchrun
+
+    mdir = _tiny_model_dir(str(tmp_path / "model"))
+    assert run_distributed(_cli_engine_worker, 2, mdir, timeout=240) == [True, True]
+    common = ["--steps", "3", "--seed", "3"]
+    a, b = str(tmp_path / "embedded"), str(tmp_path / "dir")
+    torchrun(TINY + common + ["--save-dir", a], what="embedded run")
+    torchrun(TINY[10:] + common + ["--model", mdir, "--save-dir", b], what="--model DIR run")
+    la, lb = summary_of(a)["runs"][0]["losses"], summary_of(b)["runs"][0]["losses"]
+    assert len(la) == 3 and la == lb, (la, lb)

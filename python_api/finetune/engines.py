@@ -38,11 +38,18 @@ class ElasticEngine:
 
     def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False):
         from python_api.elastic_linear import runtime_of
+        from python_api.loading import LoadError
         from python_api.lora import convert_to_elastic
 
-        model = _collective_build(job)
-        self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget, weights_on))
+        model, source = _collective_build_on_meta(job)
+        try:
+            self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget, weights_on),
+                                            source=source)
+        except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
+            raise FinetuneError(str(exc)) from exc
         self.runtime = runtime_of(self.model)
+        if source is not None:
+            _agree(_nonfinite_loaded(self.model, self.runtime, job.spec), job.world_size)
         frozen = sum(math.prod(et.shape) * et.element_size for et in self.runtime.tensors)
         self.frozen_bytes = frozen
         if isinstance(budget, tuple):
@@ -167,15 +174,55 @@ def _collective_build(job: Job) -> nn.Module:
     return model
 
 
+def _collective_build_on_meta(job: Job):
+    """The elastic engine's base model and where its weights come from: for a model directory,
+    the model with its parameters on the meta device and a `SafetensorsSource` from which
+    convert_to_elastic reads each rank's share ([Note: loading from files] in
+    python_api/loading.py), so no rank holds the whole model; the embedded model is built in
+    memory (`_collective_build`, source None). A failure anywhere is an error everywhere."""
+    if job.spec.embedded:
+        return _collective_build(job), None
+    from python_api.loading import LoadError, SafetensorsSource, empty_model
+
+    model, source, err = None, None, None
+    try:  # --dtype casts floating weights on load, as from_pretrained(dtype=...) does
+        source = SafetensorsSource(job.spec.source, device=job.device, allow_cast=True)
+        model = empty_model(job.spec.config, job.spec.dtype).train()
+    except LoadError as exc:
+        err = str(exc)
+    _agree(err, job.world_size)
+    return model, source
+
+
+def _nonfinite_loaded(model: nn.Module, runtime, spec: ModelSpec) -> str | None:
+    """`_check_finite_weights` of a model loaded by rows, as an error message or None: each rank
+    checks what it holds (its shard of every elastic weight, or with weights_on="host" its
+    share of the chunks in the host store, and the replicated tensors), so together the ranks
+    check every weight once without any of them reading it whole."""
+    try:
+        _check_finite_weights(model, spec)
+        for et in runtime.tensors:
+            parts = [et.shard] if et.shard is not None else \
+                [et.host_chunk(c) for c in range(runtime.rank, et.num_chunks, runtime.world_size)]
+            bad = sum(int((~torch.isfinite(p)).sum()) for p in parts if p.is_floating_point())
+            if bad:
+                raise FinetuneError(_nonfinite_message(f"{et.name}.weight", bad, math.prod(et.shape), spec))
+    except FinetuneError as exc:
+        return str(exc)
+    return None
+
+
+def _nonfinite_message(name: str, bad: int, numel: int, spec: ModelSpec) -> str:
+    what = "the embedded model" if spec.embedded else f"the model in {spec.source}"
+    cast = (f" (or values beyond the range of {str(spec.dtype).replace('torch.', '')} became Inf when "
+            f"loaded in it: try --dtype float32 or bfloat16)") if spec.dtype == torch.float16 else ""
+    return (f"the base weights of {what} hold NaN or Inf values ({name}, {bad} of "
+            f"{numel}): the weights are damaged{cast}; every loss would be NaN, whatever --lr")
+
+
 def _check_finite_weights(model: nn.Module, spec: ModelSpec) -> None:
     """NaN or Inf in the base weights makes every loss NaN from step 1, whatever the learning
     rate: say so before training (one pass over the weights, on the CPU copy)."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if _nonfinite(t):
-            what = "the embedded model" if spec.embedded else f"the model in {spec.source}"
-            cast = (f" (or values beyond the range of {str(spec.dtype).replace('torch.', '')} became Inf when "
-                    f"loaded in it: try --dtype float32 or bfloat16)") if spec.dtype == torch.float16 else ""
-            raise FinetuneError(
-                f"the base weights of {what} hold NaN or Inf values ({name}, {int((~torch.isfinite(t)).sum())} of "
-                f"{t.numel()}): the weights are damaged{cast}; every loss would be NaN, whatever --lr"
-            )
+            raise FinetuneError(_nonfinite_message(name, int((~torch.isfinite(t)).sum()), t.numel(), spec))
