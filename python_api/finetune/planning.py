@@ -50,6 +50,7 @@ class JobPlanner:
     """Profile, plan and adapt one planned elastic run (see the module docstring)."""
 
     def __init__(self, job, engine):
+        from python_api.planner.profile import ProfileError
         from python_api.planner.search import PlanningError
         from python_api.planner.apply import apply_plan
         from python_api.planner.measure import measure_profile
@@ -72,7 +73,11 @@ class JobPlanner:
         caps = [c for c in [self.base_cap] + [c for _, c in self.changes] if c is not None]
         batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
         t0 = time.perf_counter()
-        profile = measure_profile(engine.model, [batch], capacity_bytes=max(caps) if caps and not self.device_auto else None)
+        try:
+            profile = measure_profile(engine.model, [batch],
+                                      capacity_bytes=max(caps) if caps and not self.device_auto else None)
+        except ProfileError as exc:
+            raise FinetuneError(f"no plan: the memory cap leaves no room for the model ({exc})") from exc
         self.profile_seconds = time.perf_counter() - t0
         if caps and max(caps) > profile.capacity_bytes:
             profile = dataclasses.replace(profile, capacity_bytes=max(caps))

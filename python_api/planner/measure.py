@@ -279,6 +279,9 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     finally:
         for et, k, p in saved:
             rt.set_residency(et, k, p)
+            # Give the pool back what the profile made resident: its arena only shrinks by
+            # whole empty segments, and the plan sizes the pool from nothing.
+            rt.drop_cached(et)
         rt.set_pool_budget(budget)
         model.train(was_training)
 
