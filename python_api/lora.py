@@ -327,7 +327,7 @@ class ElasticLoRALinear(nn.Module):
         self.r = lora.r_of(name)
         self.scaling = lora.scaling_of(name)
         self.fan_in_fan_out = fan_in_fan_out  # [Note: Conv1D]
-        device = et.shard.device
+        device = et.device
         dtype = torch.float32 if lora.autocast_adapter_dtype and et.dtype in LOW_PRECISION else et.dtype
         self.lora_A = nn.Linear(self.in_features, self.r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(self.r, self.out_features, bias=False, device=device, dtype=dtype)
@@ -346,7 +346,7 @@ class ElasticLoRALinear(nn.Module):
         linear.requires_grad_(False)
         rt = ElasticRuntime(policy, group=group, device=linear.weight.device)
         layer = cls(rt.register(_frozen_weight(linear), name), linear.bias, lora, name, fan_in_fan_out=_is_conv1d(linear))
-        rt.check_ranks_agree()
+        rt.finish_registration()
         rt.set_trainable([layer.lora_A.weight, layer.lora_B.weight])
         object.__setattr__(layer, _RUNTIME_ATTR, rt)
         return layer
@@ -424,7 +424,7 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
         new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
                else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
         replacements.append((name, new))
-    runtime.check_ranks_agree()
+    runtime.finish_registration()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

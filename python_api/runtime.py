@@ -412,6 +412,10 @@ class ElasticRuntime:
         """After the last `register`, on every rank: check that the ranks agree, then build the
         host store when the policy uses the host tier ([Note: chunk sources])."""
         self.check_ranks_agree()
+        if self.policy.offload_activations:
+            from python_api.activation_offload import check_host_budget
+
+            check_host_budget(self.policy.host_budget_bytes)  # bad input fails at wrap time
         if self.policy.uses_host_store and self.host_store is None:
             self._build_host_store()
 
