@@ -1,0 +1,41 @@
+"""The planner: from a profile and a memory capacity to a plan the runtime follows exactly.
+
+    from python_api.planner import synthetic_profile, plan_from_profile
+    plan = plan_from_profile(synthetic_profile("llama2-70b", ranks=8), 40 * 10**9, global_batch=64)
+    print(plan.table())
+
+profile.py  the input (per-rank times, bytes, chunk layouts, links), JSON
+shapes.py   synthetic profiles of Llama-2 shapes on named devices
+memory.py   the memory model (bytes at each point of an iteration)
+cost.py     the cost model (exact all-gather bytes, predicted step time)
+search.py   the search and the `Plan` (JSON, table)
+Pure Python: nothing here imports torch or needs a model.
+"""
+
+from python_api.planner.cost import StepCost, allgather_bytes_per_micro_batch, allgather_bytes_per_step, step_cost
+from python_api.planner.memory import Choices, MemoryCurve, memory_curve, pool_budget_bytes, pool_pages, timeline
+from python_api.planner.profile import (
+    LayerProfile,
+    Link,
+    OutsideProfile,
+    Profile,
+    ProfileError,
+    WeightProfile,
+)
+from python_api.planner.search import (
+    LayerPlan,
+    Plan,
+    PlanningError,
+    WeightPlan,
+    plan_from_profile,
+    plan_of,
+    plan_with_residency,
+)
+from python_api.planner.shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, synthetic_profile
+
+__all__ = [
+    "DEVICES", "SHAPES", "Choices", "DeviceSpec", "LayerPlan", "LayerProfile", "Link", "MemoryCurve", "ModelShape",
+    "OutsideProfile", "Plan", "PlanningError", "Profile", "ProfileError", "StepCost", "WeightPlan", "WeightProfile",
+    "allgather_bytes_per_micro_batch", "allgather_bytes_per_step", "memory_curve", "plan_from_profile", "plan_of",
+    "plan_with_residency", "pool_budget_bytes", "pool_pages", "step_cost", "synthetic_profile", "timeline",
+]

@@ -1,0 +1,203 @@
+"""The memory model: device bytes per rank at each point of a training iteration.
+
+[Note: the timeline of an iteration]
+An iteration of one micro-batch is a sequence of *uses* of the units (the profile's layers):
+forward uses in layer order, then the backward phase in reverse layer order, where a
+recomputed layer contributes two uses, its recompute (a forward run inside backward, by
+non-reentrant activation checkpointing) followed by its backward ([Note: recompute inside
+backward] in python_api/runtime.py; the recompute and the backward of one layer are separate
+segments of the learned order because a weight repeats, so each is prefetched like any use).
+A use of weight w (n chunks, keep k, persist p, 0 <= p <= k <= n) misses, in steady state:
+    forward     n - p     (only PERSISTENT chunks survive the previous iteration)
+    recompute   n - k     (PEAK and PERSISTENT chunks were kept since forward)
+    backward    n - k     (the recompute ends with keep=PEAK, so it leaves the same chunks)
+A weight with no backward use (`backward: false`: its input needs no gradient) keeps nothing
+after forward, so its recompute misses n - p and it has no backward use.
+This holds when the pool never evicts a kept chunk, which the plan guarantees by its budget:
+pool_budget_bytes = page_bytes x sum_w k_w (every kept chunk is alive at the end of forward),
+the runtime adding the working set on top ([Note: pool budget and working set]).
+
+[Note: what the memory model counts]
+At each point (a use, and the end of forward), with T = micro_batch x seq_len tokens:
+    reserved + static                      constant (not ours; plan-independent per rank)
+  + pool                                   constant: min(all chunks, sum_w k_w + working set)
+                                           pages. The PagePool adds segments lazily and gives
+                                           none back, so after the first iteration it holds
+                                           its high-water mark, which is reached at the end
+                                           of forward, where every kept chunk is alive.
+  + saved activations of the layers before this one in forward order:
+        act_bytes_per_token x T, or input_bytes_per_token x T when recomputed
+  + this layer's own activations: act x T (during its forward, its backward, or its
+    rematerialisation inside backward; a recomputed layer also still holds its input then)
+  + outside.act_bytes_per_token x T        (embeddings/head activations saved for backward)
+  + receive buffers of the gathers in flight: world_size x slice_bytes per missing chunk of
+    the current use and of the `prefetch_depth` uses after it in the same phase (the
+    all-gather output, before it is unpacked into pages)
+and at the end of forward: every saved activation + outside act + outside peak (logits and
+loss). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
+gradients across micro-batches, and those are in `static_bytes`.
+The peak is the maximum over the points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from python_api.planner.profile import Profile, ProfileError
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What a plan decides, in the form the models evaluate: per layer and per weight, chunks
+    kept (k) and persisted (p); per layer, recompute; the micro-batch (sequences per rank per
+    micro-batch) and the prefetch depth."""
+
+    micro_batch: int
+    keep: tuple[tuple[int, ...], ...]
+    persist: tuple[tuple[int, ...], ...]
+    recompute: tuple[bool, ...]
+    prefetch_depth: int = 1
+
+    def check(self, profile: Profile) -> None:
+        if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be an int >= 1, got {self.micro_batch!r}")
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
+        L = len(profile.layers)
+        if not (len(self.keep) == len(self.persist) == len(self.recompute) == L):
+            raise ValueError(f"choices cover {len(self.keep)}/{len(self.persist)}/{len(self.recompute)} layers, "
+                             f"the profile has {L}")
+        for i, layer in enumerate(profile.layers):
+            if self.recompute[i] and not layer.recomputable:
+                raise ValueError(f"layer {layer.name} is not recomputable")
+            if len(self.keep[i]) != len(layer.weights) or len(self.persist[i]) != len(layer.weights):
+                raise ValueError(f"layer {layer.name}: choices for {len(self.keep[i])} weights, "
+                                 f"the profile has {len(layer.weights)}")
+            for w, k, p in zip(layer.weights, self.keep[i], self.persist[i]):
+                if not 0 <= p <= k <= w.chunks:
+                    raise ValueError(f"{layer.name}.{w.name}: need 0 <= persist ({p}) <= keep ({k}) <= chunks "
+                                     f"({w.chunks})")
+
+    @classmethod
+    def uniform(cls, profile: Profile, micro_batch: int, keep_fraction: float = 0.0, persist_fraction=None,
+                recompute=None, prefetch_depth: int = 1) -> Choices:
+        """Every weight keeps round(keep_fraction x n) chunks, persists round(persist_fraction
+        x n) (default: as many as it keeps), rounding half up as the runtime does.
+        `recompute`: None (no layer), True (every recomputable layer) or a per-layer sequence."""
+        pf = keep_fraction if persist_fraction is None else persist_fraction
+        keep = tuple(tuple(int(keep_fraction * w.chunks + 0.5) for w in layer.weights) for layer in profile.layers)
+        persist = tuple(tuple(int(pf * w.chunks + 0.5) for w in layer.weights) for layer in profile.layers)
+        if recompute is None or recompute is False:
+            rec = tuple(False for _ in profile.layers)
+        elif recompute is True:
+            rec = tuple(layer.recomputable for layer in profile.layers)
+        else:
+            rec = tuple(bool(r) for r in recompute)
+        choices = cls(micro_batch, keep, persist, rec, prefetch_depth)
+        choices.check(profile)
+        return choices
+
+
+class Use(NamedTuple):
+    """One use of a unit: the chunks it misses per weight and the bytes that costs."""
+
+    layer: int
+    kind: str  # FORWARD | RECOMPUTE | BACKWARD
+    missing: tuple[int, ...]  # per weight of the layer
+    received_bytes: int  # per rank: (world_size - 1) x sum slice_bytes x missing
+    buffer_bytes: int  # receive buffer: world_size x sum slice_bytes x missing
+
+
+def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...]) -> Use:
+    W = profile.world_size
+    if W == 1:  # [Note: single process]: chunks are views of the local weight
+        return Use(i, kind, tuple(0 for _ in missing), 0, 0)
+    slices = sum(w.slice_bytes * m for w, m in zip(profile.layers[i].weights, missing))
+    return Use(i, kind, missing, (W - 1) * slices, W * slices)
+
+
+def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:
+    """The forward uses and the backward-phase uses of one micro-batch, in execution order
+    ([Note: the timeline of an iteration])."""
+    choices.check(profile)
+    forward, backward = [], []
+    for i, layer in enumerate(profile.layers):
+        ks, ps = choices.keep[i], choices.persist[i]
+        forward.append(_use(profile, i, FORWARD, tuple(w.chunks - p for w, p in zip(layer.weights, ps))))
+    for i in reversed(range(len(profile.layers))):
+        layer = profile.layers[i]
+        ks, ps = choices.keep[i], choices.persist[i]
+        if choices.recompute[i]:
+            backward.append(_use(profile, i, RECOMPUTE, tuple(
+                w.chunks - (k if w.backward else p) for w, k, p in zip(layer.weights, ks, ps))))
+        backward.append(_use(profile, i, BACKWARD, tuple(
+            (w.chunks - k) if w.backward else 0 for w, k in zip(layer.weights, ks))))
+    return forward, backward
+
+
+def pool_pages(profile: Profile, choices: Choices) -> int:
+    """Pages the runtime's pool reaches: the plan's budget (every kept chunk) plus the working
+    set, at most every chunk ([Note: pool budget and working set] in python_api/runtime.py)."""
+    kept = sum(sum(ks) for ks in choices.keep)
+    return min(profile.total_chunks, kept + profile.working_set_pages(choices.prefetch_depth))
+
+
+def pool_budget_bytes(profile: Profile, choices: Choices) -> int:
+    """The `pool_budget_bytes` a plan gives the runtime: one page per kept chunk."""
+    return profile.page_bytes * sum(sum(ks) for ks in choices.keep)
+
+
+@dataclass(frozen=True)
+class MemoryCurve:
+    """Bytes per rank at each point of an iteration, and what they are made of."""
+
+    points: tuple[tuple[str, int], ...]  # (label, bytes), in execution order
+    fixed_bytes: int  # reserved + static
+    pool_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(b for _, b in self.points)
+
+    @property
+    def peak_point(self) -> str:
+        return max(self.points, key=lambda p: p[1])[0]
+
+
+def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
+    """The memory model ([Note: what the memory model counts])."""
+    forward, backward = timeline(profile, choices)
+    T = choices.micro_batch * profile.seq_len
+    d = choices.prefetch_depth
+    fixed = profile.reserved_bytes + profile.static_bytes
+    pool = pool_pages(profile, choices) * profile.page_bytes
+    base = fixed + pool + int(profile.outside.act_bytes_per_token * T)
+    layers = profile.layers
+    saved = [int((layer.input_bytes_per_token if choices.recompute[i] else layer.act_bytes_per_token) * T)
+             for i, layer in enumerate(layers)]
+    before = [0] * (len(layers) + 1)  # saved activations of layers < i
+    for i, s in enumerate(saved):
+        before[i + 1] = before[i] + s
+    points = []
+    for j, u in enumerate(forward):
+        buffers = sum(v.buffer_bytes for v in forward[j : j + 1 + d])
+        own = int(layers[u.layer].act_bytes_per_token * T)
+        points.append((f"forward {layers[u.layer].name}", base + before[u.layer] + own + buffers))
+    points.append(("end of forward", base + before[-1] + int(profile.outside.peak_bytes_per_token * T)))
+    for j, u in enumerate(backward):
+        buffers = sum(v.buffer_bytes for v in backward[j : j + 1 + d])
+        i = u.layer
+        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0)
+        points.append((f"{u.kind} {layers[i].name}", base + before[i] + own + buffers))
+    return MemoryCurve(tuple(points), fixed, pool)
+
+
+def peak_bytes(profile: Profile, choices: Choices) -> int:
+    return memory_curve(profile, choices).peak_bytes
+
+
+__all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "ProfileError", "RECOMPUTE", "Use", "memory_curve",
+           "peak_bytes", "pool_budget_bytes", "pool_pages", "timeline"]

@@ -1,0 +1,356 @@
+"""The planner's input: a `Profile` of one model on one machine, per rank.
+
+A profile holds what the memory and cost models need and nothing about how it was obtained:
+measured from warm-up steps of the real model (`source="measured"`), built from a named
+shape (`"synthetic:<shape>"`, python_api/planner/shapes.py) or written by hand for another
+machine (`"hand"`). It is a small JSON document:
+
+    profile.save("profile.json"); Profile.load("profile.json")
+
+Every quantity is *per rank*, in bytes and seconds. `layers` are the runtime's units in
+forward order ([Note: units and coalesced gathers] in python_api/runtime.py): a decoder layer,
+or a weight that is its own unit (e.g. an elastic `lm_head`). Each weight is described by its
+chunk layout exactly as the runtime lays it out (`ChunkLayout`): `chunks` (n), `chunk_bytes`
+(bytes of one full chunk: rows_per_chunk x row bytes) and `slice_bytes` (bytes of one
+chunk's per-rank slice, padding included: ceil(chunk_numel / world_size) x element size).
+A rank receives (world_size - 1) x slice_bytes for every chunk it gathers, ragged last chunk
+included (the shard is chunk-major with equal slices).
+
+`backward` (optional, default true) says whether the weight has a backward use: false for
+a frozen weight whose input needs no gradient (the q/k/v projections of the first decoder
+layer of a LoRA model whose embeddings are frozen), which the runtime gathers in forward
+only and, when its layer is recomputed, again in the recompute.
+
+The host tier (`h2d`) is not part of the format yet: it joins when the runtime has it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile (or plan) document that is malformed; the message names the bad field."""
+
+
+# ---------------------------------------------------------------- field checks
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def check_int(where: str, v, minimum: int = 0) -> int:
+    if not _is_int(v) or v < minimum:
+        raise ProfileError(f"{where} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def check_num(where: str, v, minimum: float = 0.0, positive: bool = False) -> float:
+    if not _is_num(v) or v < minimum or (positive and v <= 0):
+        bound = f"> {minimum}" if positive else f">= {minimum}"
+        raise ProfileError(f"{where} must be a finite number {bound}, got {v!r}")
+    return float(v)
+
+
+def check_str(where: str, v) -> str:
+    if not isinstance(v, str) or not v:
+        raise ProfileError(f"{where} must be a non-empty string, got {v!r}")
+    return v
+
+
+def check_bool(where: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise ProfileError(f"{where} must be true or false, got {v!r}")
+    return v
+
+
+def check_keys(where: str, d, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where} must be an object, got {type(d).__name__}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ProfileError(f"{where}: missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(d) - set(required) - set(optional))
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    return d
+
+
+# ---------------------------------------------------------------- parts
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's time: latency_s + bytes / bytes_per_s. For the all-gather, bytes are
+    what each rank *receives*; for the all-reduce, the bytes of the buffer reduced."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def time(self, nbytes: int) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bytes_per_s
+
+    @classmethod
+    def from_dict(cls, where: str, d) -> Link:
+        check_keys(where, d, ("latency_s", "bytes_per_s"))
+        return cls(check_num(f"{where}.latency_s", d["latency_s"]),
+                   check_num(f"{where}.bytes_per_s", d["bytes_per_s"], positive=True))
+
+
+@dataclass(frozen=True)
+class WeightProfile:
+    """One frozen weight of a unit, by its chunk layout (see the module docstring)."""
+
+    name: str
+    chunks: int
+    slice_bytes: int
+    chunk_bytes: int
+    backward: bool = True
+
+    @classmethod
+    def from_dict(cls, where: str, d) -> WeightProfile:
+        check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"), ("backward",))
+        return cls(
+            name=check_str(f"{where}.name", d["name"]),
+            chunks=check_int(f"{where}.chunks", d["chunks"], 1),
+            slice_bytes=check_int(f"{where}.slice_bytes", d["slice_bytes"], 1),
+            chunk_bytes=check_int(f"{where}.chunk_bytes", d["chunk_bytes"], 1),
+            backward=check_bool(f"{where}.backward", d.get("backward", True)),
+        )
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One unit (gathered as a whole). Times per call: fixed + per_token x tokens.
+
+    act_bytes_per_token    saved for backward when the layer is not recomputed (and, during
+                           its own forward or backward, the working activations of the layer)
+    input_bytes_per_token  what a recomputed layer keeps: its input
+    """
+
+    name: str
+    recomputable: bool
+    fwd_s_per_token: float
+    bwd_s_per_token: float
+    fwd_s_fixed: float
+    bwd_s_fixed: float
+    act_bytes_per_token: float
+    input_bytes_per_token: float
+    weights: tuple[WeightProfile, ...]
+
+    @property
+    def chunks(self) -> int:
+        return sum(w.chunks for w in self.weights)
+
+    def fwd_s(self, tokens: int) -> float:
+        return self.fwd_s_fixed + self.fwd_s_per_token * tokens
+
+    def bwd_s(self, tokens: int) -> float:
+        return self.bwd_s_fixed + self.bwd_s_per_token * tokens
+
+    @classmethod
+    def from_dict(cls, where: str, d) -> LayerProfile:
+        check_keys(where, d, ("name", "recomputable", "fwd_s_per_token", "bwd_s_per_token", "fwd_s_fixed",
+                              "bwd_s_fixed", "act_bytes_per_token", "input_bytes_per_token", "weights"))
+        ws = d["weights"]
+        if not isinstance(ws, list):
+            raise ProfileError(f"{where}.weights must be a list, got {type(ws).__name__}")
+        weights = tuple(WeightProfile.from_dict(f"{where}.weights[{j}]", w) for j, w in enumerate(ws))
+        names = [w.name for w in weights]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ProfileError(f"{where}.weights: duplicate weight name(s) {', '.join(dup)}")
+        return cls(
+            name=check_str(f"{where}.name", d["name"]),
+            recomputable=check_bool(f"{where}.recomputable", d["recomputable"]),
+            fwd_s_per_token=check_num(f"{where}.fwd_s_per_token", d["fwd_s_per_token"]),
+            bwd_s_per_token=check_num(f"{where}.bwd_s_per_token", d["bwd_s_per_token"]),
+            fwd_s_fixed=check_num(f"{where}.fwd_s_fixed", d["fwd_s_fixed"]),
+            bwd_s_fixed=check_num(f"{where}.bwd_s_fixed", d["bwd_s_fixed"]),
+            act_bytes_per_token=check_num(f"{where}.act_bytes_per_token", d["act_bytes_per_token"]),
+            input_bytes_per_token=check_num(f"{where}.input_bytes_per_token", d["input_bytes_per_token"]),
+            weights=weights,
+        )
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["weights"] = [asdict(w) for w in self.weights]
+        return out
+
+
+@dataclass(frozen=True)
+class OutsideProfile:
+    """What the planner does not plan: embeddings, final norm, head, loss.
+
+    act_bytes_per_token   saved from forward to backward
+    peak_bytes_per_token  the transient at the end of forward / start of backward (logits,
+                          their fp32 copy for the loss, the loss's gradient)
+    """
+
+    fwd_s_per_token: float
+    bwd_s_per_token: float
+    act_bytes_per_token: float
+    peak_bytes_per_token: float
+
+    @classmethod
+    def from_dict(cls, where: str, d) -> OutsideProfile:
+        check_keys(where, d, ("fwd_s_per_token", "bwd_s_per_token", "act_bytes_per_token", "peak_bytes_per_token"))
+        return cls(**{k: check_num(f"{where}.{k}", d[k]) for k in d})
+
+
+# ---------------------------------------------------------------- the profile
+
+_SCALARS = ("version", "source", "device", "world_size", "seq_len", "capacity_bytes", "reserved_bytes",
+            "static_bytes", "page_bytes", "adapter_grad_bytes")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-rank quantities of one model on one machine (see the module docstring)."""
+
+    source: str
+    device: str
+    world_size: int
+    seq_len: int
+    capacity_bytes: int
+    reserved_bytes: int
+    static_bytes: int
+    page_bytes: int
+    adapter_grad_bytes: int
+    allgather: Link
+    allreduce: Link
+    layers: tuple[LayerProfile, ...]
+    outside: OutsideProfile
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self):
+        self.validate()
+
+    # -------------------------------------------------------- validation
+
+    def validate(self) -> None:
+        check_int("profile.version", self.version, 1)
+        if self.version != PROFILE_VERSION:
+            raise ProfileError(f"profile.version is {self.version}; this planner reads version {PROFILE_VERSION}")
+        src = check_str("profile.source", self.source)
+        if not (src in ("measured", "hand") or (src.startswith("synthetic:") and len(src) > len("synthetic:"))):
+            raise ProfileError(f"profile.source must be 'measured', 'hand' or 'synthetic:<shape>', got {src!r}")
+        check_str("profile.device", self.device)
+        check_int("profile.world_size", self.world_size, 1)
+        check_int("profile.seq_len", self.seq_len, 1)
+        check_int("profile.capacity_bytes", self.capacity_bytes, 1)
+        check_int("profile.reserved_bytes", self.reserved_bytes)
+        check_int("profile.static_bytes", self.static_bytes)
+        check_int("profile.page_bytes", self.page_bytes, 1)
+        check_int("profile.adapter_grad_bytes", self.adapter_grad_bytes)
+        for name in ("allgather", "allreduce"):
+            if not isinstance(getattr(self, name), Link):
+                raise ProfileError(f"profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.outside, OutsideProfile):
+            raise ProfileError(f"profile.outside must be an OutsideProfile, got {type(self.outside).__name__}")
+        if not isinstance(self.layers, tuple) or not self.layers:
+            raise ProfileError("profile.layers must be a non-empty tuple of LayerProfile")
+        seen = set()
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerProfile):
+                raise ProfileError(f"profile.layers[{i}] must be a LayerProfile, got {type(layer).__name__}")
+            if layer.name in seen:
+                raise ProfileError(f"profile.layers[{i}].name: duplicate layer name {layer.name!r}")
+            seen.add(layer.name)
+            if not layer.weights:
+                raise ProfileError(f"profile.layers[{i}] ({layer.name}).weights is empty: a unit has frozen weights")
+            if layer.input_bytes_per_token > layer.act_bytes_per_token and layer.recomputable:
+                raise ProfileError(
+                    f"profile.layers[{i}] ({layer.name}).input_bytes_per_token ({layer.input_bytes_per_token}) exceeds "
+                    f"act_bytes_per_token ({layer.act_bytes_per_token}): a recomputed layer keeps its input, part of "
+                    "what it would otherwise save"
+                )
+            for j, w in enumerate(layer.weights):
+                where = f"profile.layers[{i}] ({layer.name}).weights[{j}] ({w.name})"
+                if w.chunk_bytes > self.page_bytes:
+                    raise ProfileError(f"{where}.chunk_bytes ({w.chunk_bytes}) exceeds profile.page_bytes "
+                                       f"({self.page_bytes}): a chunk must fit in one page")
+                if w.slice_bytes * self.world_size < w.chunk_bytes:
+                    raise ProfileError(f"{where}.slice_bytes ({w.slice_bytes}) x world_size ({self.world_size}) is "
+                                       f"less than chunk_bytes ({w.chunk_bytes}): the slices must cover a chunk")
+                if self.world_size == 1 and w.slice_bytes != w.chunk_bytes:
+                    raise ProfileError(f"{where}.slice_bytes ({w.slice_bytes}) must equal chunk_bytes "
+                                       f"({w.chunk_bytes}) at world_size 1")
+        if self.reserved_bytes + self.static_bytes > self.capacity_bytes:
+            raise ProfileError(
+                f"profile.reserved_bytes + static_bytes ({self.reserved_bytes} + {self.static_bytes}) exceeds "
+                f"capacity_bytes ({self.capacity_bytes})"
+            )
+
+    # -------------------------------------------------------- derived quantities
+
+    @property
+    def total_chunks(self) -> int:
+        return sum(layer.chunks for layer in self.layers)
+
+    def working_set_pages(self, prefetch_depth: int) -> int:
+        """Pages the runtime adds to the cache budget: the chunks of the `1 + prefetch_depth`
+        largest units (`ElasticRuntime._working_set_pages`), at most every chunk."""
+        counts = sorted((layer.chunks for layer in self.layers), reverse=True)
+        return min(self.total_chunks, sum(counts[: 1 + prefetch_depth]))
+
+    # -------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in _SCALARS}
+        out["allgather"] = asdict(self.allgather)
+        out["allreduce"] = asdict(self.allreduce)
+        out["outside"] = asdict(self.outside)
+        out["layers"] = [layer.to_dict() for layer in self.layers]
+        return out
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d) -> Profile:
+        check_keys("profile", d, _SCALARS + ("allgather", "allreduce", "layers", "outside"))
+        layers = d["layers"]
+        if not isinstance(layers, list):
+            raise ProfileError(f"profile.layers must be a list, got {type(layers).__name__}")
+        return cls(
+            version=d["version"],
+            source=d["source"],
+            device=d["device"],
+            world_size=d["world_size"],
+            seq_len=d["seq_len"],
+            capacity_bytes=d["capacity_bytes"],
+            reserved_bytes=d["reserved_bytes"],
+            static_bytes=d["static_bytes"],
+            page_bytes=d["page_bytes"],
+            adapter_grad_bytes=d["adapter_grad_bytes"],
+            allgather=Link.from_dict("profile.allgather", d["allgather"]),
+            allreduce=Link.from_dict("profile.allreduce", d["allreduce"]),
+            layers=tuple(LayerProfile.from_dict(f"profile.layers[{i}]", x) for i, x in enumerate(layers)),
+            outside=OutsideProfile.from_dict("profile.outside", d["outside"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile: not valid JSON ({exc})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        with open(path) as f:
+            return cls.from_json(f.read())

@@ -1,0 +1,684 @@
+"""The planner: choose residency, recompute, micro-batch and pool budget from a profile.
+
+    plan = plan_from_profile(profile, memory_bytes=40 * 10**9, global_batch=64)
+    print(plan.table()); plan.save("plan.json")
+
+[Note: what the planner chooses]
+For a fixed global batch G (sequences per optimizer step), the planner picks the micro-batch
+m (sequences per rank per micro-batch) and accumulation a with m x a x world_size == G, the
+set of recomputed layers, and per weight the chunks kept (k) and persisted (p), minimizing the
+cost model's step time (cost.py) under peak <= memory_bytes x (1 - margin) (memory.py).
+The pool budget follows: page_bytes x sum_w k_w.
+
+Persisting a kept chunk is free in this model: the pool's arena never shrinks and reaches its
+high-water mark at the end of forward, where every kept chunk is alive anyway, while a
+persisted chunk also saves the next forward's gather. So the planner persists every chunk it
+keeps (p = k). A persist below keep pays off only once the runtime shrinks the budget before
+the activation peak and refills it after (evicting persistent chunks in planner order), which
+the plan format already allows (`persist_chunks` per weight) but the search does not use.
+
+[Note: the search]
+Candidates: every micro-batch m dividing G / world_size (or those given), and for each, the
+first R layers of one fixed recompute order (recomputable layers by activation bytes freed per
+second of recompute, largest first), R = 0, 1, ... For a candidate, the memory left for kept
+chunks is what remains of the limit after reserved + static, the working set and the
+activation peak, with communication buffers bounded by their size when every chunk is
+missing (so the exact peak of the plan, which has fewer missing chunks, is at most this bound).
+Every kept chunk costs one page, so the candidate can keep K = floor(left / page_bytes) chunks.
+Which chunks: within a unit, chunks are taken in a fixed order (weights with a backward use
+first, larger slices first), and the unit's time t_i(x) after keeping its first x chunks is
+exact under the cost model (each use's exposed gather is max(0, g(D) - window), D the missing
+bytes). t_i is cut into runs at weight boundaries and where a use's exposure reaches zero;
+adjacent runs are merged where a later run saves more per chunk than an earlier one (the
+upper concave envelope), so the runs of a unit save less and less per chunk. All runs of all
+units are sorted by time saved per chunk (ties: run index, then unit index) into one order that
+does not depend on the memory; a candidate keeps the longest prefix of that order with K
+chunks (the last run cut at a chunk, or at an eighth with granularity="eighths"). So for one
+candidate more memory only extends the prefix, and its time never increases; the plan is the
+fastest candidate, a minimum over a fixed set of non-increasing functions of the memory, so
+it is monotone too. Equal layers (the same weights, recompute choice and prefetch windows)
+share their runs, which is what makes an 80-layer model plan in a fraction of a second.
+The result is evaluated with the exact models (memory_curve, step_cost) for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from python_api.planner.cost import allgather_bytes_per_step, step_cost
+from python_api.planner.memory import Choices, memory_curve, pool_budget_bytes
+from python_api.planner.profile import (
+    Profile,
+    ProfileError,
+    check_bool,
+    check_int,
+    check_keys,
+    check_num,
+    check_str,
+)
+
+PLAN_VERSION = 1
+GRANULARITIES = ("chunks", "eighths")
+
+
+class PlanningError(ValueError):
+    """No plan fits the memory (the message names the shortfall in bytes), or bad arguments."""
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class WeightPlan:
+    name: str
+    keep_chunks: int
+    persist_chunks: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    name: str
+    recompute: bool
+    weights: tuple[WeightPlan, ...]
+
+
+_PLAN_FIELDS = ("version", "world_size", "memory_bytes", "global_batch", "micro_batch", "accumulation",
+                "prefetch_depth", "pool_budget_bytes", "layers", "predicted_peak_bytes",
+                "predicted_allgather_bytes_per_step", "predicted_step_time_s", "planning_seconds", "profile_source")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the runtime follows: per-weight residency in chunk counts (the first keep_chunks
+    chunks are kept, the first persist_chunks of those persist), per-layer recompute, the
+    micro-batch split and the pool budget; with the models' predictions for it (per rank)."""
+
+    world_size: int
+    memory_bytes: int
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    prefetch_depth: int
+    pool_budget_bytes: int
+    layers: tuple[LayerPlan, ...]
+    predicted_peak_bytes: int
+    predicted_allgather_bytes_per_step: int
+    predicted_step_time_s: float
+    planning_seconds: float
+    profile_source: str
+    version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        check_int("plan.version", self.version, 1)
+        if self.version != PLAN_VERSION:
+            raise ProfileError(f"plan.version is {self.version}; this planner reads version {PLAN_VERSION}")
+        for name in ("world_size", "memory_bytes", "global_batch", "micro_batch", "accumulation"):
+            check_int(f"plan.{name}", getattr(self, name), 1)
+        for name in ("prefetch_depth", "pool_budget_bytes", "predicted_peak_bytes",
+                     "predicted_allgather_bytes_per_step"):
+            check_int(f"plan.{name}", getattr(self, name))
+        check_num("plan.predicted_step_time_s", self.predicted_step_time_s)
+        check_num("plan.planning_seconds", self.planning_seconds)
+        check_str("plan.profile_source", self.profile_source)
+        if self.micro_batch * self.accumulation * self.world_size != self.global_batch:
+            raise ProfileError(
+                f"plan: micro_batch x accumulation x world_size ({self.micro_batch} x {self.accumulation} x "
+                f"{self.world_size}) != global_batch ({self.global_batch})"
+            )
+        if not isinstance(self.layers, tuple) or not self.layers:
+            raise ProfileError("plan.layers must be a non-empty tuple of LayerPlan")
+        names = set()
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerPlan):
+                raise ProfileError(f"plan.layers[{i}] must be a LayerPlan, got {type(layer).__name__}")
+            if layer.name in names:
+                raise ProfileError(f"plan.layers[{i}].name: duplicate layer name {layer.name!r}")
+            names.add(layer.name)
+            for j, w in enumerate(layer.weights):
+                where = f"plan.layers[{i}] ({layer.name}).weights[{j}] ({w.name})"
+                if not 0 <= w.persist_chunks <= w.keep_chunks <= w.chunks:
+                    raise ProfileError(f"{where}: need 0 <= persist_chunks ({w.persist_chunks}) <= keep_chunks "
+                                       f"({w.keep_chunks}) <= chunks ({w.chunks})")
+
+    # -------------------------------------------------------- views
+
+    @property
+    def kept_chunks(self) -> int:
+        return sum(w.keep_chunks for layer in self.layers for w in layer.weights)
+
+    @property
+    def total_chunks(self) -> int:
+        return sum(w.chunks for layer in self.layers for w in layer.weights)
+
+    def choices(self) -> Choices:
+        """The plan in the form the memory and cost models evaluate."""
+        return Choices(
+            micro_batch=self.micro_batch,
+            keep=tuple(tuple(w.keep_chunks for w in layer.weights) for layer in self.layers),
+            persist=tuple(tuple(w.persist_chunks for w in layer.weights) for layer in self.layers),
+            recompute=tuple(layer.recompute for layer in self.layers),
+            prefetch_depth=self.prefetch_depth,
+        )
+
+    def check_profile(self, profile: Profile) -> None:
+        """Raise unless the plan was made for `profile`'s units, weights and chunk counts."""
+        if profile.world_size != self.world_size:
+            raise ProfileError(f"plan is for world_size {self.world_size}, the profile has {profile.world_size}")
+        if len(profile.layers) != len(self.layers):
+            raise ProfileError(f"plan has {len(self.layers)} layers, the profile {len(profile.layers)}")
+        for lp, layer in zip(self.layers, profile.layers):
+            ours = [(w.name, w.chunks) for w in lp.weights]
+            theirs = [(w.name, w.chunks) for w in layer.weights]
+            if lp.name != layer.name or ours != theirs:
+                raise ProfileError(f"plan layer {lp.name} {ours} differs from profile layer {layer.name} {theirs}")
+
+    def table(self) -> str:
+        """A readable table: a header with the split, budget and predictions; per layer the
+        kept and persistent chunks (and %) and whether it is recomputed."""
+        gib = float(1 << 30)
+        recomputed = sum(layer.recompute for layer in self.layers)
+        lines = [
+            f"plan for {self.world_size} rank(s), profile {self.profile_source}",
+            f"  global batch {self.global_batch} = micro-batch {self.micro_batch} x accumulation "
+            f"{self.accumulation} x {self.world_size} rank(s); prefetch depth {self.prefetch_depth}",
+            f"  memory {self.memory_bytes / gib:.2f} GiB per rank; pool budget {self.pool_budget_bytes / gib:.2f} GiB "
+            f"(+ working set)",
+            f"  predicted: peak {self.predicted_peak_bytes / gib:.2f} GiB, step {self.predicted_step_time_s:.4g} s, "
+            f"all-gather {self.predicted_allgather_bytes_per_step / gib:.2f} GiB/step per rank",
+            f"  kept {self.kept_chunks}/{self.total_chunks} chunks "
+            f"({100.0 * self.kept_chunks / max(1, self.total_chunks):.1f}%), {recomputed} layer(s) recomputed; "
+            f"planned in {self.planning_seconds:.3f} s",
+            "",
+        ]
+        rows = [("layer", "kept", "kept %", "persistent", "persist %", "recompute")]
+        for layer in self.layers:
+            n = sum(w.chunks for w in layer.weights)
+            k = sum(w.keep_chunks for w in layer.weights)
+            p = sum(w.persist_chunks for w in layer.weights)
+            rows.append((layer.name, f"{k}/{n}", f"{100.0 * k / n:.1f}", f"{p}/{n}", f"{100.0 * p / n:.1f}",
+                         "yes" if layer.recompute else "no"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join(r[0].ljust(widths[0]) if c == 0 else r[c].rjust(widths[c])
+                                   for c in range(len(r))))
+        return "\n".join(lines)
+
+    # -------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in _PLAN_FIELDS if k != "layers"}
+        out["layers"] = [
+            {"name": layer.name, "recompute": layer.recompute,
+             "weights": [{"name": w.name, "keep_chunks": w.keep_chunks, "persist_chunks": w.persist_chunks,
+                          "chunks": w.chunks} for w in layer.weights]}
+            for layer in self.layers
+        ]
+        return out
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d) -> Plan:
+        check_keys("plan", d, _PLAN_FIELDS)
+        if not isinstance(d["layers"], list):
+            raise ProfileError(f"plan.layers must be a list, got {type(d['layers']).__name__}")
+        layers = []
+        for i, x in enumerate(d["layers"]):
+            where = f"plan.layers[{i}]"
+            check_keys(where, x, ("name", "recompute", "weights"))
+            if not isinstance(x["weights"], list) or not x["weights"]:
+                raise ProfileError(f"{where}.weights must be a non-empty list")
+            weights = []
+            for j, w in enumerate(x["weights"]):
+                ww = f"{where}.weights[{j}]"
+                check_keys(ww, w, ("name", "keep_chunks", "persist_chunks", "chunks"))
+                weights.append(WeightPlan(check_str(f"{ww}.name", w["name"]),
+                                          check_int(f"{ww}.keep_chunks", w["keep_chunks"]),
+                                          check_int(f"{ww}.persist_chunks", w["persist_chunks"]),
+                                          check_int(f"{ww}.chunks", w["chunks"], 1)))
+            layers.append(LayerPlan(check_str(f"{where}.name", x["name"]),
+                                    check_bool(f"{where}.recompute", x["recompute"]), tuple(weights)))
+        kwargs = {k: d[k] for k in _PLAN_FIELDS if k != "layers"}
+        return cls(layers=tuple(layers), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"plan: not valid JSON ({exc})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def plan_of(profile: Profile, choices: Choices, *, memory_bytes: int, global_batch: int,
+            planning_seconds: float = 0.0) -> Plan:
+    """A `Plan` for `choices`, with the exact models' predictions."""
+    per_rank = global_batch // profile.world_size
+    accumulation = per_rank // choices.micro_batch
+    if accumulation * choices.micro_batch * profile.world_size != global_batch:
+        raise PlanningError(f"micro-batch {choices.micro_batch} x {profile.world_size} rank(s) does not divide "
+                            f"global_batch {global_batch}")
+    layers = tuple(
+        LayerPlan(layer.name, bool(choices.recompute[i]), tuple(
+            WeightPlan(w.name, choices.keep[i][j], choices.persist[i][j], w.chunks)
+            for j, w in enumerate(layer.weights)))
+        for i, layer in enumerate(profile.layers)
+    )
+    return Plan(
+        world_size=profile.world_size,
+        memory_bytes=int(memory_bytes),
+        global_batch=global_batch,
+        micro_batch=choices.micro_batch,
+        accumulation=accumulation,
+        prefetch_depth=choices.prefetch_depth,
+        pool_budget_bytes=pool_budget_bytes(profile, choices),
+        layers=layers,
+        predicted_peak_bytes=memory_curve(profile, choices).peak_bytes,
+        predicted_allgather_bytes_per_step=allgather_bytes_per_step(profile, choices, accumulation),
+        predicted_step_time_s=step_cost(profile, choices, accumulation).step_s,
+        planning_seconds=float(planning_seconds),
+        profile_source=profile.source,
+    )
+
+
+# ---------------------------------------------------------------- the search
+
+def _exposure(lat: float, bw: float, nbytes: int, window: float) -> float:
+    """max(0, g - window) with g the gather time of `nbytes` (as Link.time computes it)."""
+    return 0.0 if nbytes <= 0 else max(0.0, (lat + nbytes / bw) - window)
+
+
+class _Unit:
+    """The fixed part of one unit for the search: its keep order and missing-byte curves."""
+
+    __slots__ = ("order", "blocks", "n", "n_bwd", "d_fwd", "d_bwd", "buf_all", "buf_bwd", "sig", "stops")
+
+    def __init__(self, profile: Profile, i: int, granularity: str):
+        layer = profile.layers[i]
+        W = profile.world_size
+        q = W - 1
+        # Keep order: weights with a backward use first (a kept chunk saves in every use),
+        # then larger slices (more bytes saved per page), then profile order.
+        self.order = sorted(range(len(layer.weights)),
+                            key=lambda j: (not layer.weights[j].backward, -layer.weights[j].slice_bytes, j))
+        self.blocks = []  # (x_start, chunks, received bytes per chunk, backward)
+        x = 0
+        for j in self.order:
+            w = layer.weights[j]
+            self.blocks.append((x, w.chunks, q * w.slice_bytes, w.backward))
+            x += w.chunks
+        self.n = x
+        self.n_bwd = sum(layer.weights[j].chunks for j in self.order if layer.weights[j].backward)
+        self.d_fwd = sum(c * b for _, c, b, _ in self.blocks)  # received bytes of a use missing every chunk
+        self.d_bwd = sum(c * b for _, c, b, bk in self.blocks if bk)
+        self.buf_all = W * sum(w.slice_bytes * w.chunks for w in layer.weights) if W > 1 else 0
+        self.buf_bwd = W * sum(w.slice_bytes * w.chunks for w in layer.weights if w.backward) if W > 1 else 0
+        # Where a prefix of the keep order may stop: every chunk, or every eighth of a weight
+        # (k = round_half_up(j/8 x n), as the runtime rounds ratios).
+        if granularity == "chunks":
+            self.stops = None
+        else:
+            stops = {0}
+            for x0, c, _, _ in self.blocks:
+                stops.update(x0 + int(j * c / 8 + 0.5) for j in range(9))
+            self.stops = tuple(sorted(stops))
+        self.sig = (tuple(self.blocks), self.stops)
+
+    def removed(self, x: int) -> tuple[int, int]:
+        """Received bytes no longer missing (forward, backward) after keeping x chunks."""
+        rf = rb = 0
+        for x0, c, b, bk in self.blocks:
+            if x <= x0:
+                break
+            take = min(c, x - x0) * b
+            rf += take
+            if bk:
+                rb += take
+        return rf, rb
+
+
+def _unit_time(u: _Unit, x: int, rec: bool, windows: tuple, lat: float, bw: float) -> float:
+    """Exposed gather time of one unit's uses in one micro-batch after keeping x chunks."""
+    rf, rb = u.removed(x)
+    wf, wr, wb = windows
+    t = _exposure(lat, bw, u.d_fwd - rf, wf) + _exposure(lat, bw, u.d_bwd - rb, wb)
+    if rec:
+        t += _exposure(lat, bw, u.d_fwd - rf, wr)
+    return t
+
+
+def _runs(u: _Unit, rec: bool, windows: tuple, lat: float, bw: float) -> list[tuple[int, int, float]]:
+    """(x0, x1, time saved) runs of a unit, merged to save less and less per chunk."""
+    if u.stops is not None:
+        cuts = list(u.stops)
+    else:
+        cuts = {0, u.n}
+        for x0, c, b, bk in u.blocks:
+            cuts.add(x0)
+            cuts.add(x0 + c)
+        # where a use's exposure reaches zero: missing bytes D with lat + D/bw <= window
+        for window, base, bwd_only in ((windows[0], u.d_fwd, False), (windows[1], u.d_fwd, False),
+                                       (windows[2], u.d_bwd, True)):
+            if window is None:
+                continue
+            target = base - (window - lat) * bw  # bytes to remove to hide the gather
+            if target <= 0:
+                continue
+            removed = 0
+            for x0, c, b, bk in u.blocks:
+                if bwd_only and not bk:
+                    break
+                if removed + c * b >= target:
+                    x = x0 + int(-(-(target - removed) // b))
+                    cuts.update((max(x0, x - 1), min(x0 + c, x)))
+                    break
+                removed += c * b
+        cuts = sorted(cuts)
+    times = [_unit_time(u, x, rec, windows, lat, bw) for x in cuts]
+    stack: list[list] = []  # [x0, x1, saved]
+    for a in range(len(cuts) - 1):
+        run = [cuts[a], cuts[a + 1], times[a] - times[a + 1]]
+        while stack and run[2] * (stack[-1][1] - stack[-1][0]) > stack[-1][2] * (run[1] - run[0]):
+            prev = stack.pop()  # the later run saves more per chunk: merge (concave envelope)
+            run = [prev[0], run[1], prev[2] + run[2]]
+        stack.append(run)
+    return [tuple(r) for r in stack]
+
+
+def _recompute_order(profile: Profile) -> list[int]:
+    """Recomputable layers that free memory, by bytes freed per second of recompute."""
+    def key(i):
+        layer = profile.layers[i]
+        cost = layer.fwd_s_per_token * profile.seq_len + layer.fwd_s_fixed
+        freed = layer.act_bytes_per_token - layer.input_bytes_per_token
+        return (-(freed / cost) if cost > 0 else float("-inf"), i)
+
+    cand = [i for i, layer in enumerate(profile.layers)
+            if layer.recomputable and layer.act_bytes_per_token > layer.input_bytes_per_token]
+    return sorted(cand, key=key)
+
+
+def _micro_batch_candidates(per_rank: int, micro_batches) -> list[int]:
+    divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    if micro_batches is None:
+        return divisors
+    given = [micro_batches] if isinstance(micro_batches, int) and not isinstance(micro_batches, bool) \
+        else list(micro_batches)
+    for m in given:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise PlanningError(f"micro_batches: expected positive ints, got {m!r}")
+        if per_rank % m:
+            raise PlanningError(f"micro-batch {m} does not divide global_batch / world_size = {per_rank}")
+    return sorted(set(given))
+
+
+class _Search:
+    """One planning problem: the profile's fixed parts, evaluated per candidate (m, R)."""
+
+    def __init__(self, profile: Profile, prefetch_depth: int, granularity: str):
+        self.p = profile
+        self.d = prefetch_depth
+        self.units = [_Unit(profile, i, granularity) for i in range(len(profile.layers))]
+        self.lat, self.bw = profile.allgather.latency_s, profile.allgather.bytes_per_s
+        self.total = profile.total_chunks
+        self.ws = profile.working_set_pages(prefetch_depth)
+        self.page = profile.page_bytes
+        self.fixed = profile.reserved_bytes + profile.static_bytes
+        self.rec_order = _recompute_order(profile)
+        self.run_cache: dict = {}
+        self.keep_only = None  # fixed residency (baselines): per unit, chunks kept
+
+    # -------------------------------------------------------- activation peak (conservative)
+
+    def act_peak(self, T: int, rec: list[bool]) -> int:
+        """memory_curve's peak minus fixed and pool, with every chunk missing (FSDP buffers):
+        the same integer arithmetic as memory.memory_curve."""
+        p, d, units = self.p, self.d, self.units
+        layers = p.layers
+        out_act = int(p.outside.act_bytes_per_token * T)
+        acts = [int(layer.act_bytes_per_token * T) for layer in layers]
+        saved = [int(layer.input_bytes_per_token * T) if rec[i] else acts[i] for i, layer in enumerate(layers)]
+        L = len(layers)
+        fbuf = [u.buf_all for u in units]
+        best = 0
+        before = 0
+        for i in range(L):
+            buffers = sum(fbuf[i : i + 1 + d])
+            best = max(best, before + acts[i] + buffers)
+            before += saved[i]
+        best = max(best, before + int(p.outside.peak_bytes_per_token * T))
+        bseq = []  # (layer, buffer) of the backward-phase uses
+        for i in reversed(range(L)):
+            if rec[i]:
+                bseq.append((i, units[i].buf_all))
+            bseq.append((i, units[i].buf_bwd))
+        for j, (i, _) in enumerate(bseq):
+            before -= saved[i] if (j == 0 or bseq[j - 1][0] != i) else 0
+            buffers = sum(b for _, b in bseq[j : j + 1 + d])
+            own = acts[i] + (saved[i] if rec[i] else 0)
+            best = max(best, before + own + buffers)
+        return out_act + best
+
+    # -------------------------------------------------------- windows
+
+    def windows(self, T: int, rec: list[bool]) -> tuple[list[tuple], list[float]]:
+        """Per unit, the prefetch windows of its (forward, recompute, backward) uses (None when
+        the use does not exist), as cost.exposed_s sums them; and the compute of every use."""
+        layers, d = self.p.layers, self.d
+        L = len(layers)
+        fc = [layer.fwd_s(T) for layer in layers]
+        wf = [sum(fc[max(0, i - d) : i]) for i in range(L)]
+        bseq, bc = [], []
+        for i in reversed(range(L)):
+            if rec[i]:
+                bseq.append((i, 1))
+                bc.append(fc[i])
+            bseq.append((i, 2))
+            bc.append(layers[i].bwd_s(T))
+        wr: list = [None] * L
+        wb = [0.0] * L
+        for j, (i, kind) in enumerate(bseq):
+            w = sum(bc[max(0, j - d) : j])
+            if kind == 1:
+                wr[i] = w
+            else:
+                wb[i] = w
+        return [(wf[i], wr[i], wb[i]) for i in range(L)], fc + bc
+
+    # -------------------------------------------------------- one candidate
+
+    def evaluate(self, m: int, rec: list[bool], limit: int):
+        """(time per micro-batch, kept chunks per unit, shortfall) of candidate (m, rec)."""
+        p = self.p
+        T = m * p.seq_len
+        act = self.act_peak(T, rec)
+        avail = limit - self.fixed - act
+        min_pool = min(self.ws, self.total) * self.page
+        if avail < min_pool:
+            return None, None, min_pool - avail
+        if avail >= self.total * self.page:
+            budget = self.total
+        else:
+            budget = avail // self.page - self.ws
+        windows, compute = self.windows(T, rec)
+        units = self.units
+        lat, bw = self.lat, self.bw
+        base = sum(compute) + (p.outside.fwd_s_per_token + p.outside.bwd_s_per_token) * T
+        if self.keep_only is not None:  # fixed residency: feasible only if it fits
+            if sum(self.keep_only) > budget:
+                return None, None, (sum(self.keep_only) - budget) * self.page
+            t = base + sum(_unit_time(u, x, rec[i], windows[i], lat, bw)
+                           for i, (u, x) in enumerate(zip(units, self.keep_only)))
+            return t, list(self.keep_only), 0
+        # Group equal units: same structure, recompute choice and windows give the same runs.
+        groups: dict = {}
+        for i, u in enumerate(units):
+            key = (u.sig, rec[i], windows[i])
+            g = groups.get(key)
+            if g is None:
+                groups[key] = [i]
+            else:
+                g.append(i)
+        entries = []
+        zero = 0.0
+        for key, members in groups.items():
+            i0 = members[0]
+            u = units[i0]
+            ckey = (key, lat, bw)
+            runs = self.run_cache.get(ckey)
+            if runs is None:
+                runs = _runs(u, rec[i0], windows[i0], lat, bw)
+                t0 = _unit_time(u, 0, rec[i0], windows[i0], lat, bw)
+                runs = (runs, t0)
+                self.run_cache[ckey] = runs
+            zero += runs[1] * len(members)
+            for j, (x0, x1, saved) in enumerate(runs[0]):
+                entries.append((-(saved / (x1 - x0)), j, i0, x0, x1, saved, members))
+        entries.sort(key=lambda e: e[:3])
+        kept = [0] * len(units)
+        left = budget
+        saved_total = 0.0
+        for _, _, i0, x0, x1, saved, members in entries:
+            c = x1 - x0
+            full = min(len(members), left // c)
+            for i in members[:full]:
+                kept[i] = x1
+            saved_total += full * saved
+            left -= full * c
+            if full < len(members):
+                i = members[full]
+                u = units[i]
+                x = x0 + left
+                if u.stops is not None:
+                    x = max(s for s in u.stops if s <= x)
+                if x > x0:
+                    kept[i] = x
+                    saved_total += (_unit_time(u, x0, rec[i], windows[i], lat, bw)
+                                    - _unit_time(u, x, rec[i], windows[i], lat, bw))
+                break
+        return base + zero - saved_total, kept, 0
+
+    def choices(self, m: int, rec: list[bool], kept: list[int]) -> Choices:
+        keep = []
+        for i, (u, x) in enumerate(zip(self.units, kept)):
+            ks = [0] * len(u.order)
+            for (x0, c, _, _), j in zip(u.blocks, u.order):
+                ks[j] = max(0, min(c, x - x0))
+            keep.append(tuple(ks))
+        keep = tuple(keep)
+        return Choices(m, keep, keep, tuple(rec), self.d)
+
+
+def _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, granularity):
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
+    for name, v in (("memory_bytes", memory_bytes), ("global_batch", global_batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanningError(f"{name} must be a positive int, got {v!r}")
+    if memory_bytes > profile.capacity_bytes:
+        raise PlanningError(f"memory_bytes ({memory_bytes}) exceeds the profile's capacity_bytes "
+                            f"({profile.capacity_bytes}) on {profile.device}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise PlanningError(f"margin must be a number in [0, 1), got {margin!r}")
+    if not isinstance(prefetch_depth, int) or isinstance(prefetch_depth, bool) or prefetch_depth < 0:
+        raise PlanningError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    if granularity not in GRANULARITIES:
+        raise PlanningError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if global_batch % profile.world_size:
+        raise PlanningError(f"global_batch {global_batch} is not a multiple of world_size {profile.world_size}: "
+                            "every rank runs the same micro-batches")
+
+
+def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity,
+            keep_only=None) -> Plan:
+    t_start = time.perf_counter()
+    _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, granularity)
+    per_rank = global_batch // profile.world_size
+    limit = int(memory_bytes * (1.0 - margin))
+    s = _Search(profile, prefetch_depth, granularity)
+    s.keep_only = keep_only
+    best = None  # (time, m, rec, kept)
+    shortfall = None
+    L = len(profile.layers)
+    for m in _micro_batch_candidates(per_rank, micro_batches):
+        rec = [False] * L
+        for R in range(len(s.rec_order) + 1):
+            if R:
+                rec[s.rec_order[R - 1]] = True
+            t, kept, short = s.evaluate(m, rec, limit)
+            if t is None:
+                shortfall = short if shortfall is None else min(shortfall, short)
+                continue
+            t_step = (per_rank // m) * t
+            if best is None or t_step < best[0]:
+                best = (t_step, m, list(rec), kept)
+            if sum(kept) >= s.total:
+                break  # everything kept: recomputing more only adds time
+    if best is None:
+        raise PlanningError(
+            f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest candidate "
+            f"({'the given residency' if keep_only is not None else 'every chunk TRANSIENT'}, micro-batch and "
+            f"recomputed layers chosen to fit) needs {limit + shortfall} bytes: short by {shortfall} bytes"
+        )
+    _, m, rec, kept = best
+    choices = s.choices(m, rec, kept)
+    return plan_of(profile, choices, memory_bytes=memory_bytes, global_batch=global_batch,
+                   planning_seconds=time.perf_counter() - t_start)
+
+
+def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *, micro_batches=None,
+                      margin: float = 0.05, prefetch_depth: int = 1, granularity: str = "chunks") -> Plan:
+    """The fastest plan under the cost model whose peak stays within memory_bytes x (1 -
+    margin) ([Note: the search]).
+
+    memory_bytes   device memory per rank the plan may use (at most profile.capacity_bytes);
+                   the peak counts reserved and static bytes too.
+    global_batch   sequences per optimizer step over all ranks: micro_batch x accumulation x
+                   world_size.
+    micro_batches  None: every divisor of global_batch / world_size; an int or a sequence:
+                   only those micro-batch sizes.
+    granularity    "chunks": keep counts are any chunk count; "eighths": round_half_up(j/8 x
+                   n) for j = 0..8, per weight.
+    Raises PlanningError naming the shortfall in bytes when nothing fits.
+    """
+    return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity)
+
+
+def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, keep: list[list[int]], *,
+                        micro_batches=None, margin: float = 0.05, prefetch_depth: int = 1) -> Plan:
+    """A plan whose per-weight kept (= persisted) chunk counts are given (`keep[layer][weight]`,
+    e.g. all zero for FSDP/ZeRO-3 or whole small weights for a static persistence threshold);
+    the micro-batch and the recomputed layers are searched as in `plan_from_profile`. For the
+    baselines of bench/simulate_mtuner.py. Each unit's kept chunks must be a prefix of its keep
+    order (weights with a backward use first, then larger slices)."""
+    if len(keep) != len(profile.layers):
+        raise PlanningError(f"keep covers {len(keep)} layers, the profile has {len(profile.layers)}")
+    s = _Search(profile, prefetch_depth, "chunks")
+    keep_only = []
+    for i, (u, ks) in enumerate(zip(s.units, keep)):
+        layer = profile.layers[i]
+        if len(ks) != len(layer.weights) or any(not 0 <= k <= w.chunks for k, w in zip(ks, layer.weights)):
+            raise PlanningError(f"keep[{i}] ({layer.name}) must give 0..chunks for each of its "
+                                f"{len(layer.weights)} weights, got {ks!r}")
+        x = sum(ks)
+        if s.choices(1, [False] * len(keep), [0] * i + [x] + [0] * (len(keep) - i - 1)).keep[i] != tuple(ks):
+            raise PlanningError(f"keep[{i}] ({layer.name}) = {ks!r} is not a prefix of the unit's keep order")
+        keep_only.append(x)
+    return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, "chunks",
+                   keep_only=keep_only)

@@ -1,0 +1,220 @@
+"""Synthetic profiles for named model shapes on named devices (no model is built).
+
+    profile = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, device="a100-40g-pcie")
+
+[Note: synthetic profile assumptions]
+Model: Llama-2 decoder layers with the real dimensions (`SHAPES`), bf16 frozen weights, LoRA
+adapters of rank `lora_rank` (default 16) on the 7 projections of every decoder layer, fp32
+adapters trained with Adam. Units: the decoder layers (recomputable), then `lm_head` (its own
+unit, not recomputable); the embedding is replicated (it is not a linear).
+Chunking, as the runtime lays a weight out (`ElasticPolicy.rows_per_chunk`, `ChunkLayout`):
+rows_per_chunk = chunk_bytes // row_bytes (at most the rows), n = ceil(rows / rows_per_chunk),
+slice = ceil(rows_per_chunk x cols / W) elements; page = the largest chunk rounded up to 512.
+Compute, per token (FLOPs), divided by the device's achieved FLOP rate:
+  forward   2 x P_layer (the 7 GEMMs) + 2 x seq x h (causal attention: QK^T and AV, half the
+            square) + 2 x r x (in + out) per adapted projection (the LoRA GEMMs)
+  backward  2 x P_layer (dX only: the base weights are frozen, no dW) + 2x the attention
+            forward + 2x the LoRA forward (dA, dB and dX through the adapter)
+  fixed     100 us per forward and 200 us per backward call (launch overheads of ~20/~40
+            kernels); elementwise work (norms, SiLU, RoPE) is not counted.
+lm_head: 2 x V x h per token forward and backward (dX only); the head's loss and norm are
+`outside`, timed by the bytes they move at the device's memory bandwidth.
+Activations saved for backward per token per decoder layer (bf16 = 2 bytes per element):
+  input-norm input h, its output h (input of q/k/v), q and k after RoPE h + kv, v kv,
+  attention output h (input of o_proj), post-attention norm input h and output h (input of
+  gate/up), gate g I, up u I, silu(g) I, silu(g) x u I (input of down)
+  = 2 x (6h + 2kv + 4I) bytes, + 4 x heads (fp32 softmax log-sum-exp) + 7 x 4 x r (each
+  adapter's x A^T in fp32). A recomputed layer keeps its input: 2h bytes per token.
+Outside: act = 2h per token (the final norm's input); peak = 10 V per token (bf16 logits, their
+fp32 copy for the loss, and the fp32 gradient of the logits).
+Static per rank: the shards of every elastic weight (n x slice bytes), the replicated
+embedding (V x h bf16) and norms, and the adapters with their gradients and Adam moments
+(16 bytes per fp32 parameter); adapter_grad_bytes = 4 bytes per adapter parameter.
+Links: an all-gather where a rank receives B bytes takes latency + B / busbw (nccl-tests'
+bus bandwidth is exactly received bytes per second). Over several nodes, of the B bytes a
+fraction (W - G) / (W - 1) crosses nodes (G GPUs per node, one NIC per GPU, so each GPU's
+NIC carries its own share) and the rest NVLink, in parallel: B x max(f / inter, (1 - f) / intra).
+The all-reduce of the adapter gradients is a ring: 2 (W - 1) / W x bytes at the slowest bus
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+
+BF16 = 2  # bytes per element of the frozen weights and activations
+DEFAULT_CHUNK_BYTES = 4 << 20  # ElasticPolicy.chunk_bytes default
+_PAGE_ALIGN = 512
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a Llama-2 model (from its Hugging Face config.json)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int = 32000
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    def projections(self) -> list[tuple[str, int, int]]:
+        """(name, rows = out features, cols = in features) of the 7 projections of a layer."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return [("q_proj", h, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, h),
+                ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+
+
+SHAPES = {
+    "llama2-7b": ModelShape(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32),
+    "llama2-13b": ModelShape(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40),
+    "llama2-70b": ModelShape(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8),
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One kind of GPU and its links. Rates are *achieved*, not peak: see each spec."""
+
+    name: str
+    flops: float  # achieved bf16 FLOP/s of the GEMMs
+    hbm_bytes_per_s: float  # memory bandwidth (for the memory-bound loss and norm)
+    capacity_bytes: int  # device memory
+    reserved_bytes: int  # CUDA context, NCCL buffers, allocator slack: not ours
+    gpus_per_node: int
+    intra_bytes_per_s: float  # all-gather bus bandwidth within a node
+    intra_latency_s: float
+    inter_bytes_per_s: float  # per-GPU bandwidth between nodes (one NIC per GPU)
+    inter_latency_s: float
+
+    def allgather(self, ranks: int) -> Link:
+        if ranks <= self.gpus_per_node:
+            return Link(self.intra_latency_s, self.intra_bytes_per_s)
+        f = (ranks - self.gpus_per_node) / (ranks - 1)  # share of received bytes that cross nodes
+        seconds_per_byte = max(f / self.inter_bytes_per_s, (1 - f) / self.intra_bytes_per_s)
+        return Link(self.inter_latency_s, 1.0 / seconds_per_byte)
+
+    def allreduce(self, ranks: int) -> Link:
+        bus = self.intra_bytes_per_s if ranks <= self.gpus_per_node else self.inter_bytes_per_s
+        latency = self.intra_latency_s if ranks <= self.gpus_per_node else self.inter_latency_s
+        factor = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+        return Link(2 * latency, bus / factor)
+
+
+GiB = 1 << 30
+DEVICES = {
+    # A100 40GB PCIe: 312 TFLOP/s dense bf16 peak, taken at 50% (a typical achieved fraction
+    # for these GEMM shapes); 1.555 TB/s HBM2. 8 per node on PCIe: all-gather bus bandwidth
+    # ~25 GB/s (the mTuner paper's setting). Single node only (8 ranks).
+    "a100-40g-pcie": DeviceSpec(
+        name="a100-40g-pcie", flops=0.5 * 312e12, hbm_bytes_per_s=1.555e12, capacity_bytes=40 * GiB,
+        reserved_bytes=3 * GiB // 2, gpus_per_node=8, intra_bytes_per_s=25e9, intra_latency_s=60e-6,
+        inter_bytes_per_s=12.5e9, inter_latency_s=20e-6 + 60e-6,
+    ),
+    # H100 SXM5 80GB: 989 TFLOP/s dense bf16 peak, taken at 50%; 3.35 TB/s HBM3. 8 per node on
+    # NVLink/NVSwitch: ~350 GB/s all-gather bus bandwidth within a node. Between nodes
+    # (assumption): one 400 Gb/s NDR InfiniBand NIC per GPU, 50 GB/s line rate, ~40 GB/s achieved.
+    "h100-sxm": DeviceSpec(
+        name="h100-sxm", flops=0.5 * 989e12, hbm_bytes_per_s=3.35e12, capacity_bytes=80 * GiB,
+        reserved_bytes=2 * GiB, gpus_per_node=8, intra_bytes_per_s=350e9, intra_latency_s=20e-6,
+        inter_bytes_per_s=40e9, inter_latency_s=40e-6,
+    ),
+}
+
+FWD_FIXED_S = 100e-6
+BWD_FIXED_S = 200e-6
+
+
+def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backward: bool = True) -> WeightProfile:
+    row_bytes = cols * BF16
+    if row_bytes > chunk_bytes:
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than one row of {name} ({row_bytes} bytes)")
+    rows_per_chunk = min(rows, chunk_bytes // row_bytes)
+    chunk_numel = rows_per_chunk * cols
+    return WeightProfile(name=name, chunks=math.ceil(rows / rows_per_chunk),
+                         slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
+                         backward=backward)
+
+
+def shape_of(shape: str) -> ModelShape:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    return SHAPES[shape]
+
+
+def device_of(device: str | DeviceSpec) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"unknown device spec {device!r}; known: {', '.join(DEVICES)}")
+    return DEVICES[device]
+
+
+def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str | DeviceSpec = "a100-40g-pcie", *,
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16) -> Profile:
+    """The profile of Llama-2 `shape` on `ranks` GPUs of `device` ([Note: synthetic profile
+    assumptions])."""
+    m = shape_of(shape)
+    dev = device_of(device)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    h, kv, inter, r = m.hidden, m.kv_dim, m.intermediate, lora_rank
+    projections = m.projections()
+    layer_params = sum(rows * cols for _, rows, cols in projections)
+    lora_params = sum(r * (rows + cols) for _, rows, cols in projections)
+    attn_fwd = 2 * seq_len * h  # causal QK^T + AV per token
+    fwd_flops = 2 * layer_params + attn_fwd + 2 * lora_params
+    bwd_flops = 2 * layer_params + 2 * attn_fwd + 4 * lora_params
+    act = BF16 * (6 * h + 2 * kv + 4 * inter) + 4 * m.heads + 7 * 4 * r
+    layers = []
+    for li in range(m.layers):
+        # The first layer's q/k/v read the norm of the frozen embedding: no input gradient,
+        # so no backward use (the runtime gathers them in forward only).
+        weights = tuple(_weight(name, rows, cols, ranks, chunk_bytes,
+                                backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")))
+                        for name, rows, cols in projections)
+        layers.append(LayerProfile(
+            name=f"model.layers.{li}", recomputable=True,
+            fwd_s_per_token=fwd_flops / dev.flops, bwd_s_per_token=bwd_flops / dev.flops,
+            fwd_s_fixed=FWD_FIXED_S, bwd_s_fixed=BWD_FIXED_S,
+            act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
+        ))
+    head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes)
+    layers.append(LayerProfile(
+        name="lm_head", recomputable=False,
+        fwd_s_per_token=2 * m.vocab * h / dev.flops, bwd_s_per_token=2 * m.vocab * h / dev.flops,
+        fwd_s_fixed=FWD_FIXED_S / 10, bwd_s_fixed=BWD_FIXED_S / 10,
+        act_bytes_per_token=0.0, input_bytes_per_token=0.0, weights=(head,),
+    ))
+    largest_chunk = max(w.chunk_bytes for layer in layers for w in layer.weights)
+    page = -(-largest_chunk // _PAGE_ALIGN) * _PAGE_ALIGN
+    shards = sum(w.chunks * w.slice_bytes for layer in layers for w in layer.weights)
+    replicated = BF16 * (m.vocab * h + (2 * m.layers + 1) * h)  # embedding + norms
+    adapters = m.layers * lora_params
+    loss_bytes = 10 * m.vocab  # bytes per token moved by the loss, forward and backward
+    return Profile(
+        source=f"synthetic:{shape}",
+        device=f"{dev.name} x{ranks} (synthetic)",
+        world_size=ranks,
+        seq_len=seq_len,
+        capacity_bytes=dev.capacity_bytes,
+        reserved_bytes=dev.reserved_bytes,
+        static_bytes=shards + replicated + 16 * adapters,
+        page_bytes=page,
+        adapter_grad_bytes=4 * adapters,
+        allgather=dev.allgather(ranks),
+        allreduce=dev.allreduce(ranks),
+        layers=tuple(layers),
+        outside=OutsideProfile(fwd_s_per_token=loss_bytes / dev.hbm_bytes_per_s,
+                               bwd_s_per_token=loss_bytes / dev.hbm_bytes_per_s,
+                               act_bytes_per_token=float(BF16 * h), peak_bytes_per_token=float(10 * m.vocab)),
+    )
