@@ -522,12 +522,13 @@ class ElasticRuntime:
         (name -> bytes received for that weight's chunks, `full_weight` excluded).
         h2d_bytes: host -> device bytes (host-store chunks and activations brought back);
         d2h_bytes: activations offloaded; host_store_bytes: the node's host store;
-        host_pinned_bytes: host buffers of the activation offload held now."""
+        host_pinned_bytes: page-locked host bytes (the store when pinned, on CUDA, and the
+        activation offload's buffers)."""
         out = dict(self._stats)
         out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
         out["d2h_bytes"] = 0
         out["host_store_bytes"] = self.host_store.nbytes if self.host_store is not None else 0
-        out["host_pinned_bytes"] = 0
+        out["host_pinned_bytes"] = self.host_store.pinned_bytes if self.host_store is not None else 0
         if self.activation_offload is not None:
             act = self.activation_offload.stats()
             out["h2d_bytes"] += act["h2d_bytes"]

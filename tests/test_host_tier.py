@@ -86,8 +86,9 @@ def test_world_size_one_streams_from_the_host():
     """No process group: weights_on="host" runs through the pool, every chunk from the store."""
     from python_api import ElasticPolicy, elasticize, runtime_of, stats
 
+    dims = (24, 40, 24, 40, 24, 40, 24)  # six layers: the frozen bytes exceed a two-layer window
     for budget in (0, None):
-        model = make_model()
+        model = make_model(dims)
         ref = reference_of(model, CHUNK)
         elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, weights_on="host", keep_ratio=0.0, persist_ratio=0.0,
                                         pool_budget_bytes=budget))
@@ -95,12 +96,18 @@ def test_world_size_one_streams_from_the_host():
         assert all(et.shard is None for et in rt.tensors), "weights_on='host' must keep no device shard"
         _train(model, ref, 3, seed=3)
         s = stats(model)
-        frozen = sum(a * b for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+        frozen = sum(a * b for a, b in zip(dims[:-1], dims[1:])) * FP32
         assert s["allgather_bytes"] == 0
         # keep = persist = 0: every chunk is copied for forward and again for backward (the
         # first layer's input needs no gradient: no backward use), three steps.
-        first = DIMS[0] * DIMS[1] * FP32
+        first = dims[0] * dims[1] * FP32
         assert s["h2d_bytes"] == 3 * (2 * frozen - first), s
+        if budget == 0:
+            # The frozen weights exceed the pool: it holds the layers in flight (the one running
+            # and the one prefetched), never the whole model.
+            page = rt.page_bytes()
+            window = sum(sorted((et.num_chunks for et in rt.tensors), reverse=True)[:2]) * page
+            assert 0 < s["pool_peak_bytes"] <= window < frozen, (s["pool_peak_bytes"], window, frozen)
 
 
 def _traffic_worker(rank, world_size, on, hf, keep, persist, iters):
