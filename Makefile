@@ -53,6 +53,9 @@ bench: build
 	$(VPY) bench/bench_lora_linear.py --device cpu --threads 1
 	$(VPY) bench/bench_gather_coalescing.py
 	$(VPY) bench/bench_elastic_vs_fsdp2.py
+	$(VPY) bench/bench_offload.py --device cpu
+	$(VPY) bench/bench_planner.py
+	$(VPY) bench/simulate_mtuner.py
 
 gpu-check:
 	bash bench/gpu_check.sh
