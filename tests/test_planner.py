@@ -259,9 +259,14 @@ def test_budget_never_exceeded_random():
             for lp in plan.layers:
                 for w in lp.weights:
                     assert w.keep_chunks in {int(j * w.chunks / 8 + 0.5) for j in range(9)}
-        # never slower than FSDP (nothing kept) under the same memory
-        fsdp = plan_with_residency(prof, memory, G, [[0] * len(lp.weights) for lp in plan.layers],
-                                   prefetch_depth=depth)
+        # never slower than FSDP (nothing kept) under the same memory (which may not fit where
+        # keeping everything does: with everything kept no receive buffer exists)
+        try:
+            fsdp = plan_with_residency(prof, memory, G, [[0] * len(lp.weights) for lp in plan.layers],
+                                       prefetch_depth=depth)
+        except PlanningError:
+            assert plan.kept_chunks == prof.total_chunks
+            continue
         assert plan.predicted_step_time_s <= fsdp.predicted_step_time_s * (1 + 1e-12)
     assert planned > 100 and refused > 0
 
@@ -274,11 +279,13 @@ def test_refusal_is_exact_about_the_shortfall():
         # micro-batch 1 is the only choice; recomputing every layer or none are candidates, and
         # with a single layer those are the only ones
         prof = Profile.from_dict({**json.loads(prof.to_json()), "layers": [json.loads(prof.to_json())["layers"][0]]})
-        need = min(fsdp_need(prof, 1, True), fsdp_need(prof, 1, False))
+        # the least memory: nothing kept, or everything kept (then nothing is gathered and no
+        # receive buffer exists), each with and without recompute
+        need = min(memory_curve(prof, Choices.uniform(prof, 1, f, recompute=r)).peak_bytes
+                   for f in (0.0, 1.0) for r in (False, True))
         margin = 0.0
         plan = plan_from_profile(prof, need, G, margin=margin)
-        assert plan.kept_chunks == 0 or plan.kept_chunks == prof.total_chunks or \
-            plan.predicted_peak_bytes <= need
+        assert plan.predicted_peak_bytes <= need
         with pytest.raises(PlanningError, match=f"needs {need} bytes: short by 1 bytes"):
             plan_from_profile(prof, need - 1, G, margin=margin)
 
@@ -353,11 +360,11 @@ def test_memory_for_nothing_extra_is_fsdp():
     with pytest.raises(PlanningError, match="short by 1 bytes"):
         plan_from_profile(prof, need - 1, 64, margin=0.0)
     # a model with room for its activations: FSDP with no recompute
-    # (four units, so the working set, the 2 largest units, does not hold every chunk; and
+    # (eight units, so the working set, the 2 largest units, holds 3 of 9 chunks; and
     # recomputing A frees 80 bytes, less than a page)
     base = tiny_profile()
     extra = tuple(LayerProfile(f"B{j}", False, 0.005, 0.01, 0.0, 0.0, 4.0, 4.0,
-                               (WeightProfile("wb", 1, 300, 600),)) for j in range(2))
+                               (WeightProfile("wb", 1, 300, 600),)) for j in range(6))
     small = tiny_profile(layers=base.layers + extra)
     assert small.working_set_pages(1) < small.total_chunks
     need = fsdp_need(small, 1, False)
@@ -410,3 +417,48 @@ def test_cli():
     assert small.returncode == 2 and "short by" in small.stderr
     odd = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GB", "--global-batch", "12")
     assert odd.returncode == 2 and "not a multiple of world_size 8" in odd.stderr
+
+
+def test_close_to_exhaustive_search_on_small_profiles():
+    # Every (micro-batch, recompute set, kept chunks per weight) of small random profiles,
+    # evaluated with the same models: the planner's greedy (one recompute order, runs by time
+    # saved per page) is optimal in most cases and never far off. Measured on 150 profiles
+    # (seed 3): optimal in 148, worst 7.3% slower.
+    import itertools
+
+    rng = random.Random(3)
+    checked = optimal = 0
+    worst = 0.0
+    while checked < 60:
+        prof = random_profile(rng)
+        if len(prof.layers) > 3 or prof.total_chunks > 9:
+            continue
+        G = prof.world_size * rng.choice([1, 2, 4])
+        per_rank = G // prof.world_size
+        lo = memory_curve(prof, Choices.uniform(prof, 1, 0.0, recompute=True)).peak_bytes
+        hi = memory_curve(prof, Choices.uniform(prof, per_rank, 1.0)).peak_bytes
+        memory = int(rng.uniform(lo, hi * 1.05) / 0.95) + 1
+        limit = int(memory * 0.95)
+        best = None
+        weights = [w for layer in prof.layers for w in layer.weights]
+        for m in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+            for ks in itertools.product(*[range(w.chunks + 1) for w in weights]):
+                it = iter(ks)
+                keep = tuple(tuple(next(it) for _ in layer.weights) for layer in prof.layers)
+                for rec in itertools.product(*[(False, True) if layer.recomputable else (False,)
+                                               for layer in prof.layers]):
+                    ch = Choices(m, keep, keep, rec)
+                    if memory_curve(prof, ch).peak_bytes <= limit:
+                        t = step_cost(prof, ch, per_rank // m).step_s
+                        best = t if best is None else min(best, t)
+        checked += 1
+        try:
+            plan = plan_from_profile(prof, memory, G)
+        except PlanningError:
+            assert best is None, "the planner refused a memory some plan fits in"
+            continue
+        assert best is not None and plan.predicted_step_time_s >= best * (1 - 1e-12)
+        gap = plan.predicted_step_time_s / best - 1
+        worst = max(worst, gap)
+        optimal += gap <= 1e-9
+    assert optimal >= 0.9 * checked and worst < 0.10, (optimal, checked, worst)

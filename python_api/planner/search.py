@@ -23,8 +23,9 @@ first R layers of one fixed recompute order (recomputable layers by activation b
 second of recompute, largest first), R = 0, 1, ... For a candidate, the memory left for kept
 chunks is what remains of the limit after reserved + static, the working set and the
 activation peak, with communication buffers bounded by their size when every chunk is
-missing (so the exact peak of the plan, which has fewer missing chunks, is at most this bound).
-Every kept chunk costs one page, so the candidate can keep K = floor(left / page_bytes) chunks.
+missing (so the exact peak of the plan, which has fewer missing chunks, is at most this bound);
+the one exception is exact: when every chunk fits with no buffers at all (nothing is gathered),
+the candidate keeps everything. Every kept chunk costs one page, so the candidate can keep K = floor(left / page_bytes) chunks.
 Which chunks: within a unit, chunks are taken in a fixed order (weights with a backward use
 first, larger slices first), and the unit's time t_i(x) after keeping its first x chunks is
 exact under the cost model (each use's exposed gather is max(0, g(D) - window), D the missing
@@ -446,16 +447,17 @@ class _Search:
 
     # -------------------------------------------------------- activation peak (conservative)
 
-    def act_peak(self, T: int, rec: list[bool]) -> int:
-        """memory_curve's peak minus fixed and pool, with every chunk missing (FSDP buffers):
-        the same integer arithmetic as memory.memory_curve."""
+    def act_peak(self, T: int, rec: list[bool], buffers: bool = True) -> int:
+        """memory_curve's peak minus fixed and pool, with every chunk missing (FSDP buffers), or
+        with none missing (`buffers=False`: no buffers): the same integer arithmetic as
+        memory.memory_curve."""
         p, d, units = self.p, self.d, self.units
         layers = p.layers
         out_act = int(p.outside.act_bytes_per_token * T)
         acts = [int(layer.act_bytes_per_token * T) for layer in layers]
         saved = [int(layer.input_bytes_per_token * T) if rec[i] else acts[i] for i, layer in enumerate(layers)]
         L = len(layers)
-        fbuf = [u.buf_all for u in units]
+        fbuf = [u.buf_all if buffers else 0 for u in units]
         best = 0
         before = 0
         for i in range(L):
@@ -466,8 +468,8 @@ class _Search:
         bseq = []  # (layer, buffer) of the backward-phase uses
         for i in reversed(range(L)):
             if rec[i]:
-                bseq.append((i, units[i].buf_all))
-            bseq.append((i, units[i].buf_bwd))
+                bseq.append((i, units[i].buf_all if buffers else 0))
+            bseq.append((i, units[i].buf_bwd if buffers else 0))
         for j, (i, _) in enumerate(bseq):
             before -= saved[i] if (j == 0 or bseq[j - 1][0] != i) else 0
             buffers = sum(b for _, b in bseq[j : j + 1 + d])
@@ -510,9 +512,15 @@ class _Search:
         act = self.act_peak(T, rec)
         avail = limit - self.fixed - act
         min_pool = min(self.ws, self.total) * self.page
-        if avail < min_pool:
-            return None, None, min_pool - avail
-        if avail >= self.total * self.page:
+        # Exact, not bounded: with every chunk kept nothing is gathered and no buffer exists.
+        all_kept = self.fixed + self.total * self.page + self.act_peak(T, rec, buffers=False)
+        if self.keep_only is not None and sum(self.keep_only) < self.total:
+            all_kept = limit + max(1, min_pool - avail)  # not a candidate under a given residency
+        if all_kept <= limit:
+            budget = self.total
+        elif avail < min_pool:
+            return None, None, min(min_pool - avail, all_kept - limit)
+        elif avail >= self.total * self.page:
             budget = self.total
         else:
             budget = avail // self.page - self.ws
@@ -632,9 +640,10 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
                 break  # everything kept: recomputing more only adds time
     if best is None:
         raise PlanningError(
-            f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest candidate "
-            f"({'the given residency' if keep_only is not None else 'every chunk TRANSIENT'}, micro-batch and "
-            f"recomputed layers chosen to fit) needs {limit + shortfall} bytes: short by {shortfall} bytes"
+            f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest plan "
+            f"({'the given residency' if keep_only is not None else 'every chunk TRANSIENT, or every chunk kept'}, "
+            f"micro-batch and recomputed layers chosen to fit) needs {limit + shortfall} bytes: short by "
+            f"{shortfall} bytes"
         )
     _, m, rec, kept = best
     choices = s.choices(m, rec, kept)
