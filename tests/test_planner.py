@@ -180,26 +180,42 @@ def test_memory_curve_by_hand():
     curve = memory_curve(p, ch)
     # pool: 3 chunks in all, working set = the 2 largest units = 3 pages -> 3000 bytes
     # base = reserved 100 + static 200 + pool 3000 + outside act 1 x 10 = 3310
-    # buffers: A forward misses 1 chunk (2 x 500), B 1 chunk (2 x 300); backward the same
+    # buffers, (W + 1) x slice per missing chunk (the packed send slice and the W-slice
+    # output): A misses 1 chunk (3 x 500), B 1 chunk (3 x 300), forward and backward alike
     assert dict(curve.points) == {
-        "forward A": 3310 + 0 + 100 + 1000 + 600,
-        "forward B": 3310 + 100 + 40 + 600,
+        "forward A": 3310 + 0 + 100 + 1500 + 900,
+        "forward B": 3310 + 100 + 40 + 900,
         "end of forward": 3310 + 140 + 500,
-        "backward B": 3310 + 100 + 40 + 600 + 1000,
-        "backward A": 3310 + 0 + 100 + 1000,
+        "backward B": 3310 + 100 + 40 + 900 + 1500,
+        "backward A": 3310 + 0 + 100 + 1500,
     }
-    assert curve.peak_bytes == 5050 and curve.peak_point == "backward B"
+    assert curve.peak_bytes == 5850 and curve.peak_point == "backward B"
     rec = memory_curve(p, Choices(1, ((1,), (0,)), ((1,), (0,)), (True, False)))
     # A recomputed: keeps its input (2 x 10) in forward; its recompute holds input + activations
     assert dict(rec.points) == {
-        "forward A": 3310 + 100 + 1600,
-        "forward B": 3310 + 20 + 40 + 600,
+        "forward A": 3310 + 100 + 2400,
+        "forward B": 3310 + 20 + 40 + 900,
         "end of forward": 3310 + 60 + 500,
-        "backward B": 3310 + 20 + 40 + 600 + 1000,
-        "recompute A": 3310 + 0 + 100 + 20 + 1000 + 1000,
-        "backward A": 3310 + 0 + 100 + 20 + 1000,
+        "backward B": 3310 + 20 + 40 + 900 + 1500,
+        "recompute A": 3310 + 0 + 100 + 20 + 1500 + 1500,
+        "backward A": 3310 + 0 + 100 + 20 + 1500,
     }
-    assert rec.peak_bytes == 5430
+    assert rec.peak_bytes == 6430
+
+
+def test_search_bound_is_the_memory_model():
+    # The search's fast activation bound is memory_curve with nothing kept, minus the
+    # constant parts; with buffers=False it is memory_curve with everything kept.
+    from python_api.planner.search import _Search
+
+    rng = random.Random(11)
+    for prof in [synthetic_profile("llama2-70b", ranks=8, seq_len=4096)] + [random_profile(rng) for _ in range(30)]:
+        s = _Search(prof, 1, "chunks")
+        for m in (1, 3):
+            rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
+            for fraction, buffers in ((0.0, True), (1.0, False)):
+                c = memory_curve(prof, Choices.uniform(prof, m, fraction, recompute=rec))
+                assert s.act_peak(m * prof.seq_len, rec, buffers) == c.peak_bytes - c.fixed_bytes - c.pool_bytes
 
 
 def test_step_cost_by_hand():

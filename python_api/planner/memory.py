@@ -30,9 +30,10 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
   + this layer's own activations: act x T (during its forward, its backward, or its
     rematerialisation inside backward; a recomputed layer also still holds its input then)
   + outside.act_bytes_per_token x T        (embeddings/head activations saved for backward)
-  + receive buffers of the gathers in flight: world_size x slice_bytes per missing chunk of
-    the current use and of the `prefetch_depth` uses after it in the same phase (the
-    all-gather output, before it is unpacked into pages)
+  + buffers of the gathers in flight: (world_size + 1) x slice_bytes per missing chunk of
+    the current use and of the `prefetch_depth` uses after it in the same phase (the packed
+    send buffer and the all-gather output, alive until the output is unpacked into pages;
+    measured on the demo model, tests/test_memory_model.py)
 and at the end of forward: every saved activation + outside act + outside peak (logits and
 loss). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
@@ -108,7 +109,7 @@ class Use(NamedTuple):
     kind: str  # FORWARD | RECOMPUTE | BACKWARD
     missing: tuple[int, ...]  # per weight of the layer
     received_bytes: int  # per rank: (world_size - 1) x sum slice_bytes x missing
-    buffer_bytes: int  # receive buffer: world_size x sum slice_bytes x missing
+    buffer_bytes: int  # send + receive buffers: (world_size + 1) x sum slice_bytes x missing
 
 
 def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...]) -> Use:
@@ -116,7 +117,7 @@ def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...]) -> Use:
     if W == 1:  # [Note: single process]: chunks are views of the local weight
         return Use(i, kind, tuple(0 for _ in missing), 0, 0)
     slices = sum(w.slice_bytes * m for w, m in zip(profile.layers[i].weights, missing))
-    return Use(i, kind, missing, (W - 1) * slices, W * slices)
+    return Use(i, kind, missing, (W - 1) * slices, (W + 1) * slices)
 
 
 def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 
 from python_api.planner.cost import allgather_bytes_per_step, step_cost
-from python_api.planner.memory import Choices, memory_curve, pool_budget_bytes
+from python_api.planner.memory import BACKWARD, FORWARD, Choices, _use, memory_curve, pool_budget_bytes
 from python_api.planner.profile import (
     Profile,
     ProfileError,
@@ -328,8 +328,11 @@ class _Unit:
         self.n_bwd = sum(layer.weights[j].chunks for j in self.order if layer.weights[j].backward)
         self.d_fwd = sum(c * b for _, c, b, _ in self.blocks)  # received bytes of a use missing every chunk
         self.d_bwd = sum(c * b for _, c, b, bk in self.blocks if bk)
-        self.buf_all = W * sum(w.slice_bytes * w.chunks for w in layer.weights) if W > 1 else 0
-        self.buf_bwd = W * sum(w.slice_bytes * w.chunks for w in layer.weights if w.backward) if W > 1 else 0
+        # Buffers of a use missing every chunk (forward, recompute) or every chunk with a
+        # backward use (backward), as the memory model counts them (one definition: memory._use).
+        self.buf_all = _use(profile, i, FORWARD, tuple(w.chunks for w in layer.weights)).buffer_bytes
+        self.buf_bwd = _use(profile, i, BACKWARD, tuple(w.chunks if w.backward else 0
+                                                         for w in layer.weights)).buffer_bytes
         # Where a prefix of the keep order may stop: every chunk, or every eighth of a weight
         # (k = round_half_up(j/8 x n), as the runtime rounds ratios).
         if granularity == "chunks":
@@ -340,6 +343,15 @@ class _Unit:
                 stops.update(x0 + int(j * c / 8 + 0.5) for j in range(9))
             self.stops = tuple(sorted(stops))
         self.sig = (tuple(self.blocks), self.stops)
+
+    def removed_by_weight(self, keep: tuple[int, ...]) -> tuple[int, int]:
+        """Received bytes no longer missing (forward, backward) when weight j keeps keep[j]."""
+        rf = rb = 0
+        for (x0, c, b, bk), j in zip(self.blocks, self.order):
+            rf += keep[j] * b
+            if bk:
+                rb += keep[j] * b
+        return rf, rb
 
     def removed(self, x: int) -> tuple[int, int]:
         """Received bytes no longer missing (forward, backward) after keeping x chunks."""
@@ -354,9 +366,10 @@ class _Unit:
         return rf, rb
 
 
-def _unit_time(u: _Unit, x: int, rec: bool, windows: tuple, lat: float, bw: float) -> float:
-    """Exposed gather time of one unit's uses in one micro-batch after keeping x chunks."""
-    rf, rb = u.removed(x)
+def _unit_time(u: _Unit, x, rec: bool, windows: tuple, lat: float, bw: float) -> float:
+    """Exposed gather time of one unit's uses in one micro-batch after keeping its first x
+    chunks (x an int), or keep[j] chunks of weight j (x a tuple)."""
+    rf, rb = u.removed(x) if isinstance(x, int) else u.removed_by_weight(x)
     wf, wr, wb = windows
     t = _exposure(lat, bw, u.d_fwd - rf, wf) + _exposure(lat, bw, u.d_bwd - rb, wb)
     if rec:
@@ -514,7 +527,7 @@ class _Search:
         min_pool = min(self.ws, self.total) * self.page
         # Exact, not bounded: with every chunk kept nothing is gathered and no buffer exists.
         all_kept = self.fixed + self.total * self.page + self.act_peak(T, rec, buffers=False)
-        if self.keep_only is not None and sum(self.keep_only) < self.total:
+        if self.keep_only is not None and sum(sum(ks) for ks in self.keep_only) < self.total:
             all_kept = limit + max(1, min_pool - avail)  # not a candidate under a given residency
         if all_kept <= limit:
             budget = self.total
@@ -529,10 +542,11 @@ class _Search:
         lat, bw = self.lat, self.bw
         base = sum(compute) + (p.outside.fwd_s_per_token + p.outside.bwd_s_per_token) * T
         if self.keep_only is not None:  # fixed residency: feasible only if it fits
-            if sum(self.keep_only) > budget:
-                return None, None, (sum(self.keep_only) - budget) * self.page
-            t = base + sum(_unit_time(u, x, rec[i], windows[i], lat, bw)
-                           for i, (u, x) in enumerate(zip(units, self.keep_only)))
+            kept = sum(sum(ks) for ks in self.keep_only)
+            if kept > budget:
+                return None, None, (kept - budget) * self.page
+            t = base + sum(_unit_time(u, ks, rec[i], windows[i], lat, bw)
+                           for i, (u, ks) in enumerate(zip(units, self.keep_only)))
             return t, list(self.keep_only), 0
         # Group equal units: same structure, recompute choice and windows give the same runs.
         groups: dict = {}
@@ -582,7 +596,13 @@ class _Search:
                 break
         return base + zero - saved_total, kept, 0
 
-    def choices(self, m: int, rec: list[bool], kept: list[int]) -> Choices:
+    def choices(self, m: int, rec: list[bool], kept: list) -> Choices:
+        """Choices keeping, per unit, its first kept[i] chunks (or, with a given residency,
+        kept[i][j] chunks of weight j); every kept chunk persists ([Note: what the planner
+        chooses])."""
+        if self.keep_only is not None:
+            keep = tuple(tuple(ks) for ks in kept)
+            return Choices(m, keep, keep, tuple(rec), self.d)
         keep = []
         for i, (u, x) in enumerate(zip(self.units, kept)):
             ks = [0] * len(u.order)
@@ -636,7 +656,7 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
             t_step = (per_rank // m) * t
             if best is None or t_step < best[0]:
                 best = (t_step, m, list(rec), kept)
-            if sum(kept) >= s.total:
+            if sum(sum(k) if isinstance(k, tuple) else k for k in kept) >= s.total:
                 break  # everything kept: recomputing more only adds time
     if best is None:
         raise PlanningError(
@@ -674,20 +694,17 @@ def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, 
     """A plan whose per-weight kept (= persisted) chunk counts are given (`keep[layer][weight]`,
     e.g. all zero for FSDP/ZeRO-3 or whole small weights for a static persistence threshold);
     the micro-batch and the recomputed layers are searched as in `plan_from_profile`. For the
-    baselines of bench/simulate_mtuner.py. Each unit's kept chunks must be a prefix of its keep
-    order (weights with a backward use first, then larger slices)."""
+    baselines of bench/simulate_mtuner.py."""
     if len(keep) != len(profile.layers):
         raise PlanningError(f"keep covers {len(keep)} layers, the profile has {len(profile.layers)}")
-    s = _Search(profile, prefetch_depth, "chunks")
     keep_only = []
-    for i, (u, ks) in enumerate(zip(s.units, keep)):
-        layer = profile.layers[i]
-        if len(ks) != len(layer.weights) or any(not 0 <= k <= w.chunks for k, w in zip(ks, layer.weights)):
+    for i, (layer, ks) in enumerate(zip(profile.layers, keep)):
+        ks = tuple(ks)
+        if len(ks) != len(layer.weights) or any(
+                isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= w.chunks
+                for k, w in zip(ks, layer.weights)):
             raise PlanningError(f"keep[{i}] ({layer.name}) must give 0..chunks for each of its "
                                 f"{len(layer.weights)} weights, got {ks!r}")
-        x = sum(ks)
-        if s.choices(1, [False] * len(keep), [0] * i + [x] + [0] * (len(keep) - i - 1)).keep[i] != tuple(ks):
-            raise PlanningError(f"keep[{i}] ({layer.name}) = {ks!r} is not a prefix of the unit's keep order")
-        keep_only.append(x)
+        keep_only.append(ks)
     return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, "chunks",
                    keep_only=keep_only)
