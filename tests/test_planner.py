@@ -76,7 +76,8 @@ def random_profile(rng: random.Random) -> Profile:
         reserved_bytes=rng.randint(0, 10**4), static_bytes=rng.randint(0, 10**5), page_bytes=page,
         adapter_grad_bytes=rng.randint(0, 10**6), allgather=Link(rng.uniform(0, 1e-3), rng.uniform(1e5, 1e8)),
         allreduce=Link(rng.uniform(0, 1e-3), rng.uniform(1e6, 1e9)), layers=tuple(layers),
-        outside=OutsideProfile(rng.uniform(0, 1e-4), rng.uniform(0, 1e-4), rng.uniform(0, 50), rng.uniform(0, 500)),
+        outside=OutsideProfile(rng.uniform(0, 1e-4), rng.uniform(0, 1e-4), rng.uniform(0, 50), rng.uniform(0, 500),
+                               rng.choice([0.0, rng.uniform(0, 100)])),
     )
 
 
@@ -438,8 +439,9 @@ def test_cli():
 def test_close_to_exhaustive_search_on_small_profiles():
     # Every (micro-batch, recompute set, kept chunks per weight) of small random profiles,
     # evaluated with the same models: the planner's greedy (one recompute order, runs by time
-    # saved per page) is optimal in most cases and never far off. Measured on 150 profiles
-    # (seed 3): optimal in 148, worst 7.3% slower.
+    # saved per page) is optimal in most cases and never far off. Measured: optimal on all
+    # 450 profiles of seeds 3, 4, 5 of this generator; with an earlier generator 2 of 150 were
+    # up to 7.3% slower (the recomputed layers are a prefix of one fixed order, not any set).
     import itertools
 
     rng = random.Random(3)

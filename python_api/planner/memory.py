@@ -29,6 +29,9 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
         act_bytes_per_token x T, or input_bytes_per_token x T when recomputed
   + this layer's own activations: act x T (during its forward, its backward, or its
     rematerialisation inside backward; a recomputed layer also still holds its input then)
+  + during a backward, the workspace of its gradients (outside.workspace_bytes_per_token x T,
+    plus outside.recompute_workspace_bytes_per_token x T for a recomputed layer; both
+    measured at profile time)
   + outside.act_bytes_per_token x T        (embeddings/head activations saved for backward)
   + buffers of the gathers in flight: (world_size + 1) x slice_bytes per missing chunk of
     the current use and of the `prefetch_depth` uses after it in the same phase (the packed
@@ -192,6 +195,10 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
         buffers = sum(v.buffer_bytes for v in backward[j : j + 1 + d])
         i = u.layer
         own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0)
+        if u.kind == BACKWARD:
+            own += int(profile.outside.workspace_bytes_per_token * T)
+            if choices.recompute[i]:
+                own += int(profile.outside.recompute_workspace_bytes_per_token * T)
         points.append((f"{u.kind} {layers[i].name}", base + before[i] + own + buffers))
     return MemoryCurve(tuple(points), fixed, pool)
 

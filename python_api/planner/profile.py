@@ -192,16 +192,26 @@ class OutsideProfile:
     act_bytes_per_token   saved from forward to backward
     peak_bytes_per_token  the transient at the end of forward / start of backward (logits,
                           their fp32 copy for the loss, the loss's gradient)
+    workspace_bytes_per_token  the transient of a layer's backward beyond its saved
+                          activations (gradient buffers); measured by the profiler as what the
+                          measured peak of a step without gathers exceeds the model by
+                          (python_api/planner/measure.py), 0 when unknown
+    recompute_workspace_bytes_per_token  what the backward of a recomputed layer takes
+                          beyond that (the recompute's own transients), measured the same way
+                          on a step that recomputes every layer
     """
 
     fwd_s_per_token: float
     bwd_s_per_token: float
     act_bytes_per_token: float
     peak_bytes_per_token: float
+    workspace_bytes_per_token: float = 0.0
+    recompute_workspace_bytes_per_token: float = 0.0
 
     @classmethod
     def from_dict(cls, where: str, d) -> OutsideProfile:
-        check_keys(where, d, ("fwd_s_per_token", "bwd_s_per_token", "act_bytes_per_token", "peak_bytes_per_token"))
+        check_keys(where, d, ("fwd_s_per_token", "bwd_s_per_token", "act_bytes_per_token", "peak_bytes_per_token"),
+                   ("workspace_bytes_per_token", "recompute_workspace_bytes_per_token"))
         return cls(**{k: check_num(f"{where}.{k}", d[k]) for k in d})
 
 

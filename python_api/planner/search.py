@@ -457,6 +457,10 @@ class _Search:
         self.rec_order = _recompute_order(profile)
         self.run_cache: dict = {}
         self.keep_only = None  # fixed residency (baselines): per unit, chunks kept
+        self.act_per_token = [layer.act_bytes_per_token for layer in profile.layers]
+        self.input_per_token = [layer.input_bytes_per_token for layer in profile.layers]
+        fbuf = [u.buf_all for u in self.units]
+        self.fwd_window_buffers = [sum(fbuf[i : i + 1 + prefetch_depth]) for i in range(len(fbuf))]
 
     # -------------------------------------------------------- activation peak (conservative)
 
@@ -464,31 +468,45 @@ class _Search:
         """memory_curve's peak minus fixed and pool, with every chunk missing (FSDP buffers), or
         with none missing (`buffers=False`: no buffers): the same integer arithmetic as
         memory.memory_curve."""
+        return self.act_peaks(T, rec)[0 if buffers else 1]
+
+    def act_peaks(self, T: int, rec: list[bool]) -> tuple[int, int]:
+        """act_peak with and without buffers, in one pass."""
         p, d, units = self.p, self.d, self.units
         layers = p.layers
-        out_act = int(p.outside.act_bytes_per_token * T)
-        acts = [int(layer.act_bytes_per_token * T) for layer in layers]
-        saved = [int(layer.input_bytes_per_token * T) if rec[i] else acts[i] for i, layer in enumerate(layers)]
-        L = len(layers)
-        fbuf = [u.buf_all if buffers else 0 for u in units]
-        best = 0
+        acts = [int(a * T) for a in self.act_per_token]
+        saved = [int(x * T) if r else a for x, r, a in zip(self.input_per_token, rec, acts)]
+        fwin = self.fwd_window_buffers
+        best = best0 = 0
         before = 0
-        for i in range(L):
-            buffers = sum(fbuf[i : i + 1 + d])
-            best = max(best, before + acts[i] + buffers)
+        for i in range(len(layers)):
+            v = before + acts[i]
+            if v + fwin[i] > best:
+                best = v + fwin[i]
+            if v > best0:
+                best0 = v
             before += saved[i]
-        best = max(best, before + int(p.outside.peak_bytes_per_token * T))
-        bseq = []  # (layer, buffer) of the backward-phase uses
-        for i in reversed(range(L)):
+        end = before + int(p.outside.peak_bytes_per_token * T)
+        best, best0 = max(best, end), max(best0, end)
+        workspace = int(p.outside.workspace_bytes_per_token * T)
+        rworkspace = int(p.outside.recompute_workspace_bytes_per_token * T)
+        seq = []  # (layer, buffer, is the backward use) of the backward-phase uses
+        for i in reversed(range(len(layers))):
             if rec[i]:
-                bseq.append((i, units[i].buf_all if buffers else 0))
-            bseq.append((i, units[i].buf_bwd if buffers else 0))
-        for j, (i, _) in enumerate(bseq):
-            before -= saved[i] if (j == 0 or bseq[j - 1][0] != i) else 0
-            buffers = sum(b for _, b in bseq[j : j + 1 + d])
-            own = acts[i] + (saved[i] if rec[i] else 0)
-            best = max(best, before + own + buffers)
-        return out_act + best
+                seq.append((i, units[i].buf_all, False))
+            seq.append((i, units[i].buf_bwd, True))
+        for j, (i, _, is_bwd) in enumerate(seq):
+            if j == 0 or seq[j - 1][0] != i:
+                before -= saved[i]
+            window = sum(b for _, b, _ in seq[j : j + 1 + d])
+            v = before + acts[i] + (saved[i] if rec[i] else 0) + (workspace if is_bwd else 0) \
+                + (rworkspace if is_bwd and rec[i] else 0)
+            if v + window > best:
+                best = v + window
+            if v > best0:
+                best0 = v
+        out_act = int(p.outside.act_bytes_per_token * T)
+        return out_act + best, out_act + best0
 
     # -------------------------------------------------------- windows
 
@@ -522,11 +540,11 @@ class _Search:
         """(time per micro-batch, kept chunks per unit, shortfall) of candidate (m, rec)."""
         p = self.p
         T = m * p.seq_len
-        act = self.act_peak(T, rec)
+        act, act_no_buffers = self.act_peaks(T, rec)
         avail = limit - self.fixed - act
         min_pool = min(self.ws, self.total) * self.page
         # Exact, not bounded: with every chunk kept nothing is gathered and no buffer exists.
-        all_kept = self.fixed + self.total * self.page + self.act_peak(T, rec, buffers=False)
+        all_kept = self.fixed + self.total * self.page + act_no_buffers
         if self.keep_only is not None and sum(sum(ks) for ks in self.keep_only) < self.total:
             all_kept = limit + max(1, min_pool - avail)  # not a candidate under a given residency
         if all_kept <= limit:
@@ -646,6 +664,7 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
     L = len(profile.layers)
     for m in _micro_batch_candidates(per_rank, micro_batches):
         rec = [False] * L
+        fits = False
         for R in range(len(s.rec_order) + 1):
             if R:
                 rec[s.rec_order[R - 1]] = True
@@ -653,11 +672,14 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
             if t is None:
                 shortfall = short if shortfall is None else min(shortfall, short)
                 continue
+            fits = True
             t_step = (per_rank // m) * t
             if best is None or t_step < best[0]:
                 best = (t_step, m, list(rec), kept)
             if sum(sum(k) if isinstance(k, tuple) else k for k in kept) >= s.total:
                 break  # everything kept: recomputing more only adds time
+        if not fits:
+            break  # activations grow with the micro-batch: a larger one cannot fit either
     if best is None:
         raise PlanningError(
             f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest plan "

@@ -1,0 +1,70 @@
+"""Planning time of the planner for the Llama-2 7B / 13B / 70B shapes on 8 ranks.
+
+Synthetic profiles (python_api/planner/shapes.py; 8 x A100-40G PCIe, seq 4096), 40 GB per
+rank, global batch 64: the median of 5 timed calls of `plan_from_profile` after one warm-up,
+in seconds, wall clock on this machine (pure Python, one thread). The requirement is under 1 s
+for the 80-layer 70B shape. Rows are appended to bench/results/planner.csv with the date and
+the machine.
+
+    .venv/bin/python bench/bench_planner.py [--repeats 5] [--results DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import append_rows, context, print_table  # noqa: E402
+from python_api.planner.search import plan_from_profile  # noqa: E402
+from python_api.planner.shapes import synthetic_profile  # noqa: E402
+
+SHAPES = ["llama2-7b", "llama2-13b", "llama2-70b"]
+RANKS = 8
+SEQ_LEN = 4096
+MEMORY = 40 * 10**9
+GLOBAL_BATCH = 64
+DEVICE_SPEC = "a100-40g-pcie"
+TARGET_S = 1.0
+
+
+def planning_times(shape: str, repeats: int) -> tuple[list[float], object]:
+    profile = synthetic_profile(shape, RANKS, SEQ_LEN, DEVICE_SPEC)
+    plan = plan_from_profile(profile, MEMORY, GLOBAL_BATCH)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_from_profile(profile, MEMORY, GLOBAL_BATCH)
+        times.append(time.perf_counter() - t0)
+    return times, plan
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results", default=None, help="folder for planner.csv (default bench/results)")
+    args = parser.parse_args(argv)
+    ctx = context("cpu")
+    rows = []
+    for shape in SHAPES:
+        times, plan = planning_times(shape, args.repeats)
+        rows.append({
+            **ctx, "machine": ctx["device"], "shape": shape, "ranks": RANKS, "seq_len": SEQ_LEN,
+            "device_spec": DEVICE_SPEC, "memory_bytes": MEMORY, "global_batch": GLOBAL_BATCH,
+            "layers": len(plan.layers), "chunks": plan.total_chunks, "repeats": args.repeats,
+            "planning_s_median": round(statistics.median(times), 5), "planning_s_min": round(min(times), 5),
+            "target_s": TARGET_S,
+        })
+    print_table(rows, ["shape", "layers", "chunks", "repeats", "planning_s_median", "planning_s_min", "target_s"])
+    print(f"machine: {ctx['device']}")
+    path = append_rows("planner", rows, args.results)
+    print(f"appended {len(rows)} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
