@@ -219,6 +219,35 @@ def test_search_bound_is_the_memory_model():
                 assert s.act_peak(m * prof.seq_len, rec, buffers) == c.peak_bytes - c.fixed_bytes - c.pool_bytes
 
 
+def test_search_estimate_is_the_cost_model():
+    # The search compares candidates by a telescoped sum of run savings; for any candidate
+    # (micro-batch, recompute set, memory) it must equal the cost model of the choices it
+    # makes (so "more memory never slower" holds for the reported time), and those choices
+    # must fit under the exact memory model.
+    from python_api.planner.search import _Search
+
+    rng = random.Random(8)
+    checked = 0
+    for _ in range(80):
+        prof = random_profile(rng)
+        per_rank = rng.choice([1, 2, 4])
+        for granularity in ("chunks", "eighths"):
+            s = _Search(prof, 1, granularity)
+            for m in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+                rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
+                need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec)).peak_bytes
+                limit = int(need * rng.uniform(0.9, 1.5))
+                estimate, kept, _ = s.evaluate(m, rec, limit)
+                if estimate is None:
+                    continue
+                ch = s.choices(m, rec, kept)
+                allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
+                assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
+                assert memory_curve(prof, ch).peak_bytes <= limit
+                checked += 1
+    assert checked > 100
+
+
 def test_step_cost_by_hand():
     p = tiny_profile()  # latency 1 ms, 5000 B/s; T = 10
     ch = Choices(1, ((1,), (0,)), ((1,), (0,)), (False, False))
