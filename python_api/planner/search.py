@@ -25,7 +25,9 @@ chunks is what remains of the limit after reserved + static, the working set and
 activation peak, with communication buffers bounded by their size when every chunk is
 missing (so the exact peak of the plan, which has fewer missing chunks, is at most this bound);
 the one exception is exact: when every chunk fits with no buffers at all (nothing is gathered),
-the candidate keeps everything. Every kept chunk costs one page, so the candidate can keep K = floor(left / page_bytes) chunks.
+the candidate keeps everything. Every kept chunk costs one page, so the candidate can keep
+K = floor(left / page_bytes) chunks (every chunk when the pool would hold them all).
+Activations grow with m, so once no R fits a micro-batch m, no larger m is tried.
 Which chunks: within a unit, chunks are taken in a fixed order (weights with a backward use
 first, larger slices first), and the unit's time t_i(x) after keeping its first x chunks is
 exact under the cost model (each use's exposed gather is max(0, g(D) - window), D the missing
@@ -38,8 +40,14 @@ chunks (the last run cut at a chunk, or at an eighth with granularity="eighths")
 candidate more memory only extends the prefix, and its time never increases; the plan is the
 fastest candidate, a minimum over a fixed set of non-increasing functions of the memory, so
 it is monotone too. Equal layers (the same weights, recompute choice and prefetch windows)
-share their runs, which is what makes an 80-layer model plan in a fraction of a second.
-The result is evaluated with the exact models (memory_curve, step_cost) for the report.
+share their runs, which is what makes an 80-layer model plan in a fraction of a second
+(Llama-2-70B on 8 ranks: 0.021 s median on a 2-core AMD EPYC, bench/bench_planner.py).
+The time a candidate is compared by is the cost model's, exactly (the savings of a unit's
+runs telescope to t_i(0) - t_i(x)); the result is evaluated with memory_curve and step_cost
+for the report. The greedy is not an exhaustive search: the recomputed layers are a prefix of
+one order, not any set, and chunks are taken by a local rate. Against exhaustive search over
+small random profiles it was optimal on all 450 tried, and 2 of 150 of an earlier generator
+were up to 7.3% slower (tests/test_planner.py).
 """
 
 from __future__ import annotations
