@@ -140,6 +140,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = simulate()
     print("SIMULATION: predicted by the planner's cost and memory models, not measured")
+    for device, ranks in SETTINGS:
+        spec = DEVICES[device]
+        link = spec.allgather(ranks)
+        print(f"  {device} x{ranks}: {spec.flops / 1e12:.0f} TFLOP/s achieved bf16 (50% of peak), "
+              f"{spec.capacity_bytes / 2**30:.0f} GiB, all-gather {link.bytes_per_s / 1e9:.1f} GB/s received per rank "
+              f"+ {link.latency_s * 1e6:.0f} us")
     cols = ["device", "ranks", "shape", "seq_len", "method", "micro_batch", "accumulation", "recomputed_layers",
             "kept_pct", "peak_gib", "step_s", "tokens_per_s", "vs_fsdp", "note"]
     fsdp_tps = {}
