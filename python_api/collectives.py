@@ -199,4 +199,5 @@ class GatherWork:
                     raise self.error from exc
                 self._unpack()
         self.output = None  # the pages hold the data now
+        self.work = None  # it holds the send buffer: drop both now, not when the use ends
         self.done = True

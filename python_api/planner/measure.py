@@ -276,6 +276,22 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                                  dict(probe.saved), probe.saved_outside, dict(probe.input_bytes)))
         finally:
             probe.close()
+        # Each unit's backward allocation peak with every chunk resident (no gathers): what the
+        # memory model's activations miss of it is the backward workspace.
+        window_peaks = _backward_window_peaks(modules, lambda: _run_step(model, batch, forward_loss, None, device),
+                                              device)
+        # ...and the same step with every decoder layer recomputed (activation checkpointing).
+        from python_api.planner.apply import _set_recompute
+
+        layers_of = {n: m for n, m in modules.items() if not n.startswith("weight:")}
+        for m in layers_of.values():
+            _set_recompute(m, True)
+        try:
+            recompute_peaks = _backward_window_peaks(
+                modules, lambda: _run_step(model, batch, forward_loss, None, device), device)
+        finally:
+            for m in layers_of.values():
+                _set_recompute(m, False)
     finally:
         for et, k, p in saved:
             rt.set_residency(et, k, p)
@@ -341,12 +357,129 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
         outside=OutsideProfile(fwd_s_per_token=out_fwd, bwd_s_per_token=out_bwd,
                                act_bytes_per_token=act_out / tokens, peak_bytes_per_token=logits_bytes),
     )
+    profile = _with_workspace(profile, window_peaks, recompute_peaks, int(batch.shape[0]))
     if rt.world_size > 1:
         # Links and the memory not ours are rank 0's (timings are already the MAX over ranks).
         box = [profile.to_dict()]
         dist.broadcast_object_list(box, src=dist.get_global_rank(rt.group, 0), group=rt.group)
         profile = Profile.from_dict(box[0])
     return profile
+
+
+def _backward_window_peaks(modules: dict[str, nn.Module], run, device: torch.device) -> dict[str, int]:
+    """Per unit, the peak of the bytes allocated since `run()` started, during that unit's
+    backward (from the gradient of its output reaching it to the next unit's). CUDA:
+    `max_memory_allocated`, reset at each boundary. CPU: the profiler's memory events between
+    markers the boundaries emit."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    marks: list[tuple[str, int]] = []
+    cuda = device.type == "cuda"
+    base = [0]
+
+    def boundary(name):
+        if cuda:
+            torch.cuda.synchronize(device)
+            marks.append((name, int(torch.cuda.max_memory_allocated(device)) - base[0]))
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            with record_function(f"elastic::backward_of::{name}"):
+                pass
+
+    def post(name):
+        def hook(_module, _args, output):
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(lambda _g: boundary(name))
+        return hook
+
+    handles = [m.register_forward_hook(post(n)) for n, m in modules.items()]
+    try:
+        if cuda:
+            torch.cuda.synchronize(device)
+            base[0] = int(torch.cuda.memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+            run()
+            torch.cuda.synchronize(device)
+            marks.append(("", int(torch.cuda.max_memory_allocated(device)) - base[0]))
+            # marks[k] holds the peak of the window that ended at boundary k: shift by one
+            return {marks[k][0]: marks[k + 1][1] for k in range(len(marks) - 1)}
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        events = _trace_events(prof)
+    finally:
+        for h in handles:
+            h.remove()
+    starts = sorted((e["ts"], e["name"].split("::", 2)[2]) for e in events
+                    if e.get("ph") == "X" and e.get("name", "").startswith("elastic::backward_of::"))
+    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
+    peaks = {}
+    for k, (t0, name) in enumerate(starts):
+        t1 = starts[k + 1][0] if k + 1 < len(starts) else float("inf")
+        peaks[name] = max([0] + [b for t, b in memory if t0 <= t < t1])
+    return peaks
+
+
+def _trace_events(prof) -> list[dict]:
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+
+
+def _profiled_growth(run) -> int:
+    """CPU: the high-water mark of "Total Allocated" in the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max([0] + [e["args"]["Total Allocated"] for e in _trace_events(prof) if e.get("name") == "[memory]"])
+
+
+def _excess(profile: Profile, window_peaks: dict[str, int], micro_batch: int, recompute: bool) -> int:
+    """The most a unit's measured backward window (recompute included) exceeds the memory
+    model's points for it, with every chunk resident; adapter gradients taken out (the model
+    counts them as static)."""
+    from python_api.planner.memory import Choices, memory_curve
+
+    choices = Choices.uniform(profile, micro_batch, keep_fraction=1.0, recompute=True if recompute else None)
+    curve = memory_curve(profile, choices)
+    modelled: dict[str, int] = {}
+    for label, b in curve.points:
+        kind, _, name = label.partition(" ")
+        if kind in ("backward", "recompute"):
+            modelled[name] = max(modelled.get(name, 0), b - curve.fixed_bytes - curve.pool_bytes)
+    excess = 0
+    for name, peak in window_peaks.items():
+        if name in modelled:
+            excess = max(excess, peak - profile.adapter_grad_bytes - modelled[name])
+    return excess
+
+
+def _with_workspace(profile: Profile, window_peaks: dict[str, int], recompute_peaks: dict[str, int],
+                    micro_batch: int) -> Profile:
+    """The profile with the backward workspaces fitted ([Note: what the memory model counts]
+    in memory.py): `workspace_bytes_per_token` from a step without recompute, then
+    `recompute_workspace_bytes_per_token` from a step recomputing every layer, with the first
+    already in the model; per token, at least 0."""
+    import dataclasses
+
+    tokens = micro_batch * profile.seq_len
+    ws = max(0, _excess(profile, window_peaks, micro_batch, recompute=False)) / tokens
+    profile = dataclasses.replace(profile, outside=dataclasses.replace(profile.outside, workspace_bytes_per_token=ws))
+    if not any(layer.recomputable for layer in profile.layers):
+        return profile
+    rws = max(0, _excess(profile, recompute_peaks, micro_batch, recompute=True)) / tokens
+    return dataclasses.replace(profile, outside=dataclasses.replace(
+        profile.outside, recompute_workspace_bytes_per_token=rws))
 
 
 def _logits_bytes_per_token(model: nn.Module, batch: torch.Tensor) -> float:
@@ -361,3 +494,54 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+# ---------------------------------------------------------------------------- measured peaks
+
+
+def _live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
+    """Bytes of every tensor storage reachable from Python (each storage once), but those
+    whose data pointer is in `exclude`."""
+    import gc
+
+    gc.collect()  # garbage (e.g. a finished use's page views) would count its storage
+    seen, total = set(exclude), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - half-built or exotic tensors: not ours to count
+            continue
+        ptr = storage.data_ptr()
+        if ptr and ptr not in seen:
+            seen.add(ptr)
+            total += storage.nbytes()
+    return total
+
+
+def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None) -> int:
+    """The peak of tensor memory while `run()` executes: what the memory model predicts.
+
+    CUDA: `torch.cuda.max_memory_allocated` over the call (every tensor, the pool's arena
+    included). CPU, where torch keeps no allocator statistics: the bytes of the tensors alive
+    when `run` starts (storages reachable from Python, each once, plus the pool's arena, which
+    lives in C++) plus the high-water mark of the bytes allocated during it, from the
+    profiler's memory events ("Total Allocated" counts allocations minus frees since the
+    profile started). Non-tensor memory of the process (the interpreter, libraries, thread
+    stacks) is in neither figure."""
+    from python_api.elastic_linear import runtime_of
+
+    rt = runtime_of(model)
+    device = device or rt.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    # The pool's segments count once, as the pool reports them (cached page views that
+    # Python can see share those storages).
+    segments = rt.pool.snapshot() if rt.pool is not None else []
+    live = _live_tensor_bytes({s["data_ptr"] for s in segments}) + sum(s["bytes"] for s in segments)
+    return live + _profiled_growth(run)

@@ -35,8 +35,11 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
   + outside.act_bytes_per_token x T        (embeddings/head activations saved for backward)
   + buffers of the gathers in flight: (world_size + 1) x slice_bytes per missing chunk of
     the current use and of the `prefetch_depth` uses after it in the same phase (the packed
-    send buffer and the all-gather output, alive until the output is unpacked into pages;
-    measured on the demo model, tests/test_memory_model.py)
+    send buffer and the all-gather output, alive until the output is unpacked into pages),
+    plus on CPU (gloo) world_size x slice_bytes more: gloo's all-gather fills a flat scratch
+    tensor of the output's size and copies it into the output (measured on the demo model:
+    tests/test_memory_model.py; it counts for every gather in the window, an upper bound
+    since the scratch lives only while its collective runs)
 and at the end of forward: every saved activation + outside act + outside peak (logits and
 loss). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
@@ -120,7 +123,10 @@ def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...]) -> Use:
     if W == 1:  # [Note: single process]: chunks are views of the local weight
         return Use(i, kind, tuple(0 for _ in missing), 0, 0)
     slices = sum(w.slice_bytes * m for w, m in zip(profile.layers[i].weights, missing))
-    return Use(i, kind, missing, (W - 1) * slices, (W + 1) * slices)
+    # gloo (CPU) gathers into a flat scratch tensor of the output's size and copies it out
+    # while the collective runs; NCCL writes the output in place (see the Note above).
+    scratch = W * slices if profile.device == "cpu" else 0
+    return Use(i, kind, missing, (W - 1) * slices, (W + 1) * slices + scratch)
 
 
 def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:
