@@ -367,8 +367,10 @@ class ActivationOffload:
 def activation_offload_of(runtime) -> ActivationOffload | None:
     """The runtime's offloader, created on first use when its policy offloads activations;
     None otherwise. Creation validates the host budget (a clear ValueError before any work)."""
+    if not runtime.policy.offload_activations:  # off (or switched off: set_offload_activations)
+        return None
     off = getattr(runtime, _ATTR, None)
-    if off is None and runtime.policy.offload_activations:
+    if off is None:
         off = ActivationOffload(runtime)
         setattr(runtime, _ATTR, off)
     return off

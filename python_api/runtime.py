@@ -81,6 +81,7 @@ left as they are. A process group is needed only for world size > 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import zlib
 from contextlib import contextmanager
@@ -484,6 +485,35 @@ class ElasticRuntime:
                      and self.pool.contains(k) and self.pool.pin_count(k) == 0]
             if stale:
                 self.pool.free_many(stale)
+
+    def set_host_fraction(self, fraction: float) -> None:
+        """The share of missing chunks filled from the host store ([Note: chunk sources]), e.g.
+        from a plan; between steps and on every rank alike. Needs the host store, which exists
+        when the policy asked for the host tier (weights_on="host" or host_fraction > 0 at
+        wrap time); with weights_on="host" the only value is 1."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"set_host_fraction: expected a number in [0, 1], got {fraction!r}")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError("set_host_fraction: change the sources between steps, not inside a forward or backward")
+        if fraction > 0 and self.host_store is None:
+            raise ValueError("set_host_fraction: this runtime has no host store (wrap with weights_on='host' or "
+                             "host_fraction > 0 to build one)")
+        if self.policy.weights_on == "host" and fraction != 1.0:
+            raise ValueError(f"set_host_fraction({fraction}): with weights_on='host' every chunk comes from the host store")
+        self.policy = dataclasses.replace(self.policy, host_fraction=float(fraction))
+        for et in self.tensors:
+            et.from_host = host_chunks(et.num_chunks, self.policy.source_fraction)
+
+    def set_offload_activations(self, enabled: bool) -> None:
+        """Activation offload on or off from the next forward (python_api/activation_offload.py),
+        e.g. from a plan; between steps, on every rank alike."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_offload_activations: expected True or False, got {enabled!r}")
+        if enabled:
+            from python_api.activation_offload import check_host_budget
+
+            check_host_budget(self.policy.host_budget_bytes)
+        self.policy = dataclasses.replace(self.policy, offload_activations=enabled)
 
     def _working_set_pages(self) -> int:
         units: dict[str, int] = {}
