@@ -77,7 +77,7 @@ def random_profile(rng: random.Random) -> Profile:
         adapter_grad_bytes=rng.randint(0, 10**6), allgather=Link(rng.uniform(0, 1e-3), rng.uniform(1e5, 1e8)),
         allreduce=Link(rng.uniform(0, 1e-3), rng.uniform(1e6, 1e9)), layers=tuple(layers),
         outside=OutsideProfile(rng.uniform(0, 1e-4), rng.uniform(0, 1e-4), rng.uniform(0, 50), rng.uniform(0, 500),
-                               rng.choice([0.0, rng.uniform(0, 100)])),
+                               rng.choice([0.0, rng.uniform(0, 100)]), rng.choice([0.0, rng.uniform(0, 100)])),
     )
 
 
@@ -468,9 +468,10 @@ def test_cli():
 def test_close_to_exhaustive_search_on_small_profiles():
     # Every (micro-batch, recompute set, kept chunks per weight) of small random profiles,
     # evaluated with the same models: the planner's greedy (one recompute order, runs by time
-    # saved per page) is optimal in most cases and never far off. Measured: optimal on all
-    # 450 profiles of seeds 3, 4, 5 of this generator; with an earlier generator 2 of 150 were
-    # up to 7.3% slower (the recomputed layers are a prefix of one fixed order, not any set).
+    # saved per page) is optimal in most cases and never far off. Measured with this
+    # generator: optimal on 449 of the 450 profiles of seeds 3, 4, 5, one 11.5% slower (it
+    # recomputes another layer: the recomputed layers are a prefix of one fixed order, not
+    # any set); the 60 checked here (seed 3) are all optimal.
     import itertools
 
     rng = random.Random(3)
@@ -508,4 +509,4 @@ def test_close_to_exhaustive_search_on_small_profiles():
         gap = plan.predicted_step_time_s / best - 1
         worst = max(worst, gap)
         optimal += gap <= 1e-9
-    assert optimal >= 0.9 * checked and worst < 0.10, (optimal, checked, worst)
+    assert optimal >= 0.9 * checked and worst < 0.15, (optimal, checked, worst)
