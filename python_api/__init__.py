@@ -24,8 +24,19 @@ from python_api.lora import (
     save_adapter,
 )
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
+from python_api.loading import load_elastic
+from python_api.planner import Plan, Profile
+from python_api.planner.apply import apply_plan, plan
+from python_api.planner.measure import measure_peak_bytes, measure_profile
 
 __all__ = [
+    "Plan",
+    "Profile",
+    "apply_plan",
+    "load_elastic",
+    "measure_peak_bytes",
+    "measure_profile",
+    "plan",
     "ElasticLoRAFunction",
     "ElasticLoRALinear",
     "LoRAConfig",
