@@ -6,7 +6,11 @@ in seconds, wall clock on this machine (pure Python, one thread). The requiremen
 for the 80-layer 70B shape. Rows are appended to bench/results/planner.csv with the date and
 the machine.
 
-    .venv/bin/python bench/bench_planner.py [--repeats 5] [--results DIR]
+    .venv/bin/python bench/bench_planner.py [--repeats 5] [--results DIR] [--no-demo]
+
+Then, unless --no-demo, the planner against hand-picked settings on this machine: the demo
+model on `--world-size` (4) gloo ranks under 3 memory caps (bench/planner_grid.py), rows in
+bench/results/planner_demo.csv.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results", default=None, help="folder for planner.csv (default bench/results)")
+    parser.add_argument("--no-demo", action="store_true", help="skip the demo-model grid (planning times only)")
+    parser.add_argument("--world-size", type=int, default=4, help="gloo ranks of the demo-model grid")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run of the demo-model grid")
     args = parser.parse_args(argv)
     ctx = context("cpu")
     rows = []
@@ -63,7 +70,28 @@ def main(argv=None) -> int:
     print(f"machine: {ctx['device']}")
     path = append_rows("planner", rows, args.results)
     print(f"appended {len(rows)} rows to {path}")
+    if not args.no_demo:
+        demo_grid(args, ctx)
     return 0
+
+
+def demo_grid(args, ctx) -> None:
+    """The planner against the best and worst hand-picked settings (bench/planner_grid.py)."""
+    from bench.planner_grid import grid_worker
+    from tests._dist import run_distributed
+
+    rows = run_distributed(grid_worker, args.world_size, args.steps, timeout=3600)[0]
+    rows = [{**ctx, "world_size": args.world_size, "steps": args.steps, **r} for r in rows]
+    by_cap: dict[int, dict] = {}
+    for r in rows:
+        by_cap.setdefault(r["memory_cap_bytes"], {})[r["run"]] = r
+    for r in rows:
+        best = by_cap[r["memory_cap_bytes"]].get("best hand-picked")
+        r["tokens_per_s_vs_best"] = round(r["tokens_per_s"] / best["tokens_per_s"], 3) if best else None
+    print_table(rows, ["memory_cap_bytes", "run", "setting", "fitting_settings", "tokens_per_s", "tokens_per_s_vs_best",
+                       "allgather_bytes_per_step", "predicted_peak_bytes", "measured_peak_bytes_rank0"])
+    path = append_rows("planner_demo", rows, args.results)
+    print(f"appended {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":
