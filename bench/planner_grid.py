@@ -9,7 +9,8 @@ keeping everything needs). A grid of hand-picked settings (keep fraction 0 / 0.5
 micro-batch 1 / 2 / 4, recompute none / every layer: 18 settings) is trained, each from a
 fresh model for `steps` steps; under each cap the settings whose predicted peak fits are the
 candidates a user could have picked, and the planned run is compared with the best and the
-worst of them by measured tokens/s (median step time after the first, slowest rank). Bytes
+worst of them by measured tokens/s (median step time after the first, slowest rank, over two
+passes in opposite orders). Bytes
 gathered per step are measured; peak memory is both predicted (the memory model) and measured
 (resident set growth, rank 0). Rows go to bench/results/planner_demo.csv.
 """
@@ -76,9 +77,26 @@ def _train(plan, steps: int, world_size: int) -> dict:
     peak = mem.peak_above_baseline()
     del model, opt
     gc.collect()
-    step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    return {"tokens_per_s": world_size * PER_RANK * SEQ / step_s, "allgather_bytes_per_step": gathered[-1],
-            "measured_peak_bytes": peak}
+    return {"step_times_s": times[1:] or times, "allgather_bytes_per_step": gathered[-1], "measured_peak_bytes": peak}
+
+
+def _measure_all(plans: dict, steps: int, world_size: int) -> dict:
+    """Every plan trained twice, in two passes of opposite order (a drift of the shared machine
+    during the run then weighs on every plan alike); tokens/s from the median steady step of
+    both passes, peak memory the larger of the two."""
+    names = list(plans)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for order in (names, names[::-1]):
+        for n in order:
+            runs[n].append(_train(plans[n], steps, world_size))
+    out = {}
+    for n, rs in runs.items():
+        times = [t for r in rs for t in r["step_times_s"]]
+        peaks = [r["measured_peak_bytes"] for r in rs if r["measured_peak_bytes"] is not None]
+        out[n] = {"tokens_per_s": world_size * PER_RANK * SEQ / statistics.median(times),
+                  "allgather_bytes_per_step": rs[-1]["allgather_bytes_per_step"],
+                  "measured_peak_bytes": max(peaks) if peaks else None}
+    return out
 
 
 def _caps(profile, global_batch: int) -> list[int]:
@@ -116,11 +134,15 @@ def grid_worker(rank: int, world_size: int, steps: int) -> list[dict]:
                 c = Choices.uniform(profile, mb, keep_fraction=keep, recompute=rec)
                 plan = plan_of(profile, c, memory_bytes=profile.capacity_bytes, global_batch=global_batch)
                 grid.append((f"keep {keep:g}, micro-batch {mb}, recompute {'all' if rec else 'none'}", plan))
-    measured = {name: _train(plan, steps, world_size) for name, plan in grid}
+    caps = _caps(profile, global_batch)
+    planned_by_cap = {cap: plan_from_profile(profile, cap, global_batch) for cap in caps}
+    plans = dict(grid)
+    plans.update({f"planned for {cap}": p for cap, p in planned_by_cap.items()})
+    measured = _measure_all(plans, steps, world_size)
     rows = []
-    for cap in _caps(profile, global_batch):
-        planned = plan_from_profile(profile, cap, global_batch)
-        result = _train(planned, steps, world_size)
+    for cap in caps:
+        planned = planned_by_cap[cap]
+        result = measured[f"planned for {cap}"]
         fits = [(name, plan) for name, plan in grid if plan.predicted_peak_bytes <= cap * 0.95]
         ranked = sorted(fits, key=lambda np: measured[np[0]]["tokens_per_s"])
         entries = [("planned", f"micro-batch {planned.micro_batch}, kept {planned.kept_chunks}/{planned.total_chunks}, "
