@@ -55,31 +55,18 @@ def run(job: Job) -> dict:
         runs.append(result)
         del engine
         gc.collect()
-        # 2. more elastic budgets, from scratch
-        for budget in args.compare_budgets:
-            job.memory.set_baseline()
-            engine = ElasticEngine(job, budget)
-            runs.append(train(job, engine, counter, primary=False))
-            del engine
-            gc.collect()
-            dist.barrier()
-        # 3. the host tier and the planner, from scratch
-        extra = []
+        # 2. the comparisons, each from scratch: more elastic budgets, the weights in the host
+        # store, a planned run, the FSDP2 baseline
+        builds = [lambda b=b: ElasticEngine(job, b) for b in args.compare_budgets]
         if args.compare_host:
-            extra.append(dict(budget=args.pool_budget, weights_on="host"))
+            builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="host"))
         if args.compare_planned:
-            extra.append(dict(budget=args.pool_budget, weights_on="device", planned=True))
-        for kwargs in extra:
-            job.memory.set_baseline()
-            engine = ElasticEngine(job, **kwargs)
-            runs.append(train(job, engine, counter, primary=False))
-            del engine
-            gc.collect()
-            dist.barrier()
-        # 4. the FSDP2 baseline, from scratch
+            builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True))
         if args.baseline == "fsdp2":
+            builds.append(lambda: FSDP2Engine(job, counter))
+        for build in builds:
             job.memory.set_baseline()
-            engine = FSDP2Engine(job, counter)
+            engine = build()
             runs.append(train(job, engine, counter, primary=False))
             del engine
             gc.collect()
