@@ -88,7 +88,7 @@ def _follow_worker(rank, world_size, n_plans):
     from python_api import reset_stats, stats
     from python_api.planner.apply import apply_plan, recomputes
     from python_api.planner.measure import measure_profile
-    from python_api.planner.search import plan_from_profile, plan_of
+    from python_api.planner.search import PlanningError, plan_from_profile, plan_of
 
     per_rank = 2
     global_batch = per_rank * world_size
@@ -102,8 +102,18 @@ def _follow_worker(rank, world_size, n_plans):
     # ...and the planner's own choice under a cap that leaves room for part of the weights.
     floor = plan_from_profile(profile, 1 << 30, global_batch)
     assert floor.kept_chunks == floor.total_chunks, "an ample cap keeps everything"
-    tight = next(p for p in (plan_from_profile(profile, int(floor.predicted_peak_bytes * f), global_batch)
-                             for f in (0.98, 0.95, 0.9, 0.85, 0.8)) if p.kept_chunks < p.total_chunks)
+    # The tightest plan: at the least memory any plan fits in (feasibility is monotone).
+    lo, hi = 1, floor.memory_bytes
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_from_profile(profile, mid, global_batch)
+            hi = mid
+        except PlanningError:
+            lo = mid + 1
+    tight = plan_from_profile(profile, lo, global_batch)
+    assert tight.to_dict() | {"planning_seconds": 0, "memory_bytes": 0} != \
+        floor.to_dict() | {"planning_seconds": 0, "memory_bytes": 0}, "the tight plan is the ample one"
     plans.append(tight)
     report = []
     for i, plan in enumerate(plans):

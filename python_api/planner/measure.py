@@ -276,6 +276,11 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                                  dict(probe.saved), probe.saved_outside, dict(probe.input_bytes)))
         finally:
             probe.close()
+        # Which weights have a backward use, from the steps above (the recompute step below
+        # adds forward uses inside backward to the learned backward order).
+        from python_api.runtime import Phase
+
+        backward_wids = set(rt._order[Phase.BACKWARD] or ())
         # Each unit's backward allocation peak with every chunk resident (no gathers): what the
         # memory model's activations miss of it is the backward workspace.
         window_peaks = _backward_window_peaks(modules, lambda: _run_step(model, batch, forward_loss, None, device),
@@ -327,7 +332,6 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
 
     from python_api.runtime import Phase
 
-    backward_wids = set(rt._order[Phase.BACKWARD] or ())
     layers = []
     for i, u in enumerate(names):
         weights = tuple(
