@@ -146,6 +146,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # The fine-tuning CLI; under torchrun: `torchrun --nproc-per-node N --no-python elastic-finetune ...`
-    entry_points={"console_scripts": ["elastic-finetune = python_api.finetune:main"]},
+    entry_points={"console_scripts": ["elastic-finetune = python_api.finetune.cli:entry"]},
     zip_safe=False,
 )
