@@ -4,7 +4,9 @@ Synthetic profiles (python_api/planner/shapes.py; 8 x A100-40G PCIe, seq 4096), 
 rank, global batch 64: the median of 5 timed calls of `plan_from_profile` after one warm-up,
 in seconds, wall clock on this machine (pure Python, one thread). The requirement is under 1 s
 for the 80-layer 70B shape. Rows are appended to bench/results/planner.csv with the date and
-the machine.
+the machine. The same with the host tier in the profile (a host store, weights_on "device":
+ten (host fraction, activation offload) candidates; and weights_on "host": two), rows in
+bench/results/planner_host.csv.
 
     .venv/bin/python bench/bench_planner.py [--repeats 5] [--results DIR] [--no-demo]
 
@@ -36,8 +38,10 @@ DEVICE_SPEC = "a100-40g-pcie"
 TARGET_S = 1.0
 
 
-def planning_times(shape: str, repeats: int) -> tuple[list[float], object]:
-    profile = synthetic_profile(shape, RANKS, SEQ_LEN, DEVICE_SPEC)
+def planning_times(shape: str, repeats: int, weights_on: str | None = None) -> tuple[list[float], object]:
+    """`weights_on` None: no host tier; "device" / "host": the host tier's dimensions searched."""
+    profile = synthetic_profile(shape, RANKS, SEQ_LEN, DEVICE_SPEC, host_tier=weights_on is not None,
+                                weights_on=weights_on or "device")
     plan = plan_from_profile(profile, MEMORY, GLOBAL_BATCH)  # warm-up
     times = []
     for _ in range(repeats):
@@ -70,6 +74,23 @@ def main(argv=None) -> int:
     print(f"machine: {ctx['device']}")
     path = append_rows("planner", rows, args.results)
     print(f"appended {len(rows)} rows to {path}")
+    host_rows = []
+    for shape in SHAPES:
+        for weights_on in ("device", "host"):
+            times, plan = planning_times(shape, args.repeats, weights_on)
+            host_rows.append({
+                **ctx, "machine": ctx["device"], "shape": shape, "ranks": RANKS, "seq_len": SEQ_LEN,
+                "device_spec": DEVICE_SPEC, "weights_on": weights_on, "memory_bytes": MEMORY,
+                "global_batch": GLOBAL_BATCH, "layers": len(plan.layers), "chunks": plan.total_chunks,
+                "repeats": args.repeats, "host_fraction": plan.host_fraction,
+                "offload_activations": plan.offload_activations,
+                "planning_s_median": round(statistics.median(times), 5), "planning_s_min": round(min(times), 5),
+                "target_s": TARGET_S,
+            })
+    print_table(host_rows, ["shape", "weights_on", "host_fraction", "offload_activations", "repeats",
+                            "planning_s_median", "planning_s_min", "target_s"])
+    path = append_rows("planner_host", host_rows, args.results)
+    print(f"appended {len(host_rows)} rows to {path}")
     if not args.no_demo:
         demo_grid(args, ctx)
     return 0

@@ -463,6 +463,10 @@ def test_cli():
     assert small.returncode == 2 and "short by" in small.stderr
     odd = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GB", "--global-batch", "12")
     assert odd.returncode == 2 and "not a multiple of world_size 8" in odd.stderr
+    host = _cli("--shape", "llama2-13b", "--ranks", "8", "--memory", "40GB", "--weights-on", "host", "--json")
+    assert host.returncode == 0, host.stderr
+    plan = Plan.from_json(host.stdout)
+    assert plan.host_fraction == 1.0 and plan.predicted_allgather_bytes_per_step == 0
 
 
 def test_close_to_exhaustive_search_on_small_profiles():
@@ -510,3 +514,220 @@ def test_close_to_exhaustive_search_on_small_profiles():
         worst = max(worst, gap)
         optimal += gap <= 1e-9
     assert optimal >= 0.9 * checked and worst < 0.15, (optimal, checked, worst)
+
+
+# ---------------------------------------------------------------- the host tier
+
+def random_host_profile(rng: random.Random) -> Profile:
+    """random_profile with the host tier: an h2d link, a store (or weights_on="host"), ragged
+    last chunks, offloadable activations per layer and a host budget (None or a few buffers)."""
+    import dataclasses
+
+    prof = random_profile(rng)
+    on = rng.choice(["device", "device", "host"])
+    layers = []
+    for layer in prof.layers:
+        weights = tuple(dataclasses.replace(w, last_chunk_bytes=rng.choice([None, rng.randint(1, w.chunk_bytes)]))
+                        for w in layer.weights)
+        offl = tuple(float(rng.randint(1, 64)) for _ in range(rng.randint(0, 4)))
+        freed = min(layer.act_bytes_per_token, rng.uniform(0, sum(offl))) if offl else 0.0
+        layers.append(dataclasses.replace(layer, weights=weights, offload_tensors_bytes_per_token=offl,
+                                          offload_freed_bytes_per_token=freed))
+    static = prof.static_bytes if on == "device" else rng.randint(0, 10**4)
+    return dataclasses.replace(
+        prof, layers=tuple(layers), static_bytes=static, h2d=Link(rng.uniform(0, 1e-3), rng.uniform(1e5, 1e8)),
+        host_store=True, weights_on=on, host_budget_bytes=rng.choice([None, None, 0, 512 * rng.randint(1, 40)]))
+
+
+def test_host_chunk_count_is_the_runtime_rule():
+    from python_api.host_tier import host_chunks
+    from python_api.planner.memory import host_chunk_count, is_host_chunk
+
+    rng = random.Random(3)
+    fractions = [0.0, 0.25, 0.5, 0.75, 1.0, 0.3, 1 / 3, 0.1, 0.7, 0.9999] + [rng.random() for _ in range(30)]
+    for f in fractions:
+        for n in list(range(1, 60)) + [127, 128, 500, 4097]:
+            flags = host_chunks(n, f)
+            for x in {0, 1, n // 3, n // 2, n - 1, n}:
+                assert host_chunk_count(n, x, f) == sum(flags[x:]), (n, x, f)
+            assert is_host_chunk(n - 1, f) == flags[-1]
+
+
+def test_offload_size_class_is_the_offloaders():
+    from python_api.activation_offload import MIN_HOST_BUFFER_BYTES, size_class
+    from python_api.planner.memory import MIN_HOST_BUFFER_BYTES as OURS, offload_size_class
+
+    assert OURS == MIN_HOST_BUFFER_BYTES
+    for nbytes in list(range(1, 2000)) + [4095, 4096, 4097, 10**6]:
+        assert offload_size_class(nbytes) == size_class(nbytes)
+
+
+def test_host_traffic_by_hand():
+    import dataclasses
+
+    from python_api.planner import h2d_bytes_per_micro_batch
+
+    # Two ranks, wa: 2 chunks of 1000 B (slice 500), wb: 1 chunk of 600 B with a ragged... no:
+    # wa's last chunk is 700 B. host_fraction 0.5: wa chunk 1 is the host chunk (int(2 x .5) >
+    # int(1 x .5)), chunk 0 a peer chunk; wb (1 chunk): int(.5) == int(0): a peer chunk.
+    p = tiny_profile()
+    p = dataclasses.replace(p, layers=(dataclasses.replace(p.layers[0], weights=(
+        dataclasses.replace(p.layers[0].weights[0], last_chunk_bytes=700),)), p.layers[1]),
+        h2d=Link(0.0, 1e6), host_store=True)
+    ch = Choices(1, ((0,), (0,)), ((0,), (0,)), (False, False), host_fraction=0.5)
+    # forward and backward each miss everything: wa chunk 0 gathered (500 B), chunk 1 copied
+    # (700 B), wb gathered (300 B)
+    assert allgather_bytes_per_micro_batch(p, ch) == 2 * (500 + 300)
+    assert h2d_bytes_per_micro_batch(p, ch) == 2 * 700
+    # keeping wa's first chunk leaves only the host chunk missing
+    ch = dataclasses.replace(ch, keep=((1,), (0,)), persist=((1,), (0,)))
+    assert allgather_bytes_per_micro_batch(p, ch) == 2 * 300
+    assert h2d_bytes_per_micro_batch(p, ch) == 2 * 700
+    # a host chunk needs no gather buffer: the peak drops by wa's buffers
+    full = memory_curve(p, dataclasses.replace(ch, host_fraction=0.0)).peak_bytes
+    assert memory_curve(p, ch).peak_bytes <= full
+    # offload: A moves 3 tokens x 10 tensors... per token (10 tokens): 2 tensors of 1 and 2 B
+    q = dataclasses.replace(p, layers=(dataclasses.replace(p.layers[0], offload_tensors_bytes_per_token=(1.0, 2.0),
+                                                           offload_freed_bytes_per_token=3.0), p.layers[1]))
+    on = dataclasses.replace(ch, offload=True)
+    assert h2d_bytes_per_micro_batch(q, on) == 2 * 700 + 30
+    assert h2d_bytes_per_micro_batch(q, dataclasses.replace(on, recompute=(True, False))) == \
+        h2d_bytes_per_micro_batch(q, dataclasses.replace(ch, recompute=(True, False)))
+    # a budget of one 512 B buffer serves the first (10 B, class 512) and refuses the second
+    q1 = dataclasses.replace(q, host_budget_bytes=512)
+    assert h2d_bytes_per_micro_batch(q1, on) == 2 * 700 + 10
+
+
+def test_host_search_bound_is_the_memory_model():
+    from python_api.planner.search import _Search
+
+    rng = random.Random(12)
+    for prof in [synthetic_profile("llama2-13b", ranks=8, seq_len=4096, host_tier=True)] + \
+            [random_host_profile(rng) for _ in range(40)]:
+        for f, off in ((0.5, True), (1.0, False), (0.25, True)):
+            if prof.weights_on == "host":
+                f = 1.0
+            s = _Search(prof, 1, "chunks", f, off)
+            for m in (1, 3):
+                rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
+                for fraction, buffers in ((0.0, True), (1.0, False)):
+                    c = memory_curve(prof, Choices.uniform(prof, m, fraction, recompute=rec, host_fraction=f,
+                                                           offload=off))
+                    assert s.act_peak(m * prof.seq_len, rec, buffers) == c.peak_bytes - c.fixed_bytes - c.pool_bytes
+
+
+def test_host_search_estimate_is_the_cost_model():
+    from python_api.planner.search import _Search
+
+    rng = random.Random(18)
+    checked = 0
+    for _ in range(60):
+        prof = random_host_profile(rng)
+        for granularity in ("chunks", "eighths"):
+            f = 1.0 if prof.weights_on == "host" else rng.choice([0.25, 0.5, 0.75, 1.0])
+            off = rng.random() < 0.5
+            s = _Search(prof, 1, granularity, f, off)
+            for m in (1, 2):
+                rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
+                need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec, host_fraction=f,
+                                                          offload=off)).peak_bytes
+                limit = int(need * rng.uniform(0.9, 1.5))
+                estimate, kept, _ = s.evaluate(m, rec, limit)
+                if estimate is None:
+                    continue
+                ch = s.choices(m, rec, kept)
+                allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
+                assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
+                assert memory_curve(prof, ch).peak_bytes <= limit
+                checked += 1
+    assert checked > 60
+
+
+def test_host_budget_never_exceeded_and_monotone_random():
+    from python_api.planner import h2d_bytes_per_step
+
+    rng = random.Random(4321)
+    planned = 0
+    for trial in range(40):
+        prof = random_host_profile(rng)
+        G = prof.world_size * rng.choice([1, 2, 4])
+        lo = min(memory_curve(prof, Choices.uniform(prof, 1, 0.0, recompute=r, host_fraction=1.0, offload=o)).peak_bytes
+                 for r in (False, True) for o in (False, True))
+        hi = memory_curve(prof, Choices.uniform(prof, G // prof.world_size, 1.0)).peak_bytes
+        first = int(lo / 0.95) + 1
+        hi = max(first, int(hi * 1.1 / 0.95) + 1)
+        prev = math.inf
+        for s in range(13):
+            memory = first + (hi - first) * s // 12
+            try:
+                plan = plan_from_profile(prof, memory, G)
+            except PlanningError:
+                assert prev == math.inf, "a plan fitted in less memory"
+                continue
+            planned += 1
+            _check_plan(prof, plan, memory, 0.05, G)
+            ch = plan.choices()
+            assert plan.predicted_h2d_bytes_per_step == h2d_bytes_per_step(prof, ch, plan.accumulation)
+            if prof.weights_on == "host":
+                assert plan.host_fraction == 1.0
+                assert plan.predicted_allgather_bytes_per_step == 0 or prof.world_size == 1
+            assert plan.predicted_step_time_s <= prev * (1 + 1e-12), (trial, memory)
+            prev = plan.predicted_step_time_s
+    assert planned > 200
+
+
+def test_host_trivial_cases_and_determinism():
+    prof = synthetic_profile("llama2-7b", ranks=8, seq_len=2048, host_tier=True)
+    # memory for everything: every chunk kept and persistent, no recompute, nothing moved
+    plan = plan_from_profile(prof, prof.capacity_bytes, 8 * 8, micro_batches=1)
+    if plan.kept_chunks == plan.total_chunks:
+        assert not any(lp.recompute for lp in plan.layers)
+        assert plan.predicted_allgather_bytes_per_step == 0
+        assert plan.predicted_h2d_bytes_per_step == 0 or plan.offload_activations
+    big = synthetic_profile("llama2-7b", ranks=8, seq_len=512, host_tier=True)
+    plan = plan_from_profile(big, big.capacity_bytes, 8)
+    assert plan.kept_chunks == plan.total_chunks and not any(lp.recompute for lp in plan.layers)
+    assert plan.predicted_allgather_bytes_per_step == 0 and not plan.offload_activations
+    assert plan.predicted_h2d_bytes_per_step == 0 and plan.host_fraction == 0.0
+    # weights on the host: only host fraction 1, nothing all-gathered
+    host = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, weights_on="host")
+    a = plan_from_profile(host, 30 * 10**9, 64)
+    assert a.host_fraction == 1.0 and a.predicted_allgather_bytes_per_step == 0
+    assert a.predicted_h2d_bytes_per_step > 0
+    assert json.loads(a.to_json()) | {"planning_seconds": 0} == \
+        json.loads(plan_from_profile(host, 30 * 10**9, 64).to_json()) | {"planning_seconds": 0}
+    dev = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, host_tier=True)
+    b = plan_from_profile(dev, 41 * 10**9, 64)
+    assert json.loads(b.to_json()) | {"planning_seconds": 0} == \
+        json.loads(plan_from_profile(dev, 41 * 10**9, 64).to_json()) | {"planning_seconds": 0}
+    # the host dimensions never make a plan slower than the plan without them
+    nohost = plan_from_profile(dev, 41 * 10**9, 64, host_fractions=[0.0], offload=False)
+    assert b.predicted_step_time_s <= nohost.predicted_step_time_s
+    # restricting the search: bad requests are refused
+    with pytest.raises(PlanningError, match="host_fraction must|every chunk comes from the host store"):
+        plan_from_profile(host, 30 * 10**9, 64, host_fractions=[0.5])
+    with pytest.raises(PlanningError, match="needs a host store"):
+        plan_from_profile(synthetic_profile("llama2-7b", ranks=8), 40 * 10**9, 64, host_fractions=[0.5])
+
+
+def test_llama2_70b_plans_quickly_with_the_host_tier():
+    prof = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, host_tier=True)
+    times = sorted(plan_from_profile(prof, 41 * 10**9, 64).planning_seconds for _ in range(3))
+    assert times[1] < 2.0, times  # measured ~0.45 s median in bench/bench_planner.py; loose on shared CPUs
+
+
+def test_host_documents_round_trip_and_old_ones_load(tmp_path):
+    prof = synthetic_profile("llama2-7b", ranks=8, seq_len=2048, host_tier=True, host_budget_bytes=1 << 30)
+    assert Profile.from_json(prof.to_json()) == prof
+    old = json.loads(synthetic_profile("llama2-7b", ranks=8, seq_len=2048).to_json())
+    assert "h2d" not in old and Profile.from_dict(old).h2d is None
+    plan = plan_from_profile(prof, 30 * 10**9, 64)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert Plan.load(str(path)) == plan
+    assert "predicted_h2d_bytes_per_step" in plan.table() or "H2D" in plan.table()
+    d = json.loads(plan.to_json())
+    for k in ("host_fraction", "offload_activations", "predicted_h2d_bytes_per_step"):
+        del d[k]
+    legacy = Plan.from_dict(d)
+    assert (legacy.host_fraction, legacy.offload_activations, legacy.predicted_h2d_bytes_per_step) == (0.0, False, 0)

@@ -57,12 +57,9 @@ class JobPlanner:
 
         args = job.args
         self.job, self.engine = job, engine
-        policy = engine.runtime.policy
-        if policy.uses_host_store:
-            raise FinetuneError(
-                "--plan auto / --compare-planned: the planner does not model the host tier yet (its profile has no "
-                "host link); plan with --weights-on device and no --host-fraction"
-            )
+        # With --weights-on host, --host-fraction > 0 or --offload-activations the profile has the
+        # host tier (measure_profile), and the planner chooses the host fraction (a grid; only 1
+        # with --weights-on host) and activation offload on/off too; plan.json carries them.
         self.global_batch = job.world_size * args.micro_batch * args.grad_accum
         self.changes = sorted(args.memory_cap_change)
         self.device_auto = args.memory_cap == "auto" and job.device.type == "cuda"
@@ -155,7 +152,9 @@ class JobPlanner:
         p = self.plan
         return {"step": step, "memory_bytes": self.cap, "micro_batch": p.micro_batch, "accumulation": p.accumulation,
                 "pool_budget_bytes": p.pool_budget_bytes, "recomputed_layers": sum(lp.recompute for lp in p.layers),
+                "host_fraction": p.host_fraction, "offload_activations": p.offload_activations,
                 "predicted_allgather_bytes_per_step": p.predicted_allgather_bytes_per_step,
+                "predicted_h2d_bytes_per_step": p.predicted_h2d_bytes_per_step,
                 "predicted_peak_bytes": p.predicted_peak_bytes, "predicted_step_time_s": p.predicted_step_time_s}
 
     def _write(self) -> None:
@@ -177,6 +176,8 @@ class JobPlanner:
         return {"plan": {"memory_bytes": p.memory_bytes, "micro_batch": p.micro_batch, "accumulation": p.accumulation,
                          "pool_budget_bytes": p.pool_budget_bytes,
                          "recomputed_layers": [lp.name for lp in p.layers if lp.recompute],
+                         "host_fraction": p.host_fraction, "offload_activations": p.offload_activations,
+                         "predicted_h2d_bytes_per_step": p.predicted_h2d_bytes_per_step,
                          "predicted_peak_bytes": p.predicted_peak_bytes,
                          "predicted_allgather_bytes_per_step": p.predicted_allgather_bytes_per_step,
                          "predicted_step_time_s": p.predicted_step_time_s,

@@ -12,7 +12,14 @@ search.py   the search and the `Plan` (JSON, table)
 Pure Python: nothing here imports torch or needs a model.
 """
 
-from python_api.planner.cost import StepCost, allgather_bytes_per_micro_batch, allgather_bytes_per_step, step_cost
+from python_api.planner.cost import (
+    StepCost,
+    allgather_bytes_per_micro_batch,
+    allgather_bytes_per_step,
+    h2d_bytes_per_micro_batch,
+    h2d_bytes_per_step,
+    step_cost,
+)
 from python_api.planner.memory import Choices, MemoryCurve, memory_curve, pool_budget_bytes, pool_pages, timeline
 from python_api.planner.profile import (
     LayerProfile,
@@ -36,6 +43,7 @@ from python_api.planner.shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, s
 __all__ = [
     "DEVICES", "SHAPES", "Choices", "DeviceSpec", "LayerPlan", "LayerProfile", "Link", "MemoryCurve", "ModelShape",
     "OutsideProfile", "Plan", "PlanningError", "Profile", "ProfileError", "StepCost", "WeightPlan", "WeightProfile",
-    "allgather_bytes_per_micro_batch", "allgather_bytes_per_step", "memory_curve", "plan_from_profile", "plan_of",
+    "allgather_bytes_per_micro_batch", "allgather_bytes_per_step", "h2d_bytes_per_micro_batch", "h2d_bytes_per_step",
+    "memory_curve", "plan_from_profile", "plan_of",
     "plan_with_residency", "pool_budget_bytes", "pool_pages", "step_cost", "synthetic_profile", "timeline",
 ]

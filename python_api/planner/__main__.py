@@ -1,7 +1,8 @@
 """Plan for a synthetic profile of a named shape (no model is built):
 
     python -m python_api.planner --shape llama2-70b --ranks 8 --memory 40GB [--seq-len 4096]
-        [--global-batch G] [--device-spec a100-40g-pcie|h100-sxm] [--json]
+        [--global-batch G] [--device-spec a100-40g-pcie|h100-sxm] [--host-tier] [--weights-on device|host]
+        [--json]
 
 prints the plan table (or the plan as JSON) and `planning_seconds`.
 """
@@ -58,11 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of --memory left unplanned")
     parser.add_argument("--prefetch-depth", type=int, default=1)
     parser.add_argument("--granularity", choices=("chunks", "eighths"), default="chunks")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="the profile has the host tier (PCIe host link, a host store, offloadable activations): "
+                             "the planner also chooses the host fraction and activation offload")
+    parser.add_argument("--weights-on", choices=("device", "host"), default="device",
+                        help="where the frozen weights' source of truth lives (host implies --host-tier)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     global_batch = args.global_batch if args.global_batch is not None else 8 * args.ranks
     try:
-        profile = synthetic_profile(args.shape, args.ranks, args.seq_len, args.device_spec)
+        profile = synthetic_profile(args.shape, args.ranks, args.seq_len, args.device_spec, host_tier=args.host_tier,
+                                    weights_on=args.weights_on)
         plan = plan_from_profile(profile, args.memory, global_batch, margin=args.margin,
                                  prefetch_depth=args.prefetch_depth, granularity=args.granularity)
     except (PlanningError, ProfileError, ValueError) as exc:

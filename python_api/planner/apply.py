@@ -10,6 +10,11 @@ is the measured traffic:
   keeps their PEAK chunks: [Note: recompute inside backward] in python_api/runtime.py), the
   others do not. Hugging Face decoder layers (`GradientCheckpointingLayer`) are switched
   through their own flag; any other unit module gets its forward wrapped.
+- the host tier: `host_fraction` through `set_host_fraction` (the runtime must have its host
+  store: it was wrapped with weights_on="host" or host_fraction > 0; with weights_on="host"
+  only 1), activation offload through `set_offload_activations`; with offload on, the
+  offloader's free host buffers are trimmed so its pool serves the plan's shapes from empty,
+  as the memory model assumes ([Note: activation offload in the memory model]).
 The micro-batch size and the accumulation count are the training loop's to follow
 (`plan.micro_batch`, `plan.accumulation`).
 
@@ -119,6 +124,14 @@ def check_plan_matches(model: nn.Module, plan) -> None:
                              "(another chunk size or world size?)")
         if et.unit != layer.name:
             raise ValueError(f"apply_plan: {name} belongs to unit {et.unit!r}, the plan puts it in {layer.name!r}")
+    f = plan.host_fraction
+    if f > 0 and rt.host_store is None and not (rt.world_size == 1 and rt.policy.weights_on == "device"):
+        raise ValueError(f"apply_plan: the plan fetches {100 * f:.0f}% of missing chunks from the host store, but this "
+                         "runtime has no host store: wrap the model with ElasticPolicy(host_fraction > 0) or "
+                         "weights_on='host' so it builds one")
+    if rt.policy.weights_on == "host" and f != 1.0:
+        raise ValueError(f"apply_plan: the plan has host_fraction {f}, but the runtime has weights_on='host' (no device "
+                         "shard): every chunk comes from the host store, host_fraction must be 1")
 
 
 def apply_plan(model: nn.Module, plan) -> None:
@@ -136,6 +149,12 @@ def apply_plan(model: nn.Module, plan) -> None:
         for w in layer.weights:
             rt.set_residency(by_name[w.name], w.keep_chunks, w.persist_chunks)
     rt.set_pool_budget(plan.pool_budget_bytes)
+    if rt.host_store is not None:
+        rt.set_host_fraction(plan.host_fraction)
+    rt.set_offload_activations(plan.offload_activations)
+    offloader = getattr(rt, "activation_offload", None)
+    if plan.offload_activations and offloader is not None:
+        offloader.trim()
     for layer in plan.layers:
         if not layer.name.startswith("weight:"):
             _set_recompute(_module_of_unit(model, layer.name), layer.recompute)

@@ -26,13 +26,33 @@ where the recompute's c(u) is the recompute cost, outside compute is
 bytes_per_s, once per optimizer step ([Note: gradient accumulation]; none at world size 1).
 The model assumes a gather's window is its own: gathers that queue behind each other on the
 link are not serialised. It is an estimate, checked against measured step times elsewhere.
+
+[Note: chunk sources and the host link]
+With a host fraction f (`Choices.host_fraction`; 1 in effect with weights_on="host", 0 at
+world size 1 with the weights on the device) the missing chunks of a use split, per weight,
+by the runtime's own rule ([Note: chunk sources] in python_api/host_tier.py): chunk c is a
+host chunk iff int((c + 1) f) > int(c f). The missing chunks are the last ones (kept chunks
+are the first), so a use missing m of n chunks has host_chunk_count(n, n - m, f) =
+int(n f) - int((n - m) f) host chunks (memory.py, integer-exact, the runtime's float
+products). Peer chunks are all-gathered as above; a host chunk moves its real bytes
+(chunk_bytes, or last_chunk_bytes for the ragged last one) over the h2d link. Both are in
+flight together, so a use's communication takes max(g(peer bytes), h(host bytes)), h the h2d
+link's latency + bytes / bandwidth, and is exposed beyond the prefetch window as above.
+Activation offload (memory.offload_served says which bytes move) adds, per layer that moves
+M bytes, a D2H copy after its forward, exposed beyond the compute of the next forward use,
+and an H2D copy one layer ahead of its backward, exposed beyond the compute of the
+backward-phase use just before its backward: max(0, h(M) - that compute) each (the same
+link both ways; contention with the weights' H2D copies is not modelled). Exact bytes per
+micro-batch: all-gather = sum of the uses' received bytes; H2D = the uses' host-chunk bytes
++ the activations moved (each comes back once), what the runtime's `h2d_bytes` counts
+(tests/test_plan_host.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from python_api.planner.memory import FORWARD, RECOMPUTE, Choices, Use, timeline
+from python_api.planner.memory import FORWARD, RECOMPUTE, Choices, Use, offload_served, timeline
 from python_api.planner.profile import Profile
 
 
@@ -42,13 +62,55 @@ def allgather_bytes_per_micro_batch(profile: Profile, choices: Choices) -> int:
     W = profile.world_size
     if W == 1:
         return 0
-    total = 0
-    for i, layer in enumerate(profile.layers):
-        r = 1 if choices.recompute[i] else 0
-        for w, k, p in zip(layer.weights, choices.keep[i], choices.persist[i]):
-            n = w.chunks
-            chunks = (n - p) + (n - k) * (1 + r) if w.backward else (n - p) * (1 + r)
-            total += (W - 1) * w.slice_bytes * chunks
+    if choices.host_fraction <= 0 and profile.weights_on == "device":
+        total = 0
+        for i, layer in enumerate(profile.layers):
+            r = 1 if choices.recompute[i] else 0
+            for w, k, p in zip(layer.weights, choices.keep[i], choices.persist[i]):
+                n = w.chunks
+                chunks = (n - p) + (n - k) * (1 + r) if w.backward else (n - p) * (1 + r)
+                total += (W - 1) * w.slice_bytes * chunks
+        return total
+    forward, backward = timeline(profile, choices)  # [Note: chunk sources and the host link]
+    return sum(u.received_bytes for u in forward + backward)
+
+
+def h2d_bytes_per_micro_batch(profile: Profile, choices: Choices) -> int:
+    """Host -> device bytes per micro-batch: host chunks copied into pages plus activations
+    brought back ([Note: chunk sources and the host link])."""
+    forward, backward = timeline(profile, choices)
+    weights = sum(u.h2d_bytes for u in forward + backward)
+    off = offload_served(profile, choices.micro_batch * profile.seq_len, choices.recompute, choices.offload)
+    return weights + sum(off.moved)
+
+
+def h2d_bytes_per_step(profile: Profile, choices: Choices, accumulation: int) -> int:
+    """Host -> device bytes per optimizer step, steady state (weights and activations)."""
+    return accumulation * h2d_bytes_per_micro_batch(profile, choices)
+
+
+def offload_exposed_s(profile: Profile, tokens: int, recompute, offload: bool, served=None) -> float:
+    """Exposed time of the activation copies of one micro-batch ([Note: chunk sources and the
+    host link]): per moving layer, its D2H beyond the next forward use's compute and its H2D
+    beyond the compute of the backward-phase use before its backward."""
+    if not offload or profile.h2d is None:
+        return 0.0
+    off = served if served is not None else offload_served(profile, tokens, recompute, offload)
+    if not any(off.moved):
+        return 0.0
+    layers = profile.layers
+    L = len(layers)
+    fc = [layer.fwd_s(tokens) for layer in layers]
+    # The backward-phase use just before layer i's backward: its own recompute, else the
+    # backward of layer i + 1 (none for the last layer).
+    total = 0.0
+    for i, m in enumerate(off.moved):
+        if not m:
+            continue
+        t = profile.h2d.time(m)
+        after = fc[i + 1] if i + 1 < L else (profile.outside.fwd_s_per_token * tokens)
+        before_bwd = fc[i] if recompute[i] else (layers[i + 1].bwd_s(tokens) if i + 1 < L else 0.0)
+        total += max(0.0, t - after) + max(0.0, t - before_bwd)
     return total
 
 
@@ -63,11 +125,15 @@ def use_compute_s(profile: Profile, u: Use, tokens: int) -> float:
 
 
 def exposed_s(profile: Profile, uses: list[Use], compute: list[float], prefetch_depth: int) -> list[float]:
-    """Exposed communication of each use of one phase ([Note: the time model])."""
+    """Exposed communication of each use of one phase ([Note: the time model]; both sources
+    in flight together: [Note: chunk sources and the host link])."""
     out = []
     for j, u in enumerate(uses):
         window = sum(compute[max(0, j - prefetch_depth) : j])
-        out.append(max(0.0, profile.allgather.time(u.received_bytes) - window))
+        comm = profile.allgather.time(u.received_bytes)
+        if u.h2d_bytes:
+            comm = max(comm, profile.h2d.time(u.h2d_bytes))
+        out.append(max(0.0, comm - window))
     return out
 
 
@@ -102,6 +168,10 @@ def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost
             exposed += eu
             per_use.append((f"{u.kind} {profile.layers[u.layer].name}", eu))
     compute += (profile.outside.fwd_s_per_token + profile.outside.bwd_s_per_token) * T
+    act = offload_exposed_s(profile, T, choices.recompute, choices.offload)
+    if act:
+        exposed += act
+        per_use.append(("activation offload", act))
     allreduce = profile.allreduce.time(profile.adapter_grad_bytes) if profile.world_size > 1 else 0.0
     step = accumulation * (compute + exposed + recompute) + allreduce
     return StepCost(accumulation * compute, accumulation * recompute, accumulation * exposed, allreduce, step,

@@ -21,8 +21,19 @@ in forward order:
   not ours (total - free - what torch has reserved). On CPU the capacity is the caller's
   (`capacity_bytes`, the CLI's --memory-cap) and nothing is counted as not ours: the measured
   peaks the model is checked against are above the process's baseline.
+- the host tier, when the runtime has one (a host store, or activation offload on; or
+  `host_tier=True`): the h2d link from timed copies host store -> device memory of the
+  runtime (`HostCopyWork`, as the runtime copies a host chunk into its page, on its copy
+  stream) at two sizes (one chunk, the largest unit's chunks), median of 5 each, fitted like
+  the collectives (without a store: a plain host -> device copy, pinned on CUDA); whether a
+  store exists, weights_on and host_budget_bytes from the policy; per unit, what activation
+  offload would move, read in the timed step from the tensors ElasticLoRAFunction hands to
+  `save_for_backward` as activations (lora_x, xa, mask: their bytes in order, exactly what
+  `ActivationOffload.offload` copies), and what that frees on the device: the storages that
+  nothing but those activations saves (counted by the same saved-tensor hooks);
 Every rank measures; timings are then reduced with MAX across the group (the slowest rank sets
-the pace), so every rank holds the same profile and computes the same plan.
+the pace), so every rank holds the same profile and computes the same plan. The steps run with
+activation offload off (it is restored after).
 
 Side effects: the warm-up and timed steps run forward and backward (dropout draws random
 numbers; adapter gradients are cleared before and after); residency and the pool budget are
@@ -85,6 +96,9 @@ class _StepProbe:
             self.handles.append(module.register_forward_hook(self._post(name)))
 
     def reset(self) -> None:
+        self.pack_counts: dict[int, int] = {}  # storage -> times saved (every saved tensor)
+        self.offl: dict[str, list[int]] = {n: [] for n in self.units}  # per unit: activation bytes, in order
+        self.offl_storages: dict[int, tuple[str, int, int]] = {}  # storage -> (unit, bytes, times as activation)
         self.fwd_s = {n: 0.0 for n in self.units}
         self.bwd_start: dict[str, float] = {}
         self.saved = {n: 0 for n in self.units}
@@ -116,8 +130,32 @@ class _StepProbe:
                 out.register_hook(on_grad)
         return hook
 
+    def record_activations(self, tensors: tuple, activations: tuple[int, ...]) -> None:
+        """What activation offload would copy from this save_for_backward (the offloader's
+        own rule: non-empty tensors at the activation positions, in order)."""
+        if not self.active:
+            return
+        unit = self.active[-1]
+        for i in activations:
+            t = tensors[i]
+            if t is None or t.numel() == 0:
+                continue
+            self.offl[unit].append(t.nbytes)
+            st = t.untyped_storage()
+            u, nb, k = self.offl_storages.get(st.data_ptr(), (unit, st.nbytes(), 0))
+            self.offl_storages[st.data_ptr()] = (u, nb, k + 1)
+
+    def freed(self) -> dict[str, int]:
+        """Per unit, bytes of the storages saved only as offloadable activations."""
+        out = {n: 0 for n in self.units}
+        for ptr, (unit, nbytes, k) in self.offl_storages.items():
+            if self.pack_counts.get(ptr, 0) == k:
+                out[unit] += nbytes
+        return out
+
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
+        self.pack_counts[ptr] = self.pack_counts.get(ptr, 0) + 1
         if ptr not in self.param_storages and ptr not in self.seen:
             self.seen.add(ptr)
             nbytes = t.untyped_storage().nbytes()
@@ -187,6 +225,38 @@ def _link(rt, sizes: list[int], kind: str) -> Link:
     return Link(latency_s=latency, bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e18)
 
 
+def _h2d_link(rt, sizes_chunks: list[list]) -> Link:
+    """Fit latency + bytes / bandwidth to timed host -> device copies. With a host store: of
+    host chunks into device memory, by the runtime's `HostCopyWork` on its copy stream
+    (`sizes_chunks`: lists of (tensor, chunk) to copy together); without: a plain copy of the
+    same byte counts from host memory (pinned on CUDA)."""
+    from python_api.host_tier import HostCopyWork
+
+    device = rt.device
+    points = []
+    for group in sizes_chunks:
+        if rt.host_store is not None:
+            pairs = [(et.host_chunk(c), torch.empty(et.layout.chunk_shape(c), dtype=et.dtype, device=device))
+                     for et, c in group]
+
+            def copy(pairs=pairs):
+                work = HostCopyWork(pairs, rt.copy_stream, device)
+                work.wait("h2d link")
+            nbytes = sum(src.numel() * src.element_size() for src, _ in pairs)
+        else:
+            nbytes = sum(et.chunk_bytes_of(c) for et, c in group)
+            src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+            def copy(src=src, dst=dst):
+                dst.copy_(src, non_blocking=device.type == "cuda")
+        copy()  # warm-up
+        points.append((nbytes, _timed(copy, device)))
+    (b0, t0), (b1, t1) = points
+    latency, per_byte = _fit(b0, t0, b1, t1)
+    return Link(latency_s=latency, bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e18)
+
+
 def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
     """Forward and backward of one micro-batch; returns (forward seconds, backward seconds)."""
     _sync(device)
@@ -217,9 +287,11 @@ def _static_bytes(model: nn.Module, rt) -> int:
 
 
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
-                    capacity_bytes: int | None = None, steps: int = 2) -> Profile:
+                    capacity_bytes: int | None = None, steps: int = 2, host_tier: bool | None = None) -> Profile:
     """Measure a `Profile` of `model` (under convert_to_elastic / elasticize) on `batches`
-    (at least one micro-batch of input ids [B, T]). A collective: call on every rank alike."""
+    (at least one micro-batch of input ids [B, T]). A collective: call on every rank alike.
+    `host_tier`: measure the host tier's fields (None: when the runtime has a host store or
+    its policy offloads activations)."""
     from python_api.elastic_linear import runtime_of
 
     if not batches:
@@ -242,8 +314,17 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     saved = [(et, et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     budget = rt._cache_budget
     was_training = model.training
+    if host_tier is None:
+        host_tier = rt.host_store is not None or rt.policy.offload_activations
+    host_tier = host_tier or rt.policy.weights_on == "host"
+    offload_was = rt.policy.offload_activations
     model.train()
+    import python_api.lora as lora_module
+
+    real_save = lora_module.save_for_backward
     try:
+        if offload_was:
+            rt.set_offload_activations(False)  # every step below saves its activations on the device
         for et in rt.tensors:
             rt.set_residency(et, et.num_chunks, et.num_chunks)
         rt.set_pool_budget(None)
@@ -253,11 +334,23 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
         try:
             sizes = [batch] + ([batch[: batch.shape[0] // 2]] if batch.shape[0] >= 2 else [])
             per_size = []
-            for b in sizes:
+            offload_bytes, freed = {n: [] for n in names}, {n: 0 for n in names}
+            for si, b in enumerate(sizes):
                 rows = []
-                for _ in range(steps):
+                for step in range(steps):
                     probe.reset()
-                    fwd, bwd, t_fwd_end, t_bwd_end, loss = _run_step(model, b, forward_loss, probe, device)
+                    record = si == 0 and step == 0
+                    if record:
+                        def save_for_backward(ctx, offload, tensors, activations):
+                            probe.record_activations(tensors, activations)
+                            return real_save(ctx, offload, tensors, activations)
+                        lora_module.save_for_backward = save_for_backward
+                    try:
+                        fwd, bwd, t_fwd_end, t_bwd_end, loss = _run_step(model, b, forward_loss, probe, device)
+                    finally:
+                        lora_module.save_for_backward = real_save
+                    if record:
+                        offload_bytes, freed = dict(probe.offl), probe.freed()
                     starts = [probe.bwd_start.get(n) for n in names]
                     bwd_units = []
                     for i, n in enumerate(names):
@@ -298,6 +391,9 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             for m in layers_of.values():
                 _set_recompute(m, False)
     finally:
+        lora_module.save_for_backward = real_save
+        if offload_was:
+            rt.set_offload_activations(True)
         for et, k, p in saved:
             rt.set_residency(et, k, p)
             # Give the pool back what the profile made resident: its arena only shrinks by
@@ -336,7 +432,9 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     for i, u in enumerate(names):
         weights = tuple(
             WeightProfile(name=et.name, chunks=et.num_chunks, slice_bytes=et.slice_bytes,
-                          chunk_bytes=et.page_bytes, backward=et.wid in backward_wids)
+                          chunk_bytes=et.page_bytes, backward=et.wid in backward_wids,
+                          last_chunk_bytes=(None if et.chunk_bytes_of(et.num_chunks - 1) == et.page_bytes
+                                            else et.chunk_bytes_of(et.num_chunks - 1)))
             for et in rt.tensors if et.unit == u
         )
         recomputable = not u.startswith("weight:")
@@ -347,12 +445,20 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             fwd_s_fixed=fits_f[i][0], fwd_s_per_token=fits_f[i][1],
             bwd_s_fixed=fits_b[i][0], bwd_s_per_token=fits_b[i][1],
             act_bytes_per_token=a, input_bytes_per_token=min(x, a), weights=weights,
+            offload_tensors_bytes_per_token=tuple(nb / tokens for nb in offload_bytes[u]) if host_tier else (),
+            offload_freed_bytes_per_token=freed[u] / tokens if host_tier else 0.0,
         ))
     logits_bytes = _logits_bytes_per_token(model, batch)
     adapter_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     allgather = _link(rt, [max(et.slice_bytes for et in rt.tensors),
                            max(sum(w.slice_bytes * w.chunks for w in layer.weights) for layer in layers)], "allgather")
     allreduce = _link(rt, [4096, max(8192, adapter_grad)], "allreduce")
+    h2d = None
+    if host_tier:
+        big = max(rt.tensors, key=lambda et: et.page_bytes)
+        unit = max(names, key=lambda n: sum(et.num_chunks for et in rt.tensors if et.unit == n))
+        h2d = _h2d_link(rt, [[(big, 0)], [(et, c) for et in rt.tensors if et.unit == unit
+                                         for c in range(et.num_chunks)]])
     profile = Profile(
         source="measured", device=_device_name(device), world_size=rt.world_size, seq_len=int(batch.shape[1]),
         capacity_bytes=capacity, reserved_bytes=max(0, reserved), static_bytes=_static_bytes(model, rt),
@@ -360,6 +466,9 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
         layers=tuple(layers),
         outside=OutsideProfile(fwd_s_per_token=out_fwd, bwd_s_per_token=out_bwd,
                                act_bytes_per_token=act_out / tokens, peak_bytes_per_token=logits_bytes),
+        h2d=h2d, host_store=host_tier and rt.host_store is not None,
+        weights_on=rt.policy.weights_on if host_tier else "device",
+        host_budget_bytes=rt.policy.host_budget_bytes if host_tier else None,
     )
     profile = _with_workspace(profile, window_peaks, recompute_peaks, int(batch.shape[0]))
     if rt.world_size > 1:

@@ -41,9 +41,36 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
     tests/test_memory_model.py; it counts for every gather in the window, an upper bound
     since the scratch lives only while its collective runs)
 and at the end of forward: every saved activation + outside act + outside peak (logits and
-loss). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
+loss). With the host tier, only the *peer* chunks of a use have gather buffers: a host chunk
+is copied from the host store straight into its page ([Note: chunk sources] in
+python_api/host_tier.py), so a use's buffers are (world_size + 1) x slice_bytes per missing
+peer chunk (+ gloo's scratch). With weights_on="host" static_bytes holds no shard (the
+profile measures static as it is). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
 The peak is the maximum over the points.
+
+[Note: activation offload in the memory model]
+With `Choices.offload` the activation offload (python_api/activation_offload.py) copies the
+activations of every elastic LoRA linear of a layer to host buffers after that layer's
+forward, unless the layer is recomputed (its forward runs under checkpointing's saved-tensor
+hooks, and the recompute inside backward offloads nothing). Which tensors the bounded pool
+serves is the offloader's rule, modelled exactly (`offload_served`): requests in forward
+order, each of size class max(512, next power of two of its bytes); a request is served from
+a free buffer of its class or by a new buffer while the pool's held bytes (free + in use) stay
+within host_budget_bytes, else refused (the tensor stays on the device). In steady state the
+pool's buffers are all free at the start of every micro-batch (each is returned once its
+copy-back is issued), and held bytes only grow, so the first request of a class that is
+refused makes every later one of that class refused: the served set is the same every
+micro-batch and is the one this rule computes from an empty pool (apply_plan trims the pool
+of free buffers of other shapes). Per layer i with every request served, what stays saved
+on the device is act - offload_freed bytes (measured: storages referenced only by the
+offloaded activations); a layer with a refused request is credited nothing (conservative:
+which part is freed is not modelled). Backward brings them back as fresh tensors, one
+linear ahead: during any backward-phase use of layer i the device also holds the moved bytes
+of the previous offloading layer (an upper bound: only its last linear is ahead), and during
+layer i's own backward all of its moved bytes (each restored copy is separate, so an input
+shared by q/k/v comes back three times: an upper bound again, since a linear's copies die
+after its backward).
 """
 
 from __future__ import annotations
@@ -67,10 +94,20 @@ class Choices:
     persist: tuple[tuple[int, ...], ...]
     recompute: tuple[bool, ...]
     prefetch_depth: int = 1
+    host_fraction: float = 0.0  # the runtime's host_fraction ([Note: chunk sources]); 1 in effect
+    # whatever it says with weights_on="host" (effective_host_fraction)
+    offload: bool = False  # activation offload on
 
     def check(self, profile: Profile) -> None:
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"micro_batch must be an int >= 1, got {self.micro_batch!r}")
+        f = self.host_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"host_fraction must be a number in [0, 1], got {f!r}")
+        if f > 0 and not profile.host_store and not (profile.world_size == 1 and profile.weights_on == "device"):
+            raise ValueError(f"host_fraction {f} needs a host store; the profile has none")
+        if self.offload and profile.h2d is None:
+            raise ValueError("activation offload needs the profile's h2d link; the profile has none")
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         L = len(profile.layers)
@@ -90,7 +127,7 @@ class Choices:
 
     @classmethod
     def uniform(cls, profile: Profile, micro_batch: int, keep_fraction: float = 0.0, persist_fraction=None,
-                recompute=None, prefetch_depth: int = 1) -> Choices:
+                recompute=None, prefetch_depth: int = 1, host_fraction: float = 0.0, offload: bool = False) -> Choices:
         """Every weight keeps round(keep_fraction x n) chunks, persists round(persist_fraction
         x n) (default: as many as it keeps), rounding half up as the runtime does.
         `recompute`: None (no layer), True (every recomputable layer) or a per-layer sequence."""
@@ -103,7 +140,7 @@ class Choices:
             rec = tuple(layer.recomputable for layer in profile.layers)
         else:
             rec = tuple(bool(r) for r in recompute)
-        choices = cls(micro_batch, keep, persist, rec, prefetch_depth)
+        choices = cls(micro_batch, keep, persist, rec, prefetch_depth, host_fraction, offload)
         choices.check(profile)
         return choices
 
@@ -114,38 +151,136 @@ class Use(NamedTuple):
     layer: int
     kind: str  # FORWARD | RECOMPUTE | BACKWARD
     missing: tuple[int, ...]  # per weight of the layer
-    received_bytes: int  # per rank: (world_size - 1) x sum slice_bytes x missing
-    buffer_bytes: int  # send + receive buffers: (world_size + 1) x sum slice_bytes x missing
+    received_bytes: int  # per rank: (world_size - 1) x sum slice_bytes x missing peer chunks
+    buffer_bytes: int  # send + receive buffers: (world_size + 1) x sum slice_bytes x missing peer chunks
+    h2d_bytes: int = 0  # real bytes of the missing host chunks, copied host store -> page
 
 
-def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...]) -> Use:
+def effective_host_fraction(profile: Profile, host_fraction: float) -> float:
+    """The fraction the runtime's source split uses: 1 with weights_on="host"; 0 at world size
+    1 with the weights on the device (chunks are views of the local weight, nothing is
+    fetched: [Note: single process] in python_api/runtime.py)."""
+    if profile.weights_on == "host":
+        return 1.0
+    if profile.world_size == 1:
+        return 0.0
+    return float(host_fraction)
+
+
+def host_chunk_count(n: int, x: int, f: float) -> int:
+    """How many of chunks x..n-1 of a weight with n chunks are host chunks under fraction f:
+    exactly `sum(host_chunks(n, f)[x:])` (python_api/host_tier.py), in O(1). The runtime's
+    test for chunk c is int((c + 1) * f) > int(c * f); for 0 < f < 1 consecutive values of
+    int(c * f) differ by 0 or 1, so the count telescopes to int(n * f) - int(x * f), with the
+    very same float products (tests/test_planner.py checks it against the runtime's list)."""
+    if f >= 1.0:
+        return n - x
+    if f <= 0.0:
+        return 0
+    return int(n * f) - int(x * f)
+
+
+def is_host_chunk(c: int, f: float) -> bool:
+    """host_chunks(n, f)[c], as the runtime computes it."""
+    if f >= 1.0:
+        return True
+    if f <= 0.0:
+        return False
+    return int((c + 1) * f) > int(c * f)
+
+
+def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...], host_fraction: float = 0.0) -> Use:
     W = profile.world_size
-    if W == 1:  # [Note: single process]: chunks are views of the local weight
-        return Use(i, kind, tuple(0 for _ in missing), 0, 0)
-    slices = sum(w.slice_bytes * m for w, m in zip(profile.layers[i].weights, missing))
+    f = effective_host_fraction(profile, host_fraction)
+    if W == 1 and profile.weights_on == "device":  # [Note: single process]: views of the local weight
+        return Use(i, kind, tuple(0 for _ in missing), 0, 0, 0)
+    slices = h2d = 0
+    for w, m in zip(profile.layers[i].weights, missing):
+        # The missing chunks are the last m (kept chunks are the first ones).
+        host = host_chunk_count(w.chunks, w.chunks - m, f)
+        slices += w.slice_bytes * (m - host)
+        if host:
+            h2d += w.host_bytes(host, is_host_chunk(w.chunks - 1, f))
     # gloo (CPU) gathers into a flat scratch tensor of the output's size and copies it out
     # while the collective runs; NCCL writes the output in place (see the Note above).
     scratch = W * slices if profile.device == "cpu" else 0
-    return Use(i, kind, missing, (W - 1) * slices, (W + 1) * slices + scratch)
+    return Use(i, kind, missing, (W - 1) * slices, (W + 1) * slices + scratch, h2d)
 
 
 def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:
     """The forward uses and the backward-phase uses of one micro-batch, in execution order
     ([Note: the timeline of an iteration])."""
     choices.check(profile)
+    f = choices.host_fraction
     forward, backward = [], []
     for i, layer in enumerate(profile.layers):
         ks, ps = choices.keep[i], choices.persist[i]
-        forward.append(_use(profile, i, FORWARD, tuple(w.chunks - p for w, p in zip(layer.weights, ps))))
+        forward.append(_use(profile, i, FORWARD, tuple(w.chunks - p for w, p in zip(layer.weights, ps)), f))
     for i in reversed(range(len(profile.layers))):
         layer = profile.layers[i]
         ks, ps = choices.keep[i], choices.persist[i]
         if choices.recompute[i]:
             backward.append(_use(profile, i, RECOMPUTE, tuple(
-                w.chunks - (k if w.backward else p) for w, k, p in zip(layer.weights, ks, ps))))
+                w.chunks - (k if w.backward else p) for w, k, p in zip(layer.weights, ks, ps)), f))
         backward.append(_use(profile, i, BACKWARD, tuple(
-            (w.chunks - k) if w.backward else 0 for w, k in zip(layer.weights, ks))))
+            (w.chunks - k) if w.backward else 0 for w, k in zip(layer.weights, ks)), f))
     return forward, backward
+
+
+# The offloader's smallest buffer: python_api.activation_offload.MIN_HOST_BUFFER_BYTES (one
+# PagePool page alignment, 512 bytes); repeated here because the planner does not import torch
+# (tests/test_planner.py checks both against each other).
+MIN_HOST_BUFFER_BYTES = 512
+
+
+def offload_size_class(nbytes: int) -> int:
+    """python_api.activation_offload.size_class: the next power of two, at least the minimum."""
+    return max(MIN_HOST_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class Offload(NamedTuple):
+    """Per layer, what the activation offload does in one micro-batch (all zero when off)."""
+
+    moved: tuple[int, ...]  # bytes copied device -> host after forward (and back before backward)
+    credit: tuple[int, ...]  # device bytes freed between forward and backward
+    prev: tuple[int, ...]  # moved bytes of the previous layer that moved something (prefetched)
+
+
+def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> Offload:
+    """The offloader's rule ([Note: activation offload in the memory model]), exact."""
+    L = len(profile.layers)
+    if not offload:
+        zero = (0,) * L
+        return Offload(zero, zero, zero)
+    budget = profile.host_budget_bytes
+    held = 0
+    refused_classes: set[int] = set()
+    moved, credit, prev = [], [], []
+    last = 0
+    for i, layer in enumerate(profile.layers):
+        prev.append(last)
+        if recompute[i] or not layer.offload_tensors_bytes_per_token:
+            moved.append(0)
+            credit.append(0)
+            continue
+        m, every = 0, True
+        for b in layer.offload_tensors_bytes_per_token:
+            nbytes = int(round(b * tokens))
+            if nbytes <= 0:
+                continue
+            cap = offload_size_class(nbytes)
+            if budget is not None and (cap in refused_classes or held + cap > budget):
+                refused_classes.add(cap)
+                every = False
+                continue
+            held += cap
+            m += nbytes
+        moved.append(m)
+        credit.append(min(int(layer.offload_freed_bytes_per_token * tokens), int(layer.act_bytes_per_token * tokens))
+                      if every and m else 0)
+        if m:
+            last = m
+    return Offload(tuple(moved), tuple(credit), tuple(prev))
 
 
 def pool_pages(profile: Profile, choices: Choices) -> int:
@@ -186,8 +321,9 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     pool = pool_pages(profile, choices) * profile.page_bytes
     base = fixed + pool + int(profile.outside.act_bytes_per_token * T)
     layers = profile.layers
+    off = offload_served(profile, T, choices.recompute, choices.offload)
     saved = [int((layer.input_bytes_per_token if choices.recompute[i] else layer.act_bytes_per_token) * T)
-             for i, layer in enumerate(layers)]
+             - off.credit[i] for i, layer in enumerate(layers)]
     before = [0] * (len(layers) + 1)  # saved activations of layers < i
     for i, s in enumerate(saved):
         before[i + 1] = before[i] + s
@@ -200,8 +336,9 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     for j, u in enumerate(backward):
         buffers = sum(v.buffer_bytes for v in backward[j : j + 1 + d])
         i = u.layer
-        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0)
+        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0) + off.prev[i]
         if u.kind == BACKWARD:
+            own += off.moved[i] - off.credit[i]
             own += int(profile.outside.workspace_bytes_per_token * T)
             if choices.recompute[i]:
                 own += int(profile.outside.recompute_workspace_bytes_per_token * T)
@@ -213,5 +350,6 @@ def peak_bytes(profile: Profile, choices: Choices) -> int:
     return memory_curve(profile, choices).peak_bytes
 
 
-__all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "ProfileError", "RECOMPUTE", "Use", "memory_curve",
+__all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "Offload", "ProfileError", "RECOMPUTE", "Use",
+           "effective_host_fraction", "host_chunk_count", "is_host_chunk", "memory_curve", "offload_served",
            "peak_bytes", "pool_budget_bytes", "pool_pages", "timeline"]

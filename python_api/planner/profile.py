@@ -21,7 +21,20 @@ a frozen weight whose input needs no gradient (the q/k/v projections of the firs
 layer of a LoRA model whose embeddings are frozen), which the runtime gathers in forward
 only and, when its layer is recomputed, again in the recompute.
 
-The host tier (`h2d`) is not part of the format yet: it joins when the runtime has it.
+The host tier (all optional; absent = no host tier, and older documents load unchanged):
+`h2d` is the host->device copy link (latency + bytes / bandwidth, also used for the
+device->host copies of activation offload); `host_store` says whether the runtime has the
+node's host store (built when the policy had weights_on="host" or host_fraction > 0 at wrap
+time), so the planner may choose a host fraction; `weights_on` ("device" | "host": with
+"host" no device shard exists, `static_bytes` has none, and every chunk is a host chunk);
+`host_budget_bytes` caps the activation offload's host buffers (None: no cap). Per weight,
+`last_chunk_bytes` is the real bytes of its last (possibly ragged) chunk, what a host copy of
+it moves (default: chunk_bytes). Per layer, `offload_tensors_bytes_per_token` are the bytes per
+token of each tensor the activation offload moves after the layer's forward, in the order it
+moves them (what `ActivationOffload` copies: lora_x, xa and the dropout mask of each elastic
+LoRA linear), and `offload_freed_bytes_per_token` the device bytes that leaves free (an input
+shared by q/k/v is copied three times but freed once). See [Note: chunk sources and the host
+link] in cost.py and [Note: activation offload in the memory model] in memory.py.
 """
 
 from __future__ import annotations
@@ -113,17 +126,38 @@ class WeightProfile:
     slice_bytes: int
     chunk_bytes: int
     backward: bool = True
+    last_chunk_bytes: int | None = None  # None: chunk_bytes (the last chunk is full)
+
+    @property
+    def last_bytes(self) -> int:
+        """Real bytes of the last chunk (what its host copy moves)."""
+        return self.chunk_bytes if self.last_chunk_bytes is None else self.last_chunk_bytes
+
+    def host_bytes(self, chunks: int, last: bool) -> int:
+        """Bytes a host copy of `chunks` chunks moves, the last chunk among them when `last`."""
+        return chunks * self.chunk_bytes - ((self.chunk_bytes - self.last_bytes) if last and chunks else 0)
 
     @classmethod
     def from_dict(cls, where: str, d) -> WeightProfile:
-        check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"), ("backward",))
-        return cls(
+        check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"), ("backward", "last_chunk_bytes"))
+        last = d.get("last_chunk_bytes")
+        out = cls(
             name=check_str(f"{where}.name", d["name"]),
             chunks=check_int(f"{where}.chunks", d["chunks"], 1),
             slice_bytes=check_int(f"{where}.slice_bytes", d["slice_bytes"], 1),
             chunk_bytes=check_int(f"{where}.chunk_bytes", d["chunk_bytes"], 1),
             backward=check_bool(f"{where}.backward", d.get("backward", True)),
+            last_chunk_bytes=None if last is None else check_int(f"{where}.last_chunk_bytes", last, 1),
         )
+        if out.last_bytes > out.chunk_bytes:
+            raise ProfileError(f"{where}.last_chunk_bytes ({out.last_bytes}) exceeds chunk_bytes ({out.chunk_bytes})")
+        return out
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if self.last_chunk_bytes is None:
+            del out["last_chunk_bytes"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,14 @@ class LayerProfile:
     act_bytes_per_token: float
     input_bytes_per_token: float
     weights: tuple[WeightProfile, ...]
+    offload_tensors_bytes_per_token: tuple[float, ...] = ()
+    offload_freed_bytes_per_token: float = 0.0
+
+    @property
+    def offloadable_bytes_per_token(self) -> float:
+        """Bytes per token the activation offload moves after this layer's forward (D2H) and
+        back before its backward (H2D), when the host budget serves every request."""
+        return float(sum(self.offload_tensors_bytes_per_token))
 
     @property
     def chunks(self) -> int:
@@ -158,7 +200,11 @@ class LayerProfile:
     @classmethod
     def from_dict(cls, where: str, d) -> LayerProfile:
         check_keys(where, d, ("name", "recomputable", "fwd_s_per_token", "bwd_s_per_token", "fwd_s_fixed",
-                              "bwd_s_fixed", "act_bytes_per_token", "input_bytes_per_token", "weights"))
+                              "bwd_s_fixed", "act_bytes_per_token", "input_bytes_per_token", "weights"),
+                   ("offload_tensors_bytes_per_token", "offload_freed_bytes_per_token"))
+        offl = d.get("offload_tensors_bytes_per_token", [])
+        if not isinstance(offl, list):
+            raise ProfileError(f"{where}.offload_tensors_bytes_per_token must be a list, got {type(offl).__name__}")
         ws = d["weights"]
         if not isinstance(ws, list):
             raise ProfileError(f"{where}.weights must be a list, got {type(ws).__name__}")
@@ -177,11 +223,18 @@ class LayerProfile:
             act_bytes_per_token=check_num(f"{where}.act_bytes_per_token", d["act_bytes_per_token"]),
             input_bytes_per_token=check_num(f"{where}.input_bytes_per_token", d["input_bytes_per_token"]),
             weights=weights,
+            offload_tensors_bytes_per_token=tuple(
+                check_num(f"{where}.offload_tensors_bytes_per_token[{j}]", b, positive=True) for j, b in enumerate(offl)),
+            offload_freed_bytes_per_token=check_num(f"{where}.offload_freed_bytes_per_token",
+                                                    d.get("offload_freed_bytes_per_token", 0.0)),
         )
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["weights"] = [asdict(w) for w in self.weights]
+        out["weights"] = [w.to_dict() for w in self.weights]
+        out["offload_tensors_bytes_per_token"] = list(self.offload_tensors_bytes_per_token)
+        if not self.offload_tensors_bytes_per_token and not self.offload_freed_bytes_per_token:
+            del out["offload_tensors_bytes_per_token"], out["offload_freed_bytes_per_token"]
         return out
 
 
@@ -239,6 +292,14 @@ class Profile:
     layers: tuple[LayerProfile, ...]
     outside: OutsideProfile
     version: int = PROFILE_VERSION
+    h2d: Link | None = None  # host -> device copies (and device -> host); None: no host tier
+    host_store: bool = False  # the runtime has the node's host store: a host fraction may be chosen
+    weights_on: str = "device"  # "host": no device shard, every chunk from the host store
+    host_budget_bytes: int | None = None  # the activation offload's host buffer cap (None: none)
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.h2d is not None
 
     def __post_init__(self):
         self.validate()
@@ -263,6 +324,17 @@ class Profile:
         for name in ("allgather", "allreduce"):
             if not isinstance(getattr(self, name), Link):
                 raise ProfileError(f"profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
+        if self.h2d is not None and not isinstance(self.h2d, Link):
+            raise ProfileError(f"profile.h2d must be a Link or None, got {type(self.h2d).__name__}")
+        check_bool("profile.host_store", self.host_store)
+        if self.weights_on not in ("device", "host"):
+            raise ProfileError(f'profile.weights_on must be "device" or "host", got {self.weights_on!r}')
+        if (self.host_store or self.weights_on == "host") and self.h2d is None:
+            raise ProfileError("profile.h2d is missing: a profile with a host store needs the host link")
+        if self.weights_on == "host" and not self.host_store:
+            raise ProfileError('profile.weights_on is "host" but host_store is false: the weights live in the store')
+        if self.host_budget_bytes is not None:
+            check_int("profile.host_budget_bytes", self.host_budget_bytes)
         if not isinstance(self.outside, OutsideProfile):
             raise ProfileError(f"profile.outside must be an OutsideProfile, got {type(self.outside).__name__}")
         if not isinstance(self.layers, tuple) or not self.layers:
@@ -319,6 +391,11 @@ class Profile:
         out["allreduce"] = asdict(self.allreduce)
         out["outside"] = asdict(self.outside)
         out["layers"] = [layer.to_dict() for layer in self.layers]
+        if self.h2d is not None:
+            out["h2d"] = asdict(self.h2d)
+            out["host_store"] = self.host_store
+            out["weights_on"] = self.weights_on
+            out["host_budget_bytes"] = self.host_budget_bytes
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -326,7 +403,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d) -> Profile:
-        check_keys("profile", d, _SCALARS + ("allgather", "allreduce", "layers", "outside"))
+        check_keys("profile", d, _SCALARS + ("allgather", "allreduce", "layers", "outside"),
+                   ("h2d", "host_store", "weights_on", "host_budget_bytes"))
         layers = d["layers"]
         if not isinstance(layers, list):
             raise ProfileError(f"profile.layers must be a list, got {type(layers).__name__}")
@@ -345,6 +423,10 @@ class Profile:
             allreduce=Link.from_dict("profile.allreduce", d["allreduce"]),
             layers=tuple(LayerProfile.from_dict(f"profile.layers[{i}]", x) for i, x in enumerate(layers)),
             outside=OutsideProfile.from_dict("profile.outside", d["outside"]),
+            h2d=None if d.get("h2d") is None else Link.from_dict("profile.h2d", d["h2d"]),
+            host_store=d.get("host_store", False),
+            weights_on=d.get("weights_on", "device"),
+            host_budget_bytes=d.get("host_budget_bytes"),
         )
 
     @classmethod

@@ -48,6 +48,32 @@ for the report. The greedy is not an exhaustive search: the recomputed layers ar
 one order, not any set, and chunks are taken by a local rate. Against exhaustive search over
 small random profiles it was optimal on 449 of 450, one 11.5% slower, by recomputing another
 layer (tests/test_planner.py).
+
+[Note: the host dimensions of the search]
+When the profile has the host tier (`h2d`), the search also chooses the host fraction (from
+HOST_FRACTIONS = {0, 1/4, 1/2, 3/4, 1} when the runtime has a host store at world size > 1;
+only 1 with weights_on="host"; only 0 without a store) and activation offload on or off
+(when some layer has offloadable activations and the host budget is not 0). Each pair is
+one more fixed candidate dimension: for each (f, offload) the search above runs unchanged
+with that pair's units (a unit's time and its buffer bound depend on f: host chunks need no
+gather buffer and cost max(gather, H2D), [Note: chunk sources and the host link] in cost.py)
+and that pair's activations ([Note: activation offload in the memory model]), and the plan
+is the fastest over every (f, offload, m, R), ties to the first in the order f ascending,
+offload off before on. Each candidate is non-increasing in memory as argued above (with the
+source split a unit's missing peer and host bytes are each non-increasing in the chunks
+kept, so its time is), and a minimum over a fixed set of such functions is monotone.
+With host chunks a unit's missing bytes are not linear in the chunks kept (the Bresenham
+spread); the runs are then cut where each use's exposure reaches zero by bisection, and the
+partial run a candidate ends in is still evaluated exactly. The prefetch window
+(prefetch_depth) is not searched: it stays the policy's (apply_plan checks the plan's equals
+it), because the runtime's pool working set and every rank's prefetch schedule are fixed at
+wrap time; making it a candidate would need a runtime hook to change it between steps.
+Planning time: ten (f, offload) pairs for weights_on="device" with a store, two with
+weights_on="host". Llama-2-70B on 8 ranks (A100 PCIe profile, seq 4096, 40 GB, global batch
+64): 0.21 s median with a store and the weights on the device, 0.094 s with weights_on="host"
+(2-core AMD EPYC, bench/bench_planner.py, bench/results/planner_host.csv); without the host
+tier unchanged (0.021 s). A plan that keeps every chunk may name any host fraction (nothing
+is fetched then): the candidate whose conservative buffer bound let it fit first wins.
 """
 
 from __future__ import annotations
@@ -56,8 +82,20 @@ import json
 import time
 from dataclasses import dataclass
 
-from python_api.planner.cost import allgather_bytes_per_step, step_cost
-from python_api.planner.memory import BACKWARD, FORWARD, Choices, _use, memory_curve, pool_budget_bytes
+from python_api.planner.cost import allgather_bytes_per_step, h2d_bytes_per_step, offload_exposed_s, step_cost
+from python_api.planner.memory import (
+    BACKWARD,
+    FORWARD,
+    Choices,
+    Offload,
+    _use,
+    effective_host_fraction,
+    host_chunk_count,
+    is_host_chunk,
+    memory_curve,
+    offload_served,
+    pool_budget_bytes,
+)
 from python_api.planner.profile import (
     Profile,
     ProfileError,
@@ -70,6 +108,9 @@ from python_api.planner.profile import (
 
 PLAN_VERSION = 1
 GRANULARITIES = ("chunks", "eighths")
+# The host fractions the search tries when the profile has a host store ([Note: the host
+# dimensions of the search]).
+HOST_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 class PlanningError(ValueError):
@@ -96,6 +137,8 @@ class LayerPlan:
 _PLAN_FIELDS = ("version", "world_size", "memory_bytes", "global_batch", "micro_batch", "accumulation",
                 "prefetch_depth", "pool_budget_bytes", "layers", "predicted_peak_bytes",
                 "predicted_allgather_bytes_per_step", "predicted_step_time_s", "planning_seconds", "profile_source")
+# Optional in a plan document (absent in plans written before the host tier): their defaults.
+_PLAN_HOST_FIELDS = {"host_fraction": 0.0, "offload_activations": False, "predicted_h2d_bytes_per_step": 0}
 
 
 @dataclass(frozen=True)
@@ -118,6 +161,9 @@ class Plan:
     planning_seconds: float
     profile_source: str
     version: int = PLAN_VERSION
+    host_fraction: float = 0.0  # share of missing chunks from the host store (runtime's host_fraction)
+    offload_activations: bool = False
+    predicted_h2d_bytes_per_step: int = 0  # host-chunk copies + activations brought back, per rank
 
     def __post_init__(self):
         self.validate()
@@ -134,6 +180,11 @@ class Plan:
         check_num("plan.predicted_step_time_s", self.predicted_step_time_s)
         check_num("plan.planning_seconds", self.planning_seconds)
         check_str("plan.profile_source", self.profile_source)
+        check_num("plan.host_fraction", self.host_fraction)
+        if self.host_fraction > 1:
+            raise ProfileError(f"plan.host_fraction must be in [0, 1], got {self.host_fraction}")
+        check_bool("plan.offload_activations", self.offload_activations)
+        check_int("plan.predicted_h2d_bytes_per_step", self.predicted_h2d_bytes_per_step)
         if self.micro_batch * self.accumulation * self.world_size != self.global_batch:
             raise ProfileError(
                 f"plan: micro_batch x accumulation x world_size ({self.micro_batch} x {self.accumulation} x "
@@ -172,6 +223,8 @@ class Plan:
             persist=tuple(tuple(w.persist_chunks for w in layer.weights) for layer in self.layers),
             recompute=tuple(layer.recompute for layer in self.layers),
             prefetch_depth=self.prefetch_depth,
+            host_fraction=self.host_fraction,
+            offload=self.offload_activations,
         )
 
     def check_profile(self, profile: Profile) -> None:
@@ -198,7 +251,10 @@ class Plan:
             f"  memory {self.memory_bytes / gib:.2f} GiB per rank; pool budget {self.pool_budget_bytes / gib:.2f} GiB "
             f"(+ working set)",
             f"  predicted: peak {self.predicted_peak_bytes / gib:.2f} GiB, step {self.predicted_step_time_s:.4g} s, "
-            f"all-gather {self.predicted_allgather_bytes_per_step / gib:.2f} GiB/step per rank",
+            f"all-gather {self.predicted_allgather_bytes_per_step / gib:.2f} GiB/step per rank, "
+            f"H2D {self.predicted_h2d_bytes_per_step / gib:.2f} GiB/step per rank",
+            f"  host tier: {100.0 * self.host_fraction:.0f}% of missing chunks from the host store, activation "
+            f"offload {'on' if self.offload_activations else 'off'}",
             f"  kept {self.kept_chunks}/{self.total_chunks} chunks "
             f"({100.0 * self.kept_chunks / max(1, self.total_chunks):.1f}%), {recomputed} layer(s) recomputed; "
             f"planned in {self.planning_seconds:.3f} s",
@@ -221,6 +277,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in _PLAN_FIELDS if k != "layers"}
+        out.update({k: getattr(self, k) for k in _PLAN_HOST_FIELDS})
         out["layers"] = [
             {"name": layer.name, "recompute": layer.recompute,
              "weights": [{"name": w.name, "keep_chunks": w.keep_chunks, "persist_chunks": w.persist_chunks,
@@ -234,7 +291,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d) -> Plan:
-        check_keys("plan", d, _PLAN_FIELDS)
+        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS))
         if not isinstance(d["layers"], list):
             raise ProfileError(f"plan.layers must be a list, got {type(d['layers']).__name__}")
         layers = []
@@ -254,6 +311,7 @@ class Plan:
             layers.append(LayerPlan(check_str(f"{where}.name", x["name"]),
                                     check_bool(f"{where}.recompute", x["recompute"]), tuple(weights)))
         kwargs = {k: d[k] for k in _PLAN_FIELDS if k != "layers"}
+        kwargs.update({k: d.get(k, default) for k, default in _PLAN_HOST_FIELDS.items()})
         return cls(layers=tuple(layers), **kwargs)
 
     @classmethod
@@ -303,6 +361,9 @@ def plan_of(profile: Profile, choices: Choices, *, memory_bytes: int, global_bat
         predicted_step_time_s=step_cost(profile, choices, accumulation).step_s,
         planning_seconds=float(planning_seconds),
         profile_source=profile.source,
+        host_fraction=effective_host_fraction(profile, choices.host_fraction) if profile.host_store else 0.0,
+        offload_activations=bool(choices.offload),
+        predicted_h2d_bytes_per_step=h2d_bytes_per_step(profile, choices, accumulation),
     )
 
 
@@ -316,12 +377,20 @@ def _exposure(lat: float, bw: float, nbytes: int, window: float) -> float:
 class _Unit:
     """The fixed part of one unit for the search: its keep order and missing-byte curves."""
 
-    __slots__ = ("order", "blocks", "n", "n_bwd", "d_fwd", "d_bwd", "buf_all", "buf_bwd", "sig", "stops")
+    __slots__ = ("order", "blocks", "n", "n_bwd", "d_fwd", "d_bwd", "buf_all", "buf_bwd", "sig", "stops",
+                 "f", "split", "ws", "hlat", "hbw", "q")
 
-    def __init__(self, profile: Profile, i: int, granularity: str):
+    def __init__(self, profile: Profile, i: int, granularity: str, host_fraction: float = 0.0):
         layer = profile.layers[i]
         W = profile.world_size
-        q = W - 1
+        q = W - 1 if not (W == 1 and profile.weights_on == "device") else 0
+        # The source split ([Note: chunk sources and the host link] in cost.py): with host
+        # chunks a unit's missing bytes are no longer linear in the chunks kept.
+        self.f = effective_host_fraction(profile, host_fraction)
+        self.split = self.f > 0 and not (W == 1 and profile.weights_on == "device")
+        self.q = q
+        self.hlat, self.hbw = (profile.h2d.latency_s, profile.h2d.bytes_per_s) if profile.h2d is not None \
+            else (0.0, 1.0)
         # Keep order: weights with a backward use first (a kept chunk saves in every use),
         # then larger slices (more bytes saved per page), then profile order.
         self.order = sorted(range(len(layer.weights)),
@@ -338,9 +407,10 @@ class _Unit:
         self.d_bwd = sum(c * b for _, c, b, bk in self.blocks if bk)
         # Buffers of a use missing every chunk (forward, recompute) or every chunk with a
         # backward use (backward), as the memory model counts them (one definition: memory._use).
-        self.buf_all = _use(profile, i, FORWARD, tuple(w.chunks for w in layer.weights)).buffer_bytes
+        self.buf_all = _use(profile, i, FORWARD, tuple(w.chunks for w in layer.weights), self.f).buffer_bytes
         self.buf_bwd = _use(profile, i, BACKWARD, tuple(w.chunks if w.backward else 0
-                                                         for w in layer.weights)).buffer_bytes
+                                                         for w in layer.weights), self.f).buffer_bytes
+        self.ws = [layer.weights[j] for j in self.order]
         # Where a prefix of the keep order may stop: every chunk, or every eighth of a weight
         # (k = round_half_up(j/8 x n), as the runtime rounds ratios).
         if granularity == "chunks":
@@ -350,7 +420,28 @@ class _Unit:
             for x0, c, _, _ in self.blocks:
                 stops.update(x0 + int(j * c / 8 + 0.5) for j in range(9))
             self.stops = tuple(sorted(stops))
-        self.sig = (tuple(self.blocks), self.stops)
+        self.sig = (tuple(self.blocks), self.stops, self.f,
+                    tuple(w.last_bytes for w in self.ws) if self.split else None)
+
+    def missing_split(self, x) -> tuple[int, int, int, int]:
+        """(peer bytes, host bytes) missing in a forward (or recompute) use, then in a backward
+        use, after keeping the first x chunks (x an int) or keep[j] of weight j (x a tuple)."""
+        pf = hf = pb = hb = 0
+        f, q = self.f, self.q
+        for (x0, c, _, bk), j, w in zip(self.blocks, self.order, self.ws):
+            k = keep_of(x, x0, c, j)
+            m = c - k
+            if not m:
+                continue
+            host = host_chunk_count(c, k, f)
+            peer = q * w.slice_bytes * (m - host)
+            hbytes = w.host_bytes(host, is_host_chunk(c - 1, f)) if host else 0
+            pf += peer
+            hf += hbytes
+            if bk:
+                pb += peer
+                hb += hbytes
+        return pf, hf, pb, hb
 
     def removed_by_weight(self, keep: tuple[int, ...]) -> tuple[int, int]:
         """Received bytes no longer missing (forward, backward) when weight j keeps keep[j]."""
@@ -374,9 +465,29 @@ class _Unit:
         return rf, rb
 
 
+def keep_of(x, x0: int, c: int, j: int) -> int:
+    """Chunks kept of the weight at keep-order block (x0, c), weight index j."""
+    return x[j] if isinstance(x, tuple) else max(0, min(c, x - x0))
+
+
+def _exposure2(lat: float, bw: float, peer: int, hlat: float, hbw: float, host: int, window: float) -> float:
+    """max(0, max(g(peer), h(host)) - window): both sources in flight together."""
+    comm = (lat + peer / bw) if peer > 0 else 0.0
+    if host > 0:
+        comm = max(comm, hlat + host / hbw)
+    return max(0.0, comm - window)
+
+
 def _unit_time(u: _Unit, x, rec: bool, windows: tuple, lat: float, bw: float) -> float:
     """Exposed gather time of one unit's uses in one micro-batch after keeping its first x
     chunks (x an int), or keep[j] chunks of weight j (x a tuple)."""
+    if u.split:
+        pf, hf, pb, hb = u.missing_split(x)
+        wf, wr, wb = windows
+        t = _exposure2(lat, bw, pf, u.hlat, u.hbw, hf, wf) + _exposure2(lat, bw, pb, u.hlat, u.hbw, hb, wb)
+        if rec:
+            t += _exposure2(lat, bw, pf, u.hlat, u.hbw, hf, wr)
+        return t
     rf, rb = u.removed(x) if isinstance(x, int) else u.removed_by_weight(x)
     wf, wr, wb = windows
     t = _exposure(lat, bw, u.d_fwd - rf, wf) + _exposure(lat, bw, u.d_bwd - rb, wb)
@@ -389,6 +500,31 @@ def _runs(u: _Unit, rec: bool, windows: tuple, lat: float, bw: float) -> list[tu
     """(x0, x1, time saved) runs of a unit, merged to save less and less per chunk."""
     if u.stops is not None:
         cuts = list(u.stops)
+    elif u.split:
+        # Where each use's exposure reaches zero, by bisection (it is non-increasing in x).
+        cuts = {0, u.n}
+        for x0, c, _, _ in u.blocks:
+            cuts.add(x0)
+            cuts.add(x0 + c)
+        for k, window in enumerate(windows):
+            if window is None:
+                continue
+            def exp(x, k=k, window=window):
+                pf, hf, pb, hb = u.missing_split(x)
+                if k == 2:
+                    return _exposure2(lat, bw, pb, u.hlat, u.hbw, hb, window)
+                return _exposure2(lat, bw, pf, u.hlat, u.hbw, hf, window)
+            if exp(0) <= 0:
+                continue
+            lo, hi = 0, u.n  # exp(lo) > 0, exp(hi) == 0
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if exp(mid) > 0:
+                    lo = mid
+                else:
+                    hi = mid
+            cuts.update((lo, hi))
+        cuts = sorted(cuts)
     else:
         cuts = {0, u.n}
         for x0, c, b, bk in u.blocks:
@@ -453,10 +589,12 @@ def _micro_batch_candidates(per_rank: int, micro_batches) -> list[int]:
 class _Search:
     """One planning problem: the profile's fixed parts, evaluated per candidate (m, R)."""
 
-    def __init__(self, profile: Profile, prefetch_depth: int, granularity: str):
+    def __init__(self, profile: Profile, prefetch_depth: int, granularity: str, host_fraction: float = 0.0,
+                 offload: bool = False):
         self.p = profile
         self.d = prefetch_depth
-        self.units = [_Unit(profile, i, granularity) for i in range(len(profile.layers))]
+        self.f, self.offload = host_fraction, offload
+        self.units = [_Unit(profile, i, granularity, host_fraction) for i in range(len(profile.layers))]
         self.lat, self.bw = profile.allgather.latency_s, profile.allgather.bytes_per_s
         self.total = profile.total_chunks
         self.ws = profile.working_set_pages(prefetch_depth)
@@ -464,6 +602,7 @@ class _Search:
         self.fixed = profile.reserved_bytes + profile.static_bytes
         self.rec_order = _recompute_order(profile)
         self.run_cache: dict = {}
+        self._offload_cache: dict = {}
         self.keep_only = None  # fixed residency (baselines): per unit, chunks kept
         self.act_per_token = [layer.act_bytes_per_token for layer in profile.layers]
         self.input_per_token = [layer.input_bytes_per_token for layer in profile.layers]
@@ -483,7 +622,8 @@ class _Search:
         p, d, units = self.p, self.d, self.units
         layers = p.layers
         acts = [int(a * T) for a in self.act_per_token]
-        saved = [int(x * T) if r else a for x, r, a in zip(self.input_per_token, rec, acts)]
+        off = self.offload_of(T, rec)
+        saved = [(int(x * T) if r else a) - cr for x, r, a, cr in zip(self.input_per_token, rec, acts, off.credit)]
         fwin = self.fwd_window_buffers
         best = best0 = 0
         before = 0
@@ -503,11 +643,16 @@ class _Search:
             if rec[i]:
                 seq.append((i, units[i].buf_all, False))
             seq.append((i, units[i].buf_bwd, True))
+        prefix = [0]
+        for _, b, _ in seq:
+            prefix.append(prefix[-1] + b)
+        n_seq = len(seq)
         for j, (i, _, is_bwd) in enumerate(seq):
             if j == 0 or seq[j - 1][0] != i:
                 before -= saved[i]
-            window = sum(b for _, b, _ in seq[j : j + 1 + d])
-            v = before + acts[i] + (saved[i] if rec[i] else 0) + (workspace if is_bwd else 0) \
+            window = prefix[min(n_seq, j + 1 + d)] - prefix[j]
+            v = before + acts[i] + (saved[i] if rec[i] else 0) + off.prev[i] \
+                + ((workspace + off.moved[i] - off.credit[i]) if is_bwd else 0) \
                 + (rworkspace if is_bwd and rec[i] else 0)
             if v + window > best:
                 best = v + window
@@ -515,6 +660,33 @@ class _Search:
                 best0 = v
         out_act = int(p.outside.act_bytes_per_token * T)
         return out_act + best, out_act + best0
+
+    def offload_of(self, T: int, rec: list[bool]):
+        """memory.offload_served for this candidate; without a host budget (every request
+        served) from per-layer sums cached per micro-batch, the same integers."""
+        p = self.p
+        if not self.offload or p.host_budget_bytes is not None:
+            return offload_served(p, T, rec, self.offload)
+        per = self._offload_cache.get(T)
+        if per is None:
+            per = []
+            for layer in p.layers:
+                m = sum(int(round(b * T)) for b in layer.offload_tensors_bytes_per_token)
+                per.append((m, min(int(layer.offload_freed_bytes_per_token * T), int(layer.act_bytes_per_token * T))
+                            if m else 0))
+            self._offload_cache[T] = per
+        moved, credit, prev = [], [], []
+        last = 0
+        for (m, c), r in zip(per, rec):
+            prev.append(last)
+            if r or not m:
+                moved.append(0)
+                credit.append(0)
+            else:
+                moved.append(m)
+                credit.append(c)
+                last = m
+        return Offload(tuple(moved), tuple(credit), tuple(prev))
 
     # -------------------------------------------------------- windows
 
@@ -566,7 +738,8 @@ class _Search:
         windows, compute = self.windows(T, rec)
         units = self.units
         lat, bw = self.lat, self.bw
-        base = sum(compute) + (p.outside.fwd_s_per_token + p.outside.bwd_s_per_token) * T
+        base = sum(compute) + (p.outside.fwd_s_per_token + p.outside.bwd_s_per_token) * T \
+            + offload_exposed_s(p, T, rec, self.offload, self.offload_of(T, rec) if self.offload else None)
         if self.keep_only is not None:  # fixed residency: feasible only if it fits
             kept = sum(sum(ks) for ks in self.keep_only)
             if kept > budget:
@@ -628,7 +801,7 @@ class _Search:
         chooses])."""
         if self.keep_only is not None:
             keep = tuple(tuple(ks) for ks in kept)
-            return Choices(m, keep, keep, tuple(rec), self.d)
+            return Choices(m, keep, keep, tuple(rec), self.d, self.f, self.offload)
         keep = []
         for i, (u, x) in enumerate(zip(self.units, kept)):
             ks = [0] * len(u.order)
@@ -636,7 +809,7 @@ class _Search:
                 ks[j] = max(0, min(c, x - x0))
             keep.append(tuple(ks))
         keep = tuple(keep)
-        return Choices(m, keep, keep, tuple(rec), self.d)
+        return Choices(m, keep, keep, tuple(rec), self.d, self.f, self.offload)
 
 
 def _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, granularity):
@@ -659,35 +832,72 @@ def _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, gra
                             "every rank runs the same micro-batches")
 
 
+def host_candidates(profile: Profile, host_fractions=None, offload=None) -> list[tuple[float, bool]]:
+    """The (host fraction, activation offload) pairs the search tries ([Note: the host
+    dimensions of the search]), in the fixed order ties are broken by."""
+    if profile.h2d is None:
+        fractions, offloads = (0.0,), (False,)
+    else:
+        if profile.weights_on == "host":
+            fractions = (1.0,)
+        elif profile.host_store and profile.world_size > 1:
+            fractions = HOST_FRACTIONS
+        else:
+            fractions = (0.0,)
+        can_offload = any(layer.offload_tensors_bytes_per_token for layer in profile.layers) \
+            and profile.host_budget_bytes != 0
+        offloads = (False, True) if can_offload else (False,)
+    if host_fractions is not None:
+        given = [host_fractions] if isinstance(host_fractions, (int, float)) else list(host_fractions)
+        for f in given:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+                raise PlanningError(f"host_fractions: expected numbers in [0, 1], got {f!r}")
+            if f > 0 and profile.weights_on == "device" and not profile.host_store:
+                raise PlanningError(f"host fraction {f} needs a host store; the profile has none (wrap with "
+                                    "host_fraction > 0 or weights_on='host' and profile again)")
+            if profile.weights_on == "host" and f != 1.0:
+                raise PlanningError(f'host fraction {f}: with weights_on="host" every chunk comes from the host store')
+        fractions = tuple(sorted(set(float(f) for f in given)))
+    if offload is not None:
+        if not isinstance(offload, bool):
+            raise PlanningError(f"offload must be None, True or False, got {offload!r}")
+        if offload and profile.h2d is None:
+            raise PlanningError("activation offload needs a profile with the host link (h2d)")
+        offloads = (offload,)
+    return [(f, o) for f in fractions for o in offloads]
+
+
 def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity,
-            keep_only=None) -> Plan:
+            keep_only=None, host_fractions=None, offload=None) -> Plan:
     t_start = time.perf_counter()
     _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, granularity)
     per_rank = global_batch // profile.world_size
     limit = int(memory_bytes * (1.0 - margin))
-    s = _Search(profile, prefetch_depth, granularity)
-    s.keep_only = keep_only
-    best = None  # (time, m, rec, kept)
+    best = None  # (time, search, m, rec, kept)
     shortfall = None
     L = len(profile.layers)
-    for m in _micro_batch_candidates(per_rank, micro_batches):
-        rec = [False] * L
-        fits = False
-        for R in range(len(s.rec_order) + 1):
-            if R:
-                rec[s.rec_order[R - 1]] = True
-            t, kept, short = s.evaluate(m, rec, limit)
-            if t is None:
-                shortfall = short if shortfall is None else min(shortfall, short)
-                continue
-            fits = True
-            t_step = (per_rank // m) * t
-            if best is None or t_step < best[0]:
-                best = (t_step, m, list(rec), kept)
-            if sum(sum(k) if isinstance(k, tuple) else k for k in kept) >= s.total:
-                break  # everything kept: recomputing more only adds time
-        if not fits:
-            break  # activations grow with the micro-batch: a larger one cannot fit either
+    candidates = _micro_batch_candidates(per_rank, micro_batches)
+    for f, off in host_candidates(profile, host_fractions, offload):
+        s = _Search(profile, prefetch_depth, granularity, f, off)
+        s.keep_only = keep_only
+        for m in candidates:
+            rec = [False] * L
+            fits = False
+            for R in range(len(s.rec_order) + 1):
+                if R:
+                    rec[s.rec_order[R - 1]] = True
+                t, kept, short = s.evaluate(m, rec, limit)
+                if t is None:
+                    shortfall = short if shortfall is None else min(shortfall, short)
+                    continue
+                fits = True
+                t_step = (per_rank // m) * t
+                if best is None or t_step < best[0]:
+                    best = (t_step, s, m, list(rec), kept)
+                if sum(sum(k) if isinstance(k, tuple) else k for k in kept) >= s.total:
+                    break  # everything kept: recomputing more only adds time
+            if not fits:
+                break  # activations grow with the micro-batch: a larger one cannot fit either
     if best is None:
         raise PlanningError(
             f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest plan "
@@ -695,14 +905,15 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
             f"micro-batch and recomputed layers chosen to fit) needs {limit + shortfall} bytes: short by "
             f"{shortfall} bytes"
         )
-    _, m, rec, kept = best
+    _, s, m, rec, kept = best
     choices = s.choices(m, rec, kept)
     return plan_of(profile, choices, memory_bytes=memory_bytes, global_batch=global_batch,
                    planning_seconds=time.perf_counter() - t_start)
 
 
 def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *, micro_batches=None,
-                      margin: float = 0.05, prefetch_depth: int = 1, granularity: str = "chunks") -> Plan:
+                      margin: float = 0.05, prefetch_depth: int = 1, granularity: str = "chunks",
+                      host_fractions=None, offload=None) -> Plan:
     """The fastest plan under the cost model whose peak stays within memory_bytes x (1 -
     margin) ([Note: the search]).
 
@@ -714,13 +925,19 @@ def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *,
                    only those micro-batch sizes.
     granularity    "chunks": keep counts are any chunk count; "eighths": round_half_up(j/8 x
                    n) for j = 0..8, per weight.
+    host_fractions None: HOST_FRACTIONS when the profile has a host store (only 1 with
+                   weights_on="host"), else 0; a number or a sequence: only those.
+    offload        None: activation offload on and off are both tried when the profile has
+                   the host link and offloadable activations; True / False: only that.
     Raises PlanningError naming the shortfall in bytes when nothing fits.
     """
-    return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity)
+    return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity,
+                   host_fractions=host_fractions, offload=offload)
 
 
 def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, keep: list[list[int]], *,
-                        micro_batches=None, margin: float = 0.05, prefetch_depth: int = 1) -> Plan:
+                        micro_batches=None, margin: float = 0.05, prefetch_depth: int = 1, host_fractions=None,
+                        offload=None) -> Plan:
     """A plan whose per-weight kept (= persisted) chunk counts are given (`keep[layer][weight]`,
     e.g. all zero for FSDP/ZeRO-3 or whole small weights for a static persistence threshold);
     the micro-batch and the recomputed layers are searched as in `plan_from_profile`. For the
@@ -737,4 +954,4 @@ def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, 
                                 f"{len(layer.weights)} weights, got {ks!r}")
         keep_only.append(ks)
     return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, "chunks",
-                   keep_only=keep_only)
+                   keep_only=keep_only, host_fractions=host_fractions, offload=offload)

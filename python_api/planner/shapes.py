@@ -36,6 +36,16 @@ fraction (W - G) / (W - 1) crosses nodes (G GPUs per node, one NIC per GPU, so e
 NIC carries its own share) and the rest NVLink, in parallel: B x max(f / inter, (1 - f) / intra).
 The all-reduce of the adapter gradients is a ring: 2 (W - 1) / W x bytes at the slowest bus
 bandwidth.
+Host tier (`host_tier=True`; assumptions, not measurements): the host link of each GPU is its
+PCIe link at an achieved rate (`DeviceSpec.h2d_bytes_per_s`: A100 PCIe Gen4 x16 ~25 GB/s, H100
+SXM Gen5 x16 ~50 GB/s, 10 us per copy batch), each GPU with its own link (no sharing of a
+PCIe switch or of host memory bandwidth is modelled); the store exists (`host_store`), with
+weights_on="host" no shard is in static_bytes; the host budget is `host_budget_bytes`.
+What activation offload moves per decoder layer and token: each of the 7 LoRA linears' input
+(bf16: q, k, v each copy the normed hidden state, o the attention output, gate and up the
+normed hidden state, down silu(g) x u) and x A^T (fp32, r values), no dropout mask:
+2 x (6h + I) + 7 x 4 r bytes moved, of which 2 x (3h + I) + 7 x 4 r are freed on the device
+(the shared inputs once); the attention output is assumed referenced by nothing else.
 """
 
 from __future__ import annotations
@@ -93,6 +103,11 @@ class DeviceSpec:
     intra_latency_s: float
     inter_bytes_per_s: float  # per-GPU bandwidth between nodes (one NIC per GPU)
     inter_latency_s: float
+    h2d_bytes_per_s: float = 25e9  # host <-> device copies over the GPU's PCIe link (achieved; assumption)
+    h2d_latency_s: float = 10e-6
+
+    def h2d(self) -> Link:
+        return Link(self.h2d_latency_s, self.h2d_bytes_per_s)
 
     def allgather(self, ranks: int) -> Link:
         if ranks <= self.gpus_per_node:
@@ -117,6 +132,8 @@ DEVICES = {
         name="a100-40g-pcie", flops=0.5 * 312e12, hbm_bytes_per_s=1.555e12, capacity_bytes=40 * GiB,
         reserved_bytes=3 * GiB // 2, gpus_per_node=8, intra_bytes_per_s=25e9, intra_latency_s=60e-6,
         inter_bytes_per_s=12.5e9, inter_latency_s=20e-6 + 60e-6,
+        # PCIe Gen4 x16: 32 GB/s line rate, ~25 GB/s achieved per GPU (assumption).
+        h2d_bytes_per_s=25e9, h2d_latency_s=10e-6,
     ),
     # H100 SXM5 80GB: 989 TFLOP/s dense bf16 peak, taken at 50%; 3.35 TB/s HBM3. 8 per node on
     # NVLink/NVSwitch: ~350 GB/s all-gather bus bandwidth within a node. Between nodes
@@ -125,6 +142,8 @@ DEVICES = {
         name="h100-sxm", flops=0.5 * 989e12, hbm_bytes_per_s=3.35e12, capacity_bytes=80 * GiB,
         reserved_bytes=2 * GiB, gpus_per_node=8, intra_bytes_per_s=350e9, intra_latency_s=20e-6,
         inter_bytes_per_s=40e9, inter_latency_s=40e-6,
+        # PCIe Gen5 x16 to the host: 64 GB/s line rate, ~50 GB/s achieved per GPU (assumption).
+        h2d_bytes_per_s=50e9, h2d_latency_s=10e-6,
     ),
 }
 
@@ -138,9 +157,12 @@ def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backw
         raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than one row of {name} ({row_bytes} bytes)")
     rows_per_chunk = min(rows, chunk_bytes // row_bytes)
     chunk_numel = rows_per_chunk * cols
-    return WeightProfile(name=name, chunks=math.ceil(rows / rows_per_chunk),
+    chunks = math.ceil(rows / rows_per_chunk)
+    last_rows = rows - (chunks - 1) * rows_per_chunk
+    return WeightProfile(name=name, chunks=chunks,
                          slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
-                         backward=backward)
+                         backward=backward,
+                         last_chunk_bytes=None if last_rows == rows_per_chunk else last_rows * cols * BF16)
 
 
 def shape_of(shape: str) -> ModelShape:
@@ -158,9 +180,14 @@ def device_of(device: str | DeviceSpec) -> DeviceSpec:
 
 
 def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str | DeviceSpec = "a100-40g-pcie", *,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16) -> Profile:
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16, host_tier: bool = False,
+                      weights_on: str = "device", host_budget_bytes: int | None = None) -> Profile:
     """The profile of Llama-2 `shape` on `ranks` GPUs of `device` ([Note: synthetic profile
-    assumptions])."""
+    assumptions]); with `host_tier` (implied by weights_on="host") the host link, a host store
+    and the offloadable activations are in it."""
+    if weights_on not in ("device", "host"):
+        raise ValueError(f'weights_on must be "device" or "host", got {weights_on!r}')
+    host_tier = host_tier or weights_on == "host"
     m = shape_of(shape)
     dev = device_of(device)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
@@ -175,6 +202,10 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
     fwd_flops = 2 * layer_params + attn_fwd + 2 * lora_params
     bwd_flops = 2 * layer_params + 2 * attn_fwd + 4 * lora_params
     act = BF16 * (6 * h + 2 * kv + 4 * inter) + 4 * m.heads + 7 * 4 * r
+    # Activation offload, per LoRA linear in forward order: its input (bf16), then x A^T (fp32).
+    ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": h, "up_proj": h, "down_proj": inter}
+    offl = tuple(float(b) for name, _, _ in projections for b in (BF16 * ins[name], 4 * r)) if host_tier else ()
+    freed = float(BF16 * (3 * h + inter) + 7 * 4 * r) if host_tier else 0.0
     layers = []
     for li in range(m.layers):
         # The first layer's q/k/v read the norm of the frozen embedding: no input gradient,
@@ -187,6 +218,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
             fwd_s_per_token=fwd_flops / dev.flops, bwd_s_per_token=bwd_flops / dev.flops,
             fwd_s_fixed=FWD_FIXED_S, bwd_s_fixed=BWD_FIXED_S,
             act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
+            offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed,
         ))
     head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes)
     layers.append(LayerProfile(
@@ -208,7 +240,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         seq_len=seq_len,
         capacity_bytes=dev.capacity_bytes,
         reserved_bytes=dev.reserved_bytes,
-        static_bytes=shards + replicated + 16 * adapters,
+        static_bytes=(shards if weights_on == "device" else 0) + replicated + 16 * adapters,
         page_bytes=page,
         adapter_grad_bytes=4 * adapters,
         allgather=dev.allgather(ranks),
@@ -217,4 +249,8 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         outside=OutsideProfile(fwd_s_per_token=loss_bytes / dev.hbm_bytes_per_s,
                                bwd_s_per_token=loss_bytes / dev.hbm_bytes_per_s,
                                act_bytes_per_token=float(BF16 * h), peak_bytes_per_token=float(10 * m.vocab)),
+        h2d=dev.h2d() if host_tier else None,
+        host_store=host_tier,
+        weights_on=weights_on,
+        host_budget_bytes=host_budget_bytes,
     )
