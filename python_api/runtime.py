@@ -504,6 +504,19 @@ class ElasticRuntime:
         for et in self.tensors:
             et.from_host = host_chunks(et.num_chunks, self.policy.source_fraction)
 
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Segments gathered ahead of the running one ([Note: learned order and prefetch]), e.g.
+        from a plan; between steps, on every rank alike. The pool's working set follows
+        ([Note: pool budget and working set])."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"set_prefetch_depth: expected an int >= 0, got {depth!r}")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError("set_prefetch_depth: change the prefetch window between steps, not inside a forward or backward")
+        self.policy = dataclasses.replace(self.policy, prefetch_depth=depth)
+        if self.pool is not None:
+            self.pool.set_budget(self._pool_budget())
+            self.pool.drain_evicted()
+
     def set_offload_activations(self, enabled: bool) -> None:
         """Activation offload on or off from the next forward (python_api/activation_offload.py),
         e.g. from a plan; between steps, on every rank alike."""

@@ -81,7 +81,8 @@ def _random_choices(profile, rng, micro_batch):
         keep.append(tuple(ks))
         persist.append(tuple(ps))
     recompute = tuple(rng.random() < 0.5 for _ in profile.layers)
-    return Choices(micro_batch=micro_batch, keep=tuple(keep), persist=tuple(persist), recompute=recompute)
+    return Choices(micro_batch=micro_batch, keep=tuple(keep), persist=tuple(persist), recompute=recompute,
+                   prefetch_depth=rng.randint(0, 2))
 
 
 def _follow_worker(rank, world_size, n_plans):
@@ -100,18 +101,18 @@ def _follow_worker(rank, world_size, n_plans):
     plans = [plan_of(profile, _random_choices(profile, rng, mb), memory_bytes=1 << 30, global_batch=global_batch)
              for mb in [1, 2] * (n_plans // 2)]
     # ...and the planner's own choice under a cap that leaves room for part of the weights.
-    floor = plan_from_profile(profile, 1 << 30, global_batch)
+    floor = plan_from_profile(profile, 1 << 30, global_batch, prefetch_depth=None)
     assert floor.kept_chunks == floor.total_chunks, "an ample cap keeps everything"
     # The tightest plan: at the least memory any plan fits in (feasibility is monotone).
     lo, hi = 1, floor.memory_bytes
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_from_profile(profile, mid, global_batch)
+            plan_from_profile(profile, mid, global_batch, prefetch_depth=None)
             hi = mid
         except PlanningError:
             lo = mid + 1
-    tight = plan_from_profile(profile, lo, global_batch)
+    tight = plan_from_profile(profile, lo, global_batch, prefetch_depth=None)
     assert tight.to_dict() | {"planning_seconds": 0, "memory_bytes": 0} != \
         floor.to_dict() | {"planning_seconds": 0, "memory_bytes": 0}, "the tight plan is the ample one"
     plans.append(tight)
@@ -120,6 +121,9 @@ def _follow_worker(rank, world_size, n_plans):
         apply_plan(planned, plan)
         for layer in plan.layers:
             assert recomputes(planned.get_submodule(layer.name)) == layer.recompute
+        from python_api import runtime_of
+
+        assert runtime_of(planned).policy.prefetch_depth == plan.prefetch_depth
         measured = []
         for step in range(3):
             batch = torch.randint(0, 96, (plan.accumulation, plan.micro_batch, SEQ), generator=gen)

@@ -731,3 +731,32 @@ def test_host_documents_round_trip_and_old_ones_load(tmp_path):
         del d[k]
     legacy = Plan.from_dict(d)
     assert (legacy.host_fraction, legacy.offload_activations, legacy.predicted_h2d_bytes_per_step) == (0.0, False, 0)
+
+
+def test_prefetch_window_is_searched_and_monotone():
+    """prefetch_depth=None searches PREFETCH_DEPTHS: never slower than either fixed depth
+    where that fits, monotone in memory, and quick on the 70B shape with the host tier."""
+    from python_api.planner.search import PREFETCH_DEPTHS
+
+    prof = synthetic_profile("llama2-13b", ranks=8, seq_len=4096)
+    previous = None
+    for gb in (20, 25, 30, 35, 40):
+        mem = gb * 10**9
+        searched = plan_from_profile(prof, mem, 64, prefetch_depth=None)
+        assert searched.prefetch_depth in PREFETCH_DEPTHS
+        for d in PREFETCH_DEPTHS:
+            try:
+                fixed = plan_from_profile(prof, mem, 64, prefetch_depth=d)
+            except PlanningError:
+                continue
+            assert searched.predicted_step_time_s <= fixed.predicted_step_time_s
+        if previous is not None:
+            assert searched.predicted_step_time_s <= previous
+        previous = searched.predicted_step_time_s
+    big = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, host_tier=True)
+    times = sorted(plan_from_profile(big, 41 * 10**9, 64, prefetch_depth=None).planning_seconds for _ in range(3))
+    assert times[1] < 3.0, times
+    with pytest.raises(PlanningError, match="prefetch_depth"):
+        plan_from_profile(prof, 40 * 10**9, 64, prefetch_depth=-1)
+    with pytest.raises(PlanningError, match="prefetch_depth"):
+        plan_from_profile(prof, 40 * 10**9, 64, prefetch_depth=())

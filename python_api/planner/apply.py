@@ -104,9 +104,6 @@ def check_plan_matches(model: nn.Module, plan) -> None:
     rt = runtime_of(model)
     if plan.world_size != rt.world_size:
         raise ValueError(f"apply_plan: the plan is for {plan.world_size} ranks, the runtime has {rt.world_size}")
-    if plan.prefetch_depth != rt.policy.prefetch_depth:
-        raise ValueError(f"apply_plan: the plan assumes prefetch_depth={plan.prefetch_depth}, the runtime's policy "
-                         f"has {rt.policy.prefetch_depth}")
     mine = {et.name: et for et in rt.tensors}
     planned = {}
     for layer in plan.layers:
@@ -148,6 +145,7 @@ def apply_plan(model: nn.Module, plan) -> None:
     for layer in plan.layers:
         for w in layer.weights:
             rt.set_residency(by_name[w.name], w.keep_chunks, w.persist_chunks)
+    rt.set_prefetch_depth(plan.prefetch_depth)
     rt.set_pool_budget(plan.pool_budget_bytes)
     if rt.host_store is not None:
         rt.set_host_fraction(plan.host_fraction)
@@ -169,7 +167,7 @@ def plan(model: nn.Module, profile, memory_bytes: int, global_batch: int, **kwar
     from python_api.planner.search import plan_from_profile
 
     rt = runtime_of(model)
-    kwargs.setdefault("prefetch_depth", rt.policy.prefetch_depth)
+    kwargs.setdefault("prefetch_depth", None)  # searched: PREFETCH_DEPTHS
     result = plan_from_profile(profile, memory_bytes, global_batch, **kwargs)
     check_plan_matches(model, result)
     return result

@@ -65,9 +65,11 @@ kept, so its time is), and a minimum over a fixed set of such functions is monot
 With host chunks a unit's missing bytes are not linear in the chunks kept (the Bresenham
 spread); the runs are then cut where each use's exposure reaches zero by bisection, and the
 partial run a candidate ends in is still evaluated exactly. The prefetch window
-(prefetch_depth) is not searched: it stays the policy's (apply_plan checks the plan's equals
-it), because the runtime's pool working set and every rank's prefetch schedule are fixed at
-wrap time; making it a candidate would need a runtime hook to change it between steps.
+(prefetch_depth: segments gathered ahead) is one more dimension when it is not given
+(prefetch_depth=None: PREFETCH_DEPTHS, 1 and 2): a deeper window hides more of each gather
+behind compute and costs the buffers and working-set pages of one more unit in flight; the
+runtime takes the plan's between steps (`ElasticRuntime.set_prefetch_depth`). Each depth is one
+more fixed set of candidates, so the minimum stays monotone; it doubles the planning time.
 Planning time: ten (f, offload) pairs for weights_on="device" with a store, two with
 weights_on="host". Llama-2-70B on 8 ranks (A100 PCIe profile, seq 4096, 40 GB, global batch
 64): 0.21 s median with a store and the weights on the device, 0.094 s with weights_on="host"
@@ -111,6 +113,7 @@ GRANULARITIES = ("chunks", "eighths")
 # The host fractions the search tries when the profile has a host store ([Note: the host
 # dimensions of the search]).
 HOST_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PREFETCH_DEPTHS = (1, 2)  # the prefetch windows tried when prefetch_depth=None
 
 
 class PlanningError(ValueError):
@@ -823,8 +826,13 @@ def _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, gra
                             f"({profile.capacity_bytes}) on {profile.device}")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise PlanningError(f"margin must be a number in [0, 1), got {margin!r}")
-    if not isinstance(prefetch_depth, int) or isinstance(prefetch_depth, bool) or prefetch_depth < 0:
-        raise PlanningError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    depths = PREFETCH_DEPTHS if prefetch_depth is None else (
+        prefetch_depth if isinstance(prefetch_depth, (tuple, list)) else (prefetch_depth,))
+    if not depths:
+        raise PlanningError("prefetch_depth: an empty sequence of depths")
+    for d in depths:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise PlanningError(f"prefetch_depth must be None, an int >= 0 or a sequence of them, got {prefetch_depth!r}")
     if granularity not in GRANULARITIES:
         raise PlanningError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if global_batch % profile.world_size:
@@ -877,8 +885,10 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
     shortfall = None
     L = len(profile.layers)
     candidates = _micro_batch_candidates(per_rank, micro_batches)
-    for f, off in host_candidates(profile, host_fractions, offload):
-        s = _Search(profile, prefetch_depth, granularity, f, off)
+    depths = PREFETCH_DEPTHS if prefetch_depth is None else (
+        tuple(prefetch_depth) if isinstance(prefetch_depth, (tuple, list)) else (prefetch_depth,))
+    for d, (f, off) in [(d, fo) for d in depths for fo in host_candidates(profile, host_fractions, offload)]:
+        s = _Search(profile, d, granularity, f, off)
         s.keep_only = keep_only
         for m in candidates:
             rec = [False] * L
@@ -912,7 +922,7 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
 
 
 def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *, micro_batches=None,
-                      margin: float = 0.05, prefetch_depth: int = 1, granularity: str = "chunks",
+                      margin: float = 0.05, prefetch_depth=1, granularity: str = "chunks",
                       host_fractions=None, offload=None) -> Plan:
     """The fastest plan under the cost model whose peak stays within memory_bytes x (1 -
     margin) ([Note: the search]).
@@ -925,6 +935,8 @@ def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *,
                    only those micro-batch sizes.
     granularity    "chunks": keep counts are any chunk count; "eighths": round_half_up(j/8 x
                    n) for j = 0..8, per weight.
+    prefetch_depth an int (the runtime's window, fixed), a sequence of them, or None:
+                   PREFETCH_DEPTHS searched ([Note: the host dimensions of the search]).
     host_fractions None: HOST_FRACTIONS when the profile has a host store (only 1 with
                    weights_on="host"), else 0; a number or a sequence: only those.
     offload        None: activation offload on and off are both tried when the profile has
