@@ -100,16 +100,9 @@ def _measure_all(plans: dict, steps: int, world_size: int) -> dict:
 
 
 def _caps(profile, global_batch: int) -> list[int]:
-    from python_api.planner.search import PlanningError, plan_from_profile
+    from python_api.planner.search import least_memory, plan_from_profile
 
-    lo, hi = 1, profile.capacity_bytes
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            plan_from_profile(profile, mid, global_batch)
-            hi = mid
-        except PlanningError:
-            lo = mid + 1
+    lo = least_memory(profile, global_batch)
     everything = plan_from_profile(profile, profile.capacity_bytes, global_batch)
     full = int(everything.predicted_peak_bytes / 0.95) + 1
     least = int(lo * 1.02)

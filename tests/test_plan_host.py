@@ -65,17 +65,10 @@ def _host_worker(rank, world_size, policy, fractions):
             plans.append(plan_of(profile, c, memory_bytes=1 << 30, global_batch=global_batch))
     # ...and the planner's own choices, with the host dimensions searched: under an ample cap,
     # and at the least memory any plan fits in (feasibility is monotone), and just above it.
-    from python_api.planner.search import PlanningError
+    from python_api.planner.search import least_memory
 
     ample = plan_from_profile(profile, 1 << 30, global_batch)
-    lo, hi = 1, ample.memory_bytes
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            plan_from_profile(profile, mid, global_batch)
-            hi = mid
-        except PlanningError:
-            lo = mid + 1
+    lo = least_memory(profile, global_batch)
     plans += [ample, plan_from_profile(profile, lo, global_batch), plan_from_profile(profile, lo * 11 // 10,
                                                                                       global_batch)]
     report = []

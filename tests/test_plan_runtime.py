@@ -89,7 +89,7 @@ def _follow_worker(rank, world_size, n_plans):
     from python_api import reset_stats, stats
     from python_api.planner.apply import apply_plan, recomputes
     from python_api.planner.measure import measure_profile
-    from python_api.planner.search import PlanningError, plan_from_profile, plan_of
+    from python_api.planner.search import least_memory, plan_from_profile, plan_of
 
     per_rank = 2
     global_batch = per_rank * world_size
@@ -104,14 +104,7 @@ def _follow_worker(rank, world_size, n_plans):
     floor = plan_from_profile(profile, 1 << 30, global_batch, prefetch_depth=None)
     assert floor.kept_chunks == floor.total_chunks, "an ample cap keeps everything"
     # The tightest plan: at the least memory any plan fits in (feasibility is monotone).
-    lo, hi = 1, floor.memory_bytes
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            plan_from_profile(profile, mid, global_batch, prefetch_depth=None)
-            hi = mid
-        except PlanningError:
-            lo = mid + 1
+    lo = least_memory(profile, global_batch, prefetch_depth=None)
     tight = plan_from_profile(profile, lo, global_batch, prefetch_depth=None)
     assert tight.to_dict() | {"planning_seconds": 0, "memory_bytes": 0} != \
         floor.to_dict() | {"planning_seconds": 0, "memory_bytes": 0}, "the tight plan is the ample one"

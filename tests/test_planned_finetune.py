@@ -20,17 +20,9 @@ CHANGE_AT = 3
 
 def _smallest_feasible_cap(profile, global_batch: int) -> int:
     """The least memory per rank for which the planner finds a plan (feasibility is monotone)."""
-    from python_api.planner.search import PlanningError, plan_from_profile
+    from python_api.planner.search import least_memory
 
-    lo, hi = 1, 1 << 30
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            plan_from_profile(profile, mid, global_batch)
-            hi = mid
-        except PlanningError:
-            lo = mid + 1
-    return lo
+    return least_memory(profile, global_batch)
 
 
 def test_planned_run_adapts_accumulation_when_memory_shrinks(tmp_path):

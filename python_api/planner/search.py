@@ -947,6 +947,22 @@ def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *,
                    host_fractions=host_fractions, offload=offload)
 
 
+def least_memory(profile: Profile, global_batch: int, **kwargs) -> int:
+    """The least `memory_bytes` for which `plan_from_profile(profile, memory_bytes,
+    global_batch, **kwargs)` finds a plan: a bisection (feasibility is monotone in memory) up
+    to the profile's capacity. Raises PlanningError when nothing fits even there."""
+    lo, hi = 1, profile.capacity_bytes
+    plan_from_profile(profile, hi, global_batch, **kwargs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_from_profile(profile, mid, global_batch, **kwargs)
+            hi = mid
+        except PlanningError:
+            lo = mid + 1
+    return lo
+
+
 def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, keep: list[list[int]], *,
                         micro_batches=None, margin: float = 0.05, prefetch_depth: int = 1, host_fractions=None,
                         offload=None) -> Plan:
