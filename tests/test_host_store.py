@@ -470,8 +470,10 @@ CHILD = textwrap.dedent(
     def fill(store, lr, lw):
         a, b = local_share(store.nbytes, lr, lw)
         store.tensor()[a:b].fill_(lr + 1)
-        with open(os.path.join(out, f"ready.{rank}"), "w") as f:
+        # Written whole, then renamed: the test kills this rank as soon as the file exists.
+        with open(os.path.join(out, f"ready.{rank}.tmp"), "w") as f:
             f.write(store.handle)
+        os.replace(os.path.join(out, f"ready.{rank}.tmp"), os.path.join(out, f"ready.{rank}"))
         if rank == victim and scenario == "raise":
             raise RuntimeError("boom in the fill of rank %d" % rank)
         if rank == victim and scenario in ("sigterm", "sigkill"):
