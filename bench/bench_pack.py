@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from elastic_kernels import ChunkLayout, _ext  # noqa: E402
-from elastic_kernels.reference import pack_shards_reference, unpack_gathered_reference  # noqa: E402
+from elastic_kernels.ops.pack_reference import pack_shards_reference, unpack_gathered_reference  # noqa: E402
 
 MIB = 2**20
 COLS = 4096
@@ -51,7 +51,7 @@ def impls(device: str):
     if _ext.available() and (device == "cpu" or _ext.cuda_built()):
         out["cpp"] = (torch.ops.elastic.pack_shards, torch.ops.elastic.unpack_gathered)
     if device == "cuda":
-        from elastic_kernels import triton_pack  # noqa: F401
+        from elastic_kernels.ops import pack_triton  # noqa: F401
 
         out["triton"] = (torch.ops.elastic.pack_shards_triton, torch.ops.elastic.unpack_gathered_triton)
     return out

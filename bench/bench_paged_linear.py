@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
-from elastic_kernels import paged_linear as pl  # noqa: E402
+from elastic_kernels.ops import paged_linear as pl  # noqa: E402
 
 CUDA_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in_features K, out_features N)
 CUDA_TOKENS = [2048, 4096, 8192, 16384]

@@ -1,6 +1,6 @@
 // Schemas of the elastic:: namespace (the one TORCH_LIBRARY block; later ops add theirs here)
 // and the argument checks shared by the C++ impls. Fake impls live in Python
-// (elastic_kernels/ops.py, named by set_python_module below).
+// (elastic_kernels/ops/pack.py, named by set_python_module below).
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -169,7 +169,7 @@ at::Tensor pack_shards_no_kernel(at::TensorList shards, c10::IntArrayRef slice_n
 
 TORCH_LIBRARY(elastic, m) {
   // Fake (meta) impls of these ops are registered from this Python module.
-  m.set_python_module("elastic_kernels.ops");
+  m.set_python_module("elastic_kernels.ops.pack");
   // Copy the slices of chunks [chunk_begins[i], chunk_ends[i]) of every shard into one new 1-D
   // send buffer, weight after weight (layout.py [Note: chunk-major shard layout]).
   m.def(

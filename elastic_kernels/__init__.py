@@ -9,17 +9,18 @@ from elastic_kernels import _ext
 
 _ext.load()
 
+from elastic_kernels.host_store import HostStore, HostStoreError  # noqa: E402 - shared host segment (csrc/host/)
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
-from elastic_kernels.ops import pack_shards, unpack_gathered  # noqa: E402 - after _ext.load(): registers fakes
 from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
-from elastic_kernels.host_store import HostStore, HostStoreError  # noqa: E402, F401 - shared host segment (csrc/host/)
 
-# Paged LoRA linear (Triton ops elastic::paged_lora_linear_fwd / _dgrad / lora_adapter_grads,
-# registered on import, each with its pure-torch reference; impl="auto" picks per device).
-from elastic_kernels.paged_linear import (  # noqa: E402
+# The ops (elastic_kernels/ops/): the pack ops' fakes register after _ext.load(); the paged
+# LoRA linear's Triton ops register on import; impl="auto" picks per device.
+from elastic_kernels.ops import (  # noqa: E402
     lora_adapter_grads,
+    pack_shards,
     paged_lora_linear_dgrad,
     paged_lora_linear_fwd,
+    unpack_gathered,
 )
 
 # Ops of the `elastic` namespace that must carry a CUDA kernel when the CUDA part is built.
@@ -37,6 +38,8 @@ def registered_ops():
 __all__ = [
     "CUDA_OPS",
     "ChunkLayout",
+    "HostStore",
+    "HostStoreError",
     "PagePool",
     "PoolExhausted",
     "lora_adapter_grads",

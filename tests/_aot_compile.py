@@ -7,7 +7,7 @@ Run as a script (TRITON_INTERPRET must be unset: the interpreter never compiles)
     python tests/_aot_compile.py [--arch 90] [--json]
 
 `tests/test_paged_linear.py::test_kernels_compile_for_sm90` runs it in a subprocess. The
-numbers quoted in elastic_kernels/paged_linear.py ([Note: LoRA term as the initial accumulator],
+numbers quoted in elastic_kernels/ops/paged_linear_kernels.py ([Note: LoRA term as the initial accumulator],
 [Note: launch configurations]) come from this script.
 """
 
@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from elastic_kernels import paged_linear as pl  # noqa: E402
+from elastic_kernels.ops import paged_linear as pl  # noqa: E402
 
 # Triton specialises pointer and integer arguments that are multiples of 16 at launch; the
 # benchmark shapes (4096 / 11008 features, 2k-16k tokens, r = 16) make every one of them such a

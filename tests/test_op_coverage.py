@@ -8,7 +8,7 @@ import pkgutil
 import torch
 
 import elastic_kernels
-from elastic_kernels import paged_linear_reference
+from elastic_kernels.ops import paged_linear_reference
 from tests import test_pack_ops, test_paged_linear
 
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import elastic_kernels
-from elastic_kernels import ChunkLayout, ops, triton_pack
-from elastic_kernels.reference import pack_shards_reference, unpack_gathered_reference
+from elastic_kernels import ChunkLayout
+from elastic_kernels.ops import pack, pack_triton
+from elastic_kernels.ops.pack_reference import pack_shards_reference, unpack_gathered_reference
 from tests import _skips
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8]
@@ -260,9 +261,9 @@ def test_auto_picks_cpp_on_cpu_when_built():
     from elastic_kernels import _ext
 
     expected = "cpp" if _ext.available() else "reference"
-    assert ops._resolve("auto", torch.device("cpu")) == expected
+    assert pack._resolve("auto", torch.device("cpu")) == expected
     if _ext.available() and _ext.cuda_built():
-        assert ops._resolve("auto", torch.device("cuda")) == "cpp"
+        assert pack._resolve("auto", torch.device("cuda")) == "cpp"
 
 
 def test_unknown_impl_is_named():
@@ -285,9 +286,9 @@ def test_user_functions_name_bad_argument_types():
 
 def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
     _skips.require_triton_on_cpu()
-    monkeypatch.setattr(triton_pack, "_interpreted", lambda: False)
+    monkeypatch.setattr(pack_triton, "_interpreted", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        triton_pack.pack_shards_triton([torch.zeros(4)], [2], [0], [2])
+        pack_triton.pack_shards_triton([torch.zeros(4)], [2], [0], [2])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import elastic_kernels
-from elastic_kernels import paged_linear as pl
+from elastic_kernels.ops import paged_linear as pl
 
 K_RULE = 2.0
 U = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
@@ -839,7 +839,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from tests import _aot_compile as aot
-from elastic_kernels import paged_linear as pl
+from elastic_kernels.ops import paged_linear as pl
 
 rows = []
 def add(name, kernel, types, meta, nw, ns):

@@ -1,5 +1,5 @@
 """Pure-torch references of the elastic:: copy ops: the meaning every fast impl must match bit
-for bit, and the CPU default where the extension is absent (ops.py [Note: which impl runs]).
+for bit, and the CPU default where the extension is absent (pack.py [Note: which impl runs]).
 
 They restate layout.py [Note: chunk-major shard layout] with slicing and reshapes instead of
 index arithmetic, so they share no code with the kernels beyond the argument checks.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic_kernels.ops import check_pack_args, check_unpack_args
+from elastic_kernels.ops._checks import check_pack_args, check_unpack_args
 
 
 def pack_shards_reference(shards, slice_numels, chunk_begins, chunk_ends) -> torch.Tensor:

@@ -30,7 +30,12 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from elastic_kernels.ops import check_pack_args, check_unpack_args
+from elastic_kernels.ops._checks import check_pack_args, check_unpack_args, has_storage
+
+try:  # TRITON_INTERPRET=1 makes @triton.jit return InterpretedFunction (Triton 3.x)
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # pragma: no cover - every supported Triton has it
+    _InterpretedFunction = ()
 
 # Bytes one program copies at most; a block is also never much longer than a run (slice).
 _PROGRAM_BYTES = 16384
@@ -70,9 +75,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:
     """Triton runs CPU tensors only under the interpreter: say so instead of failing deep inside."""
-    from elastic_kernels.ops import _has_storage
-
-    if not _has_storage(t) or t.device.type == "cuda":
+    if not has_storage(t) or t.device.type == "cuda":
         return
     if not _interpreted():
         raise RuntimeError(
@@ -83,9 +86,7 @@ def _check_runnable(op: str, t: torch.Tensor) -> None:
 
 
 def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_chunk_copy_kernel, InterpretedFunction)
+    return bool(_InterpretedFunction) and isinstance(_chunk_copy_kernel, _InterpretedFunction)
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, numel: int, slice_numel: int, src_stride: int) -> None:

@@ -1,0 +1,16 @@
+"""The ops of the ``elastic`` namespace, one family per module, each with its pure-torch
+reference beside it, its Triton kernels and its fake impls:
+
+  _checks.py                 argument checks shared by every Python impl (a leaf)
+  pack.py                    pack_shards / unpack_gathered: dispatch, fakes of the C++ schemas
+  pack_reference.py          their pure-torch references
+  pack_triton.py             their Triton impls (elastic::*_triton)
+  paged_linear.py            paged LoRA linear: launchers, triton_op registration, dispatch
+  paged_linear_kernels.py    its @triton.jit kernels
+  paged_linear_reference.py  its pure-torch reference and [Note: numerics of the paged LoRA ops]
+"""
+
+from elastic_kernels.ops.pack import pack_shards, unpack_gathered
+from elastic_kernels.ops.paged_linear import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
+
+__all__ = ["lora_adapter_grads", "pack_shards", "paged_lora_linear_dgrad", "paged_lora_linear_fwd", "unpack_gathered"]
