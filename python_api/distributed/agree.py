@@ -90,11 +90,13 @@ def ranks_text(ranks: list[int]) -> str:
 
 
 def agree(error: str | None, group=None, *, what: str = "", timeout_s: float | None = None,
-          error_type: type[Exception] = RuntimeError) -> None:
+          error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = RuntimeError) -> None:
     """Raise `error_type` on every rank of `group` if any rank passes an error text; return on
     every rank otherwise ([Note: agreeing across ranks]). `what` prefixes the message
-    ("what: error"). A collective (local without a process group)."""
-    errors = exchange(error, group, timeout_s=timeout_s, what=what or "agree", error_type=error_type)
+    ("what: error"). A collective (local without a process group); if the exchange itself
+    fails (a peer died or stopped), `collective_error_type` is raised instead, so that a
+    caller can tell a peer's failure from an agreed error."""
+    errors = exchange(error, group, timeout_s=timeout_s, what=what or "agree", error_type=collective_error_type)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if not bad:
         return
@@ -108,7 +110,8 @@ def agree(error: str | None, group=None, *, what: str = "", timeout_s: float | N
 
 
 def rank0_then_agree(fn, group=None, *, what: str, timeout_s: float | None = None,
-                     error_type: type[Exception] = RuntimeError) -> None:
+                     error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = RuntimeError
+                     ) -> None:
     """Run `fn()` on rank 0 of `group`, then make every rank raise the same error if it failed
     ("what failed on rank 0: Type: message"), instead of leaving the others in a barrier.
     A collective (local without a process group)."""
@@ -118,7 +121,7 @@ def rank0_then_agree(fn, group=None, *, what: str, timeout_s: float | None = Non
             fn()
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error, text = exc, f"{type(exc).__name__}: {exc}"
-    texts = exchange(text, group, timeout_s=timeout_s, what=what, error_type=error_type)
+    texts = exchange(text, group, timeout_s=timeout_s, what=what, error_type=collective_error_type)
     if texts[0] is not None:
         raise error_type(f"{what} failed on rank 0: {texts[0]}") from error
 

@@ -141,7 +141,7 @@ def rank_differences(configs: list[dict]) -> list[str]:
 
 def agree_configuration(job) -> None:
     """Collective: refuse the run on every rank if the ranks' configurations differ."""
-    configs = exchange(agreed_configuration(job), what="the ranks' configurations", error_type=FinetuneError)
+    configs = exchange(agreed_configuration(job), what="the ranks' configurations")
     diffs = rank_differences(configs)
     if diffs:
         raise FinetuneError(

@@ -108,7 +108,8 @@ def _exchange(obj, group, timeout_s: float | None, what: str) -> list:
 
 
 def _agree(error: str | None, group, timeout_s: float | None, what: str) -> None:
-    agree(error, group, timeout_s=timeout_s, what=f"node_host_store ({what}) failed", error_type=HostStoreSetupError)
+    agree(error, group, timeout_s=timeout_s, what=f"node_host_store ({what}) failed", error_type=HostStoreSetupError,
+          collective_error_type=HostStoreSetupError)
 
 
 def _error_text(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ state dict has the original model's layout.
 
 [Note: per-module rank and alpha]
 `LoRAConfig.rank_pattern` / `alpha_pattern` map a pattern to an r / alpha for the modules it
-matches, PEFT's rule: pattern p matches module name n when `re.match(rf"(.*\.)?({p})$", n)`,
+matches, PEFT's rule: pattern p matches module name n when `re.match(rf"(.*\\.)?({p})$", n)`,
 the first matching pattern (in the order given) wins, else `r` / `alpha`. They are stored as
 tuples of (pattern, value) pairs (the config is frozen and hashable) and written as dicts to
 adapter_config.json. load_adapter computes every module's r and scaling from the file's

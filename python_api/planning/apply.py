@@ -86,8 +86,7 @@ def _check_ranks_apply_the_same(rt, plan) -> None:
         return
     # planning_seconds is a timing, the one field ranks may differ in without harm.
     doc = {k: v for k, v in plan.to_dict().items() if k != "planning_seconds"}
-    every = exchange(digest(doc), rt.group, timeout_s=rt.policy.collective_timeout_s, what="apply_plan",
-                     error_type=ValueError)
+    every = exchange(digest(doc), rt.group, timeout_s=rt.policy.collective_timeout_s, what="apply_plan")
     differ = [r for r, d in enumerate(every) if d != every[0]]
     if differ:
         raise ValueError(

@@ -100,10 +100,10 @@ def _state_dict_worker(rank, world_size):
     non_strict = other.load_state_dict(plain_sd, strict=False)
 
     # A rank that will not write joins the gathers but keeps nothing (ElasticTrainer's non-writers).
-    from python_api import hf
+    from python_api.nn import gather_only
 
     if rank == 1:
-        with hf.gather_only():
+        with gather_only():
             partial = model.state_dict()
         assert "model.layers.0.self_attn.q_proj.weight" not in partial and "model.embed_tokens.weight" in partial
     else:

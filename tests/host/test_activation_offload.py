@@ -366,7 +366,7 @@ def test_no_leak_no_grad_forward_twice_failed_backward_retain_graph():
 def test_copy_back_runs_one_layer_ahead(monkeypatch):
     """When the backward of the k-th offloading layer asks for its tensors, the copy-back of
     the (k-1)-th is issued right then (before the k-th layer's backward computes)."""
-    from python_api import activation_offload as ao
+    from python_api.host import offload as ao
 
     model = _build(0.0, True)
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
