@@ -185,7 +185,7 @@ def test_state_dict_round_trip_with_host_weights():
     elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, weights_on="host"))
     rt = runtime_of(model)
     for et, block in zip(rt.tensors, plain):
-        from python_api.hf import load_full_weight
+        from python_api.nn import load_full_weight
 
         load_full_weight(et, block.base.weight)
         assert torch.equal(rt.full_weight(et), block.base.weight)
