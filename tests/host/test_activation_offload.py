@@ -660,3 +660,150 @@ def test_switching_offload_off_frees_the_host_buffers():
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
     assert off.pool.held_bytes == held and off.pool.in_use_bytes == 0
+
+
+# ------------------------------------------------------------------------------ GPU: ordering under delay (issue 17)
+
+GPU_SLEEP = 20_000_000  # cycles: ~10 ms at 2 GHz, far longer than one 32 MiB copy (< 1 ms)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _gpu_stack(offload: bool, width: int, depth: int, dropout: float = 0.1):
+    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+
+    torch.manual_seed(0)
+    m = _Stack(width, depth).cuda()
+    m.requires_grad_(False)
+    m = convert_to_elastic(m, LoRAConfig(r=8, alpha=16, dropout=dropout, target_modules=r"layers\.\d+"),
+                           ElasticPolicy(offload_activations=offload))
+    gen = torch.Generator().manual_seed(7)
+    for _, layer in lora_layers(m):
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen).cuda() * 0.1)
+    return m.train()
+
+
+# Each variant delays one side so that one ordering matters (see the test's docstring):
+#   input_sleeps: sleeps on the compute stream before each step's input is written
+#   d2h_sleeps: sleeps on the copy stream, after it caught up with compute, before each offload
+#   h2d_sleeps: sleeps on the copy stream before each copy-back
+#   backward_sleeps: sleeps on the compute stream before each layer's backward
+DELAYS = {
+    "d2h_waits_for_compute": dict(input_sleeps=5, d2h_sleeps=0, h2d_sleeps=0, backward_sleeps=0),
+    "d2h_source_not_reused": dict(input_sleeps=0, d2h_sleeps=1, h2d_sleeps=0, backward_sleeps=0),
+    "h2d_waited_for": dict(input_sleeps=0, d2h_sleeps=0, h2d_sleeps=1, backward_sleeps=0),
+    "h2d_result_not_reused": dict(input_sleeps=0, d2h_sleeps=0, h2d_sleeps=0, backward_sleeps=1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(DELAYS))
+def test_cuda_offload_ordered_under_delayed_streams(monkeypatch, variant):
+    """Every ordering the CUDA offload relies on, each made to matter by a delay (issue 17):
+    "d2h_waits_for_compute": each step's input is written behind a long sleep on the compute
+    stream (a D2H that does not wait for compute copies it unwritten); "d2h_source_not_reused":
+    every D2H waits behind a sleep on the copy stream while, after each layer's forward, the
+    freed activations' memory is claimed and overwritten at once on the compute stream (without
+    `record_stream` on the copy stream the allocator hands it out under the late D2H);
+    "h2d_waited_for": every copy-back waits behind a sleep on the copy stream (without
+    `wait_event` the backward reads the restored tensor before it arrives);
+    "h2d_result_not_reused": each layer's backward waits behind a sleep on the compute stream (a
+    restored tensor freed without `record_stream` on compute is reused by the next copy-back
+    while its backward is still to read it). Losses and adapter gradients must equal offload
+    off bit for bit, under the same delays."""
+    from python_api import runtime_of
+    from python_api.host import offload as ao
+
+    delays = DELAYS[variant]
+    width, depth, tokens = 2048, 4, 4096  # each activation 32 MiB
+    real_offload, real_copy_back = ao.ActivationOffload.offload, ao._Offloaded._copy_back
+
+    def delayed_offload(self, tensors, activations):
+        if delays["d2h_sleeps"]:
+            # Behind the compute stream first, so that the sleep delays the copies *after* the
+            # point where the layer drops its tensors (this variant tests their record_stream;
+            # "d2h_waits_for_compute" tests the offloader's own wait, which this would mask).
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(delays["d2h_sleeps"] * GPU_SLEEP)
+        return real_offload(self, tensors, activations)
+
+    def delayed_copy_back(self):
+        with torch.cuda.stream(self._owner.copy_stream):
+            torch.cuda._sleep(delays["h2d_sleeps"] * GPU_SLEEP)
+        return real_copy_back(self)
+
+    monkeypatch.setattr(ao.ActivationOffload, "offload", delayed_offload)
+    monkeypatch.setattr(ao._Offloaded, "_copy_back", delayed_copy_back)
+
+    def run(model):
+        junk = []
+
+        def claim_freed_memory(module, args, out):  # the freed activations' blocks, overwritten now
+            junk.append(torch.full((tokens, width), 1e6, device="cuda"))
+            junk.append(torch.full((tokens, width), -1e6, device="cuda"))
+
+        def delay_backward(grad):
+            torch.cuda._sleep(delays["backward_sleeps"] * GPU_SLEEP)
+            return grad
+
+        layers = [layer for _, layer in lora_layers(model)]
+        assert len(layers) == depth
+        hooks = [layer.register_forward_hook(claim_freed_memory) for layer in layers]
+        hooks += [layer.register_forward_hook(lambda m, a, out: out.register_hook(delay_backward) and None)
+                  for layer in layers]
+        out = []
+        for step in range(3):
+            base = torch.randn(tokens, width, generator=torch.Generator().manual_seed(step)).cuda()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(delays["input_sleeps"] * GPU_SLEEP)
+            x = base * 0.5  # written only after the sleep
+            torch.manual_seed(100 + step)  # the dropout masks
+            loss = model(x).square().mean()
+            junk.clear()
+            loss.backward()
+            out.append((loss.detach().clone(), _grads(model)))
+            for p in model.parameters():
+                p.grad = None
+        for h in hooks:
+            h.remove()
+        torch.cuda.synchronize()
+        return out
+
+    plain = run(_gpu_stack(False, width, depth))
+    model = _gpu_stack(True, width, depth)
+    offloaded = run(model)
+    s = runtime_of(model).activation_offload.stats(detail=True)
+    assert s["d2h_bytes"] > 0 and s["d2h_bytes"] == s["h2d_bytes"] and s["host_in_use_bytes"] == 0, s
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(plain, offloaded)):
+        assert torch.equal(l0, l1), f"{variant} step {step}: loss {l0.item()} vs {l1.item()} with offload"
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1)), f"{variant} step {step}: adapter gradients differ"
+
+
+@pytest.mark.gpu
+def test_cuda_inplace_change_after_offload_is_refused():
+    """Defect 4 on CUDA: the D2H copy of an input changed in place after the layer's forward
+    races with the in-place kernel; restore refuses it with autograd's error instead."""
+    model = _gpu_stack(True, 256, 2, dropout=0.0)  # no dropout: the layer saves its input itself
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    h = x * 1.0
+    first = next(layer for _, layer in lora_layers(model))
+
+    def change_input(module, args, out):
+        args[0].mul_(2.0)
+
+    first.register_forward_hook(change_input)
+    loss = model(h).sum()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.cuda\.FloatTensor \[64, 256\]\] "
+                                           r"is at version 1; expected version 0"):
+        loss.backward()

@@ -489,8 +489,13 @@ CHILD = textwrap.dedent(
     except HostStoreSetupError as exc:
         with open(os.path.join(out, f"error.{rank}"), "w") as f:
             f.write(str(exc))
+        # A peer is gone: end the group without a collective (gloo's threads would otherwise be
+        # torn down at interpreter exit, pytorch#190489), then exit with the agreed code.
+        dist.destroy_process_group()
         sys.exit(3)
     assert int(store.tensor()[0]) == 1
+    dist.barrier()
+    dist.destroy_process_group()  # every child ends its process group (issue 17, the flake)
     """
 )
 

@@ -282,3 +282,89 @@ def test_cuda_host_chunks_pipeline_within_a_use():
     # 7 of 8 chunks are still to copy when chunk 0 is ready: at PCIe/NVLink-C2C rates of at
     # most ~50 GB/s that is >= 9 ms; one event for the whole use would make lead_ms <= 0.
     assert lead_ms > 2.0, f"chunk 0 was ready only {lead_ms:.2f} ms before the last host chunk arrived"
+
+
+# The host tier inside the runtime on a device: copy stream, communication stream and PagePool
+# reuse (budget 0: pages change hands at every layer), each side delayed in turn.
+RUNTIME_DELAYS = {
+    "late_fills": dict(fill_sleeps=1, compute_sleeps=0),  # compute must wait for each chunk's fill
+    "late_compute": dict(fill_sleeps=0, compute_sleeps=1),  # a reused page is refilled only after its readers
+}
+
+
+def _cuda_host_tier_worker(rank, world_size, delays):
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from python_api import ElasticLinear, ElasticPolicy, ElasticRuntime
+    from python_api.distributed import collectives
+    from python_api.host import sources
+    from python_api.runtime import _gathers
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    group = dist.new_group([0], backend="nccl")
+    dims = (1024, 2048, 1024, 2048, 1024)
+    real_copy, real_gather = sources.HostCopyWork, collectives.GatherWork
+
+    def late(stream, sleeps):
+        if sleeps:
+            stream.wait_stream(torch.cuda.current_stream())  # after its readers: the sleep delays the fill itself
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(sleeps * SLEEP_CYCLES)
+
+    def host_copy(pairs, copy_stream=None, device=None):
+        late(copy_stream, delays["fill_sleeps"])
+        return real_copy(pairs, copy_stream, device)
+
+    def gather(runs, group, world_size, comm_stream=None, *args, **kwargs):
+        late(comm_stream, delays["fill_sleeps"])
+        return real_gather(runs, group, world_size, comm_stream, *args, **kwargs)
+
+    def run(delayed: bool):
+        torch.manual_seed(0)
+        linears = [nn.Linear(a, b, device=device).requires_grad_(False) for a, b in zip(dims[:-1], dims[1:])]
+        policy = ElasticPolicy(chunk_bytes=128 * max(dims) * FP32, host_fraction=0.5, keep_ratio=0.0,
+                               persist_ratio=0.0, pool_budget_bytes=0, prefetch_depth=1)
+        rt = ElasticRuntime(policy, group=group, device=device, force_pool=True)
+        layers = [ElasticLinear.from_linear(lin, rt, f"l{i}") for i, lin in enumerate(linears)]
+        rt.finish_registration()
+        outs = []
+        with mock.patch.object(_gathers, "HostCopyWork", host_copy if delayed else real_copy), \
+                mock.patch.object(_gathers, "GatherWork", gather if delayed else real_gather):
+            for it in range(3):
+                x = torch.randn(512, dims[0], generator=torch.Generator().manual_seed(it)).to(device)
+                x.requires_grad_(True)
+                y, ref = x, x.detach()
+                for layer, lin in zip(layers, linears):
+                    if delayed and delays["compute_sleeps"]:
+                        torch.cuda._sleep(delays["compute_sleeps"] * SLEEP_CYCLES)
+                    y = torch.tanh(layer(y))
+                    ref = torch.tanh(F.linear(ref, lin.weight, lin.bias))
+                y.square().sum().backward()
+                outs.append((y.detach().clone(), x.grad.clone(), float((y.detach() - ref).abs().max())))
+        torch.cuda.synchronize()
+        s = rt.stats()
+        return outs, s["h2d_bytes"], s["allgather_calls"]
+
+    plain, h2d, gathers = run(False)
+    delayed, _, _ = run(True)
+    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, delayed))
+    return dict(same=same, err=max(o[2] for o in plain + delayed), h2d=h2d, gathers=gathers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(RUNTIME_DELAYS))
+def test_cuda_host_tier_in_the_runtime_under_delays(variant):
+    """Issue 17: the runtime's host tier on a device, half the chunks from the host store (copy
+    stream), half gathered (communication stream), through a PagePool of budget 0: with every
+    fill delayed ("late_fills": each chunk's compute must wait for its own fill event) or every
+    layer's compute delayed ("late_compute": a page handed to the next fill must wait for the
+    kernels that read it), outputs and input gradients equal the undelayed run bit for bit and
+    plain F.linear within fp32 rounding."""
+    (out,) = run_distributed(_cuda_host_tier_worker, 1, RUNTIME_DELAYS[variant], timeout=400)
+    assert out["h2d"] > 0 and out["gathers"] > 0, out  # both sources were used
+    assert out["same"], f"{variant}: the delays changed a result"
+    # tanh outputs in [-1, 1], dot products of 2048 fp32 terms: a few ulp of 1 accumulate.
+    assert out["err"] < 1e-4, out
