@@ -15,7 +15,8 @@ The design notes are ``[Note: ...]`` blocks in ``csrc/host/host_store.cpp``:
 - ``[Note: the shm fallback and its window]``: ``kind="shm"`` for processes in different PID
   namespaces, and the short window in which a SIGKILL can leave a ``/dev/shm/elastic-hs-*``;
 - ``[Note: reserving the pages]``: ``create`` reserves every page, so a shortage is an error at
-  create time, never a SIGBUS during the fill;
+  create time, never a SIGBUS during the fill; and ``[Note: refusing a store the node cannot
+  hold]`` (below): before that, a size beyond the memory available is refused;
 - ``[Note: pinning a shared mapping]``: :meth:`pin` (``cudaHostRegister``) per process.
 
 Two implementations behind one contract: the compiled ``_C.HostStore`` when the extension is
@@ -24,6 +25,17 @@ loaded, and a pure-Python one (``os.memfd_create`` + ``mmap``) where it is not (
 The pure-Python one cannot pin (:meth:`pin` returns False) and its ``mmap`` object keeps a
 private duplicate of the fd while the store is open (Python's ``mmap`` dups it; the duplicate is
 close-on-exec and dies with the mapping, so it never outlives the process).
+
+[Note: refusing a store the node cannot hold]
+Reserving the pages (fallocate on a memfd) does not fail with ENOMEM when the node lacks the
+memory: the kernel reclaims, swaps and, past that, the OOM killer ends some process (often
+this one, or a peer rank) instead of the call returning an error. So ``create`` first compares
+the size with what the node can still give (``available_host_bytes``: MemAvailable from
+/proc/meminfo, or the headroom of this process's memory cgroup when that is smaller, since a
+shared segment is charged to its creator's cgroup) and refuses a larger store with a
+``HostStoreError`` (ENOMEM) naming both sizes, before anything is reserved. A store that fits
+now may still meet memory taken by others meanwhile; the check catches the common mistake (a
+model larger than the node's memory), not every race.
 
 Errors: an operating-system failure (no memory, permission, a handle whose process is gone or
 whose fd was closed, a size that does not match the segment) raises :class:`HostStoreError`, an
@@ -45,7 +57,7 @@ import torch
 
 from elastic_kernels import _ext
 
-__all__ = ["HostStore", "HostStoreError"]
+__all__ = ["HostStore", "HostStoreError", "available_host_bytes"]
 
 KINDS = ("memfd", "shm")
 NAME_PREFIX = "elastic-hs-"
@@ -94,6 +106,74 @@ def _parse_handle(handle) -> tuple[str, int, int, int, str]:
     if pid <= 0 or fd < 0 or ino < 0 or not name.startswith(NAME_PREFIX) or "/" in name:
         raise ValueError(f"HostStore.attach: malformed handle {handle!r} ({expected})")
     return parts[0], pid, fd, ino, name
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) is None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's memory cgroup can still take (v2, else v1); None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            base = "/sys/fs/cgroup" + (path if path != "/" else "")
+            limit, used = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
+            if limit is None:
+                limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+            if limit is not None and used is not None:
+                return max(0, limit - used)
+        elif "memory" in controllers.split(","):  # cgroup v1: this process's group, or the mount's root
+            for base in ("/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"):
+                limit = _read_int(base + "/memory.limit_in_bytes")
+                used = _read_int(base + "/memory.usage_in_bytes")
+                if limit is not None and used is not None:
+                    if limit < 1 << 60:  # v1 says "no limit" with about 2**63
+                        return max(0, limit - used)
+                    break
+    return None
+
+
+def available_host_bytes() -> int | None:
+    """The memory this node can still give a new segment ([Note: refusing a store the node
+    cannot hold]): MemAvailable of /proc/meminfo, or the headroom of this process's memory
+    cgroup when smaller; None when neither can be read (then nothing is checked)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    headroom = _cgroup_headroom()
+    if headroom is not None and (avail is None or headroom < avail):
+        return headroom
+    return avail
+
+
+def _check_available(nbytes: int, kind: str) -> None:
+    avail = available_host_bytes()
+    if avail is not None and nbytes > avail:
+        raise HostStoreError(
+            _errno.ENOMEM,
+            f"HostStore.create({_human(nbytes)}, {kind} segment): the store needs {_human(nbytes)} but this node "
+            f"has only {_human(avail)} available (MemAvailable in /proc/meminfo, or the memory cgroup's headroom); "
+            "a segment that large would be taken from memory the node does not have (swap, then the OOM killer). "
+            "Use a machine with more host memory, fewer weights in the host store (weights_on='device', a smaller "
+            "host_fraction), or a smaller model",
+        )
 
 
 def _alive(pid: int) -> bool:
@@ -294,6 +374,7 @@ class HostStore:
         if kind not in KINDS:
             raise ValueError(f"HostStore.create: kind must be one of {KINDS}, got {kind!r}")
         backend = _backend(impl)
+        _check_available(nbytes, kind)  # [Note: refusing a store the node cannot hold]
         return cls(backend.create(nbytes, kind), "python" if backend is _PyStore else "cpp")
 
     @classmethod

@@ -82,6 +82,11 @@ class ElasticPolicy:
                        backward (python_api/host/offload.py).
     host_budget_bytes  host bytes the host tier may take beyond the store (the recycled
                        activation buffers); past it activations stay on the device. None: no cap.
+    host_setup_timeout_s  how long the host store's set-up may take (creating and zeroing the
+                       segment, every rank's pin and fill) before every rank fails with an error
+                       naming the slow stage and ranks; None: scaled with the store's size,
+                       collective_timeout_s + 1 s per 256 MiB. See [Note: the set-up's own time
+                       bound] in python_api/host/store.py.
     """
 
     chunk_bytes: int = 4 << 20
@@ -98,6 +103,7 @@ class ElasticPolicy:
     host_fraction: float | None = None
     offload_activations: bool = False
     host_budget_bytes: int | None = None
+    host_setup_timeout_s: float | None = None
 
     def __post_init__(self):
         if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
@@ -133,6 +139,14 @@ class ElasticPolicy:
         ):
             raise ValueError(
                 f"ElasticPolicy.collective_timeout_s must be None or a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}] "
+                f"(30 days), got {t!r}"
+            )
+        t = self.host_setup_timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= _MAX_TIMEOUT_S
+        ):
+            raise ValueError(
+                f"ElasticPolicy.host_setup_timeout_s must be None or a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}] "
                 f"(30 days), got {t!r}"
             )
         if not isinstance(self.all_reduce_grads, bool):

@@ -7,26 +7,61 @@ was meant to be built is an error, never a skip.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
+_PROBE = "import torch; print(int(torch.cuda.is_available()), torch.__version__, torch.version.cuda or torch.version.hip)"
+
+
+@functools.cache
+def _torch_uses_a_gpu() -> tuple[bool, str]:
+    """(torch.cuda.is_available(), what torch is), asked in a child process: this process never
+    initialises the CUDA driver (cuInit), so collection stays cheap and forked tests safe."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"the torch probe failed to run ({exc})"
+    if out.returncode != 0:
+        return False, f"the torch probe failed: {out.stderr.strip()[-300:]}"
+    available, version, backend = out.stdout.split()
+    return available == "1", f"torch {version} ({'CPU-only build' if backend == 'None' else backend})"
+
+
+def _gpu_driver_present() -> bool:
+    """Something a GPU could be reached through without an /dev/nvidia<N> node: the CUDA driver
+    library (WSL, renamed device nodes) or ROCm's /dev/kfd."""
+    if os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")  # loading the library does not initialise the driver
+    except OSError:
+        return False
+    return True
+
 
 def gpu_present() -> bool:
-    """A CUDA device is visible, judged without initialising CUDA (collection-time safe)."""
+    """A CUDA (or ROCm) device is visible, judged without initialising CUDA in this process
+    (collection-time safe): the NVIDIA device nodes; where there are none but a GPU driver is
+    there, torch.cuda.is_available() asked in a child process."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return True
+    return _gpu_driver_present() and _torch_uses_a_gpu()[0]
 
 
 def gpu_skip_reason() -> str | None:
     if not gpu_present():
         return "no CUDA device visible on this machine (GPU tests run under `make gpu-check`)"
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} cannot use the visible GPU (CPU-only build or driver mismatch)"
+    usable, what = _torch_uses_a_gpu()
+    if not usable:
+        return f"{what} cannot use the visible GPU (CPU-only build or driver mismatch)"
     return None
 
 

@@ -3,7 +3,8 @@
 Triton kernels run under the interpreter on machines without a GPU: TRITON_INTERPRET must be
 set before `triton` is first imported, so it is decided here, in pytest_configure, which runs
 before any test module (and so any `import triton`) is collected. The GPU check reads the
-device nodes instead of asking CUDA, so nothing initialises CUDA at collection time.
+device nodes and, where there are none but a GPU driver is present, asks torch in a child
+process (tests/_skips.py), so nothing initialises CUDA in the test process at collection time.
 """
 
 import os

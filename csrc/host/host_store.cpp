@@ -36,7 +36,11 @@
 // the whole size, so that shortage is an error (ENOMEM / ENOSPC) at create time, naming the
 // segment, before any rank has attached. Cost: the creator zeroes every page once (about
 // the speed of memset), and the pages are charged to the creator's memory cgroup. On a file
-// system without fallocate (EOPNOTSUPP) the reservation is skipped.
+// system without fallocate (EOPNOTSUPP) the reservation is skipped. A memfd is the exception
+// in practice: fallocate past what the node has does not return ENOMEM but reclaims, swaps and
+// then ends in the OOM killer, so the Python face refuses a size beyond the node's available
+// memory before calling create() ([Note: refusing a store the node cannot hold] in
+// elastic_kernels/host_store.py).
 //
 // [Note: pinning a shared mapping]
 // pin() page-locks this process's mapping with cudaHostRegister, so that cudaMemcpyAsync from

@@ -55,6 +55,7 @@ def _wait(work, timeout_s: float | None, what: str, error_type: type[Exception])
         else:
             work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - re-raised with context
+        del work  # the traceback keeps this frame: not the work ([Note: nothing outlives its step] in collectives.py)
         limit = "the process group's timeout" if timeout_s is None else f"timeout {timeout_s} s"
         raise error_type(
             f"{what}: a collective failed or timed out ({limit}); a peer rank probably failed or "

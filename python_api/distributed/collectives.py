@@ -29,6 +29,17 @@ error at once instead of waiting the full timeout again, so a rank whose peer di
 one `collective_timeout_s`. Pages of a failed gather never received data; the runtime frees
 them (`GatherWork.failed`), so a caller that catches the error and retries gathers again.
 
+[Note: nothing outlives its step]
+No collective work handle (and so none of its tensors, nor the process group it belongs to)
+is kept past the use that consumed it: `wait()` drops the work and the receive buffer once
+the pages hold the data, and also when the gather failed; the header exchange's work is a
+local that an exception's traceback does not keep (it is cleared before raising); the
+runtime's prefetched uses are consumed or released by the end of their phase. A gloo work
+still referenced when the interpreter shuts down is destroyed without the Python runtime that
+its tensors need, and gloo's threads then abort the process at exit ("terminate called
+without an active exception", pytorch#190489), even after `destroy_process_group`
+(tests/runtime/test_clean_exit.py runs a user's script 10 times and expects exit code 0).
+
 [Note: collective headers]
 On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
 all-gathers 4 int64 (magic, sequence number of the collective on this runtime, crc32 of the
@@ -158,6 +169,7 @@ class GatherWork:
             else:
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            work = None  # noqa: F841 - the traceback keeps this frame: not the work ([Note: nothing outlives its step])
             raise RuntimeError(
                 f"elastic: the all-gather of {_describe(runs)} failed or timed out before it started "
                 f"(timeout {self.timeout_s} s); a peer rank probably failed: {exc}"
@@ -194,7 +206,9 @@ class GatherWork:
                         f"(timeout {self.timeout_s} s); a peer rank probably failed: {exc}"
                     )
                     self.error.__cause__ = exc
+                    # [Note: nothing outlives its step]: the failed work and its buffers go now.
                     self.output = None
+                    self.work = None
                     raise self.error from exc
                 self._unpack()
         self.output = None  # the pages hold the data now

@@ -191,14 +191,18 @@ def _collective_build_on_meta(job: Job):
 
 def _nonfinite_loaded(model: nn.Module, runtime, spec: ModelSpec) -> str | None:
     """`_check_finite_weights` of a model loaded by rows, as an error message or None: each rank
-    checks what it holds (its shard of every elastic weight, or with weights_on="host" its
-    share of the chunks in the host store, and the replicated tensors), so together the ranks
-    check every weight once without any of them reading it whole."""
+    checks what it holds (its shard of every elastic weight, and the replicated tensors), so
+    together the ranks check every weight once without any of them reading it whole. With
+    weights_on="host" there is no shard: every node has its own copy of every weight (its host
+    store), so each rank checks its node's store, local rank i of L the chunks i, i + L, ...:
+    every chunk of every node's store exactly once per node."""
     try:
         _check_finite_weights(model, spec)
+        node = runtime.host_node.layout if runtime.host_node is not None else None
+        local_rank, local_world = (node.local_rank, node.local_world) if node is not None else (0, 1)
         for et in runtime.tensors:
             parts = [et.shard] if et.shard is not None else \
-                [et.host_chunk(c) for c in range(runtime.rank, et.num_chunks, runtime.world_size)]
+                [et.host_chunk(c) for c in range(local_rank, et.num_chunks, local_world)]
             bad = sum(int((~torch.isfinite(p)).sum()) for p in parts if p.is_floating_point())
             if bad:
                 raise FinetuneError(_nonfinite_message(f"{et.name}.weight", bad, math.prod(et.shape), spec))

@@ -74,11 +74,58 @@ Pinned allocations happen in the first step only (the caching host allocator may
 
 Not measured yet: the overlap of the CUDA copies with the LoRA backward (CPU-only sessions so
 far); the CPU tests check traffic, order, budget, lifetime and bit-parity.
+
+[Note: returning buffers without a lock]
+A handle's `__del__` returns its buffers, and `__del__` runs wherever its graph dies: also
+inside a cyclic garbage collection, which CPython starts at *any* allocation of a container
+object on the thread that allocates (a dead graph caught in a reference cycle is normal after
+an exception in a step: OOM retries, automatic batch sizing). Had `release` taken the pool's
+lock, a collection started by an allocation made while that lock is held would run `__del__`
+on the same thread, which would wait for the lock forever (a `threading.Lock` is not
+reentrant; an `RLock` would instead let `__del__` change the free lists in the middle of the
+critical section). So:
+- `release` takes no lock: it appends to a `collections.deque` (atomic under the GIL, and it
+  allocates no object a collection counts);
+- the buffers given back are filed into the free lists by the next `acquire`, `trim` or read of
+  `held_bytes` / `in_use_bytes`, one buffer at a time under the lock;
+- nothing inside the lock allocates a Python object: a new buffer is reserved under the lock
+  (budget checked, bytes counted) and allocated after it is released (the reservation is
+  undone if the allocation fails); a new size class's list and trim's new dict are made
+  before the lock is taken. Only ints (which a collection never counts) are made inside.
+Tested by forcing a collection at the pool's own allocation, and by running with a collection
+at almost every container allocation (tests/host/test_activation_offload.py, in a child
+process with a time bound).
+
+[Note: the in-place check of offloaded tensors]
+Autograd refuses a backward when a saved tensor was changed in place after it was saved ("one
+of the variables needed for gradient computation has been modified by an inplace operation"):
+it compares the version the tensor had when saved with its version counter now. An offloaded
+tensor is saved as None, so that check would be lost: an in-place activation or
+`Dropout(inplace=True)` applied to a layer's input after the layer ran would silently use the
+old values on CPU, and on CUDA its kernel would race with the device-to-host copy. So each slot
+records `t._version` at offload and keeps a *marker*: `t.detach()` (which shares t's version
+counter) whose data is then replaced by an empty tensor (`.data =` keeps the version counter
+and does not bump it), so the marker follows every in-place change of t and of its views
+without keeping t's memory alive. `restore` compares before any copy-back and raises
+autograd's error, in autograd's words, naming the layer.
+
+[Note: trimming returns memory]
+Freeing a host buffer does not give its memory back to the operating system: a pinned buffer
+goes back to torch's caching host allocator (freed by `torch._C._host_emptyCache()`), a plain
+one to the C library's heap (returned by glibc's `malloc_trim(0)`; large blocks are `mmap`ed
+and unmapped at once only until glibc's adaptive threshold has grown past their size, which the
+first freed buffer of that size does). `trim()` does both after dropping its free buffers.
+Switching offload off (`ElasticRuntime.set_offload_activations(False)`, e.g. by a re-plan)
+trims the pool and turns recycling off, so that buffers still held by live graphs are freed
+when they come back instead of being kept.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import functools
 import threading
 import weakref
 
@@ -100,47 +147,123 @@ class HostBufferPool:
 
     `held_bytes` (free + in use) never exceeds `budget_bytes` (None: no cap). Thread-safe: the
     autograd engine returns buffers from its device threads, `__del__` from wherever a graph
-    dies."""
+    dies ([Note: returning buffers without a lock])."""
 
     def __init__(self, budget_bytes: int | None, pin: bool):
         check_host_budget(budget_bytes)
         self.budget_bytes = budget_bytes
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self.held_bytes = 0  # capacity of every buffer the pool owns
-        self.in_use_bytes = 0  # capacity of the buffers handed out and not returned
+        self._lock = threading.Lock()  # the accounting below; no allocation while it is held
+        self._returned: collections.deque[torch.Tensor] = collections.deque()  # given back, not yet filed
+        self._held = 0  # capacity of every buffer the pool owns
+        self._in_use = 0  # capacity of the buffers handed out and not yet filed back
+        self._free_bytes = 0  # capacity of the buffers in the free lists
         self.allocations = 0  # buffers ever allocated (steady state: constant)
+        self.recycle = True  # False: a returned buffer is freed, not kept (offload switched off)
+
+    @property
+    def held_bytes(self) -> int:
+        self._file_returned()
+        return self._held
+
+    @property
+    def in_use_bytes(self) -> int:
+        self._file_returned()
+        return self._in_use
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of at least `nbytes` bytes, or None when the budget refuses a new one."""
         cap = size_class(nbytes)
-        with self._lock:
+        self._file_returned()
+        with self._lock:  # [Note: returning buffers without a lock]: nothing allocated in here
             free = self._free.get(cap)
             if free:
-                buf = free.pop()
-            else:
-                if self.budget_bytes is not None and self.held_bytes + cap > self.budget_bytes:
-                    return None
-                buf = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin)
-                self.allocations += 1
-                self.held_bytes += cap
-            self.in_use_bytes += cap
-            return buf
+                self._free_bytes -= cap
+                self._in_use += cap
+                return free.pop()
+            if self.budget_bytes is not None and self._held + cap > self.budget_bytes:
+                return None
+            self._held += cap  # reserved: the allocation itself runs outside the lock
+            self._in_use += cap
+            self.allocations += 1
+        try:
+            return torch.empty(cap, dtype=torch.uint8, pin_memory=self.pin)
+        except BaseException:
+            with self._lock:
+                self._held -= cap
+                self._in_use -= cap
+                self.allocations -= 1
+            raise
 
     def release(self, buf: torch.Tensor) -> None:
-        cap = buf.numel()
-        with self._lock:
-            self.in_use_bytes -= cap
-            self._free.setdefault(cap, []).append(buf)
+        """Give `buf` back. Takes no lock and allocates no Python object, so it is safe from a
+        `__del__` that a garbage collection runs anywhere, also inside this pool's own critical
+        sections ([Note: returning buffers without a lock])."""
+        self._returned.append(buf)
+
+    def _file_returned(self) -> None:
+        """Move the buffers given back into the free lists (or free them: `recycle` off)."""
+        returned = self._returned
+        while returned:
+            try:
+                buf = returned.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            cap = buf.numel()
+            if not self.recycle:
+                with self._lock:
+                    self._in_use -= cap
+                    self._held -= cap
+                del buf  # freed here, outside the lock
+                continue
+            free = self._free.get(cap)
+            if free is None:
+                free = self._free.setdefault(cap, [])  # the new list is made before the lock is taken
+            with self._lock:
+                free.append(buf)  # may grow the list's array: not an object allocation, no collection
+                self._free_bytes += cap
+                self._in_use -= cap
 
     def trim(self) -> int:
-        """Free every buffer not in use; returns the bytes freed."""
+        """Free every buffer not in use and give the memory back to the operating system
+        ([Note: trimming returns memory]); returns the bytes freed."""
+        self._file_returned()
+        empty: dict[int, list[torch.Tensor]] = {}
         with self._lock:
-            freed = sum(b.numel() for bufs in self._free.values() for b in bufs)
-            self._free.clear()
-            self.held_bytes -= freed
+            dropped, self._free = self._free, empty
+            freed, self._free_bytes = self._free_bytes, 0
+            self._held -= freed
+        del dropped  # the buffers are freed here, outside the lock
+        if freed:
+            release_host_memory(self.pin)
         return freed
+
+
+def release_host_memory(pinned: bool) -> None:
+    """Give freed host buffers back to the operating system ([Note: trimming returns memory]):
+    pinned ones sit in torch's caching host allocator until its cache is emptied, plain ones in
+    the C library's heap until it is trimmed."""
+    if pinned:
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_cache is not None:
+            empty_cache()
+        return
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    """glibc (for malloc_trim), or None where the C library has no malloc_trim (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -156,17 +279,42 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 class _Slot:
-    """One offloaded tensor: where it was in the saved tuple, its host copy, its metadata."""
+    """One offloaded tensor: where it was in the saved tuple, its host copy, its metadata, and
+    its version at offload ([Note: the in-place check of offloaded tensors])."""
 
-    __slots__ = ("index", "buf", "nbytes", "shape", "stride", "dtype", "device", "restored")
+    __slots__ = ("index", "buf", "nbytes", "shape", "stride", "dtype", "device", "restored", "version", "marker")
 
     def __init__(self, index: int, buf: torch.Tensor, t: torch.Tensor):
         self.index, self.buf, self.nbytes = index, buf, t.nbytes
         self.shape, self.stride, self.dtype, self.device = t.shape, _dense_strides(t), t.dtype, t.device
         self.restored: torch.Tensor | None = None
+        self.version = t._version
+        self.marker = _version_marker(t)
 
     def host_view(self) -> torch.Tensor:
         return self.buf[: self.nbytes].view(self.dtype).view(self.shape)
+
+    def check_version(self, what: str) -> None:
+        """Raise autograd's error when the tensor was changed in place after it was offloaded."""
+        now = self.marker._version
+        if now != self.version:
+            kind = torch.empty(0, dtype=self.dtype, device=self.device).type()
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{kind} {list(self.shape)}] is at version {now}; expected version {self.version} "
+                f"instead. Hint: it was saved for the backward of {what} and offloaded to host memory after "
+                "that layer's forward (ElasticPolicy.offload_activations); an in-place operation (an in-place "
+                "activation, Dropout(inplace=True), x.mul_(...)) changed it afterwards: make that operation out of "
+                "place, as autograd would ask without offload."
+            )
+
+
+def _version_marker(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares `t`'s version counter but not its memory ([Note: the in-place check
+    of offloaded tensors])."""
+    marker = t.detach()  # shares t's version counter (and, for now, its storage)
+    marker.data = torch.empty(0, dtype=t.dtype, device=t.device)  # drops the storage, keeps the counter
+    return marker
 
 
 class _Offloaded:
@@ -204,16 +352,19 @@ class _Offloaded:
             s.buf = None
         self._state = self.COPYING_BACK
 
-    def restore(self, saved: tuple) -> tuple:
+    def restore(self, saved: tuple, what: str = "an elastic LoRA layer") -> tuple:
         """`saved` (ctx.saved_tensors, offloaded positions None) with the activations back on
         the device; starts the copy-back of the previous layer's handle ([Note: activation
-        offload])."""
+        offload]). Raises autograd's error when an offloaded tensor was changed in place since
+        ([Note: the in-place check of offloaded tensors]); `what` names the layer in it."""
         if self._state == self.CONSUMED:
             raise RuntimeError(
                 "elastic activation offload: this layer's offloaded activations were already used by a "
                 "backward and their host buffers recycled; a second backward through the same graph "
                 "(retain_graph=True) is not supported with ElasticPolicy.offload_activations"
             )
+        for s in self._slots:
+            s.check_version(what)
         if self._state == self.OFFLOADED:
             self._copy_back()
         prev = self._prev() if self._prev is not None else None
@@ -349,7 +500,16 @@ class ActivationOffload:
         return tuple(kept), handle
 
     def trim(self) -> int:
+        """Free the host buffers not in use and return their memory to the OS; the bytes freed."""
         return self.pool.trim()
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Offload switched on or off (`ElasticRuntime.set_offload_activations`): off frees every
+        buffer not in use now and every buffer a live graph gives back later ([Note: trimming
+        returns memory]); on recycles them again."""
+        self.pool.recycle = enabled
+        if not enabled:
+            self.pool.trim()
 
 
 def activation_offload_of(runtime) -> ActivationOffload | None:
@@ -406,4 +566,7 @@ def saved_for_backward(ctx) -> tuple:
     """The tensors given to `save_for_backward`, activations back on the device."""
     saved = ctx.saved_tensors
     handle = getattr(ctx, _CTX_ATTR, None)
-    return saved if handle is None else handle.restore(saved)
+    if handle is None:
+        return saved
+    et = getattr(ctx, "et", None)
+    return handle.restore(saved, what=et.name if et is not None else "an elastic LoRA layer")

@@ -28,8 +28,15 @@ at a barrier (python_api/host/store.py `node_host_store`).
 On CUDA the copies of one use run on the runtime's copy stream, which first waits for the
 compute stream (the pages it writes may have been read by kernels just before being handed
 out again), one `copy_(non_blocking=True)` per chunk from the page-locked store (a true async
-DMA); an event recorded after them is what the compute stream waits on in `wait()`. The host
-never blocks and no device sync is issued. On CPU the copy is done when the work is created.
+DMA), each followed by its own event: chunk i's event is what the compute stream waits on
+before computing on chunk i (`HostCopyWork.part(i).wait`), so `execute` starts on the first
+host chunk while the later ones are still copying, as it does on gathered chunks (events of
+one stream complete in order, so waiting for the whole work is waiting for its last event).
+The host never blocks and no device sync is issued. On CPU the copy is done when the work is
+created. A use that ends before its copies were waited for (an error while the use was
+starting) has its fresh pages recorded on the copy stream before they are freed, so the pool
+hands them out again only after the copies that write them have run ([Note: pages freed on
+the error path] in python_api/runtime/_gathers.py).
 """
 
 from __future__ import annotations
@@ -59,11 +66,13 @@ def store_offsets(tensors) -> tuple[list[int], int]:
 
 
 class HostCopyWork:
-    """The host -> page copies of the host chunks of one use; `wait(what)` as GatherWork's."""
+    """The host -> page copies of the host chunks of one use ([Note: host copies are stream
+    ordered]): `wait(what)` as GatherWork's, for every chunk; `part(i)` waits for pair i only."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stream=None, device=None):
         self.device = device
-        self.event = None
+        self.stream = copy_stream  # where the copies run (None: done synchronously, on CPU)
+        self.events: list = []  # one per pair, recorded on the copy stream right after its copy
         self.error: RuntimeError | None = None
         self.done = False
         self.bytes = sum(src.numel() * src.element_size() for src, _ in pairs)
@@ -73,22 +82,59 @@ class HostCopyWork:
                 with torch.cuda.stream(copy_stream):
                     for src, dst in pairs:
                         dst.copy_(src, non_blocking=True)
-                    self.event = torch.cuda.Event()
-                    self.event.record(copy_stream)
+                        event = torch.cuda.Event()
+                        event.record(copy_stream)
+                        self.events.append(event)
             else:
                 for src, dst in pairs:
                     dst.copy_(src)
                 self.done = True
+        self.parts = [_HostChunkCopy(self, i) for i in range(len(pairs))]
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    def part(self, i: int) -> _HostChunkCopy:
+        """The copy of pair i alone."""
+        return self.parts[i]
+
+    def _wait_event(self, i: int) -> None:
+        with record_function("elastic::host_copy_wait"):
+            torch.cuda.current_stream(self.device).wait_event(self.events[i])
 
     def wait(self, what: str) -> None:
         if self.error is not None:
             raise self.error
         if self.done:
             return
-        with record_function("elastic::host_copy_wait"):
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+        if self.events:
+            self._wait_event(len(self.events) - 1)  # the last of one stream's events: all of them
+        self.done = True
+        for p in self.parts:
+            p.done = True
+
+
+class _HostChunkCopy:
+    """One chunk's copy of a `HostCopyWork`: what a use waits on before computing on it."""
+
+    __slots__ = ("work", "index", "done")
+
+    def __init__(self, work: HostCopyWork, index: int):
+        self.work, self.index, self.done = work, index, work.done
+
+    @property
+    def failed(self) -> bool:
+        return self.work.failed
+
+    @property
+    def stream(self):
+        return self.work.stream
+
+    def wait(self, what: str) -> None:
+        if self.work.error is not None:
+            raise self.work.error
+        if self.done:
+            return
+        self.work._wait_event(self.index)
         self.done = True

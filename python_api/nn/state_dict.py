@@ -12,8 +12,23 @@ a Trainer on several ranks, say) fails with a clear message after
 Exports meet by their order number (a rank's n-th weight export pairs with the others' n-th;
 a rank that gave up takes its arrival back), so they must be made alike on every rank, as
 collectives must.
-`load_state_dict` of a full state dict is local: every rank cuts its shard out of the full
-weight with the tensor's layout and drops the pool's cached chunks of it (they would be stale).
+`load_state_dict` of a full state dict is local for weights kept as device shards: every rank
+cuts its shard out of the full weight with the tensor's layout and drops the pool's cached
+chunks of it (they would be stale). A weight in the host store is a collective ([Note: one
+writer per node]).
+
+[Note: one writer per node]
+The host store is one segment per node, mapped by every local rank and read by their
+host -> page copies (on each rank's copy stream, asynchronously on CUDA). Replacing a weight
+there is therefore not a local write: every local rank writing the same bytes races with the
+copies of the others (and of its own copy stream) that may still be reading them, and a torn
+weight ends up in some rank's pool. So, for a weight in the store: (1) every rank waits for its
+own copy stream (nothing it queued still reads the store); (2) the ranks meet (an `agree`,
+which also makes an error on one rank, a weight in use, say, an error on every rank before
+anything is written); (3) the node's first local rank alone writes the weight into the
+store; (4) the ranks meet again (agreeing on the write's outcome) before any of them reads it.
+Two small collectives per weight, on every rank of the runtime's group, so `load_state_dict`
+of a model with its weights on the host must be called on every rank, like `state_dict()`.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from python_api.distributed.agree import agree
 from python_api.runtime import ElasticRuntime, ElasticTensor
 
 
@@ -141,21 +157,49 @@ def _load_state_dict_pre_hook(
 def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
     """Replace the frozen weight of `et` by `full` (its whole value, on every rank): each rank
     keeps its own shard; cached chunks of the old value are dropped from the pool. Local (no
-    collective); not while a forward or backward is using the weight."""
+    collective) for a weight kept as device shards; for a weight in the host store a
+    collective of the runtime's group ([Note: one writer per node]). Not while a forward or
+    backward is using the weight."""
     rt = et.runtime
+    err = None
     try:
         rt.drop_cached(et)  # before the copy: a weight in use is refused with nothing changed
     except RuntimeError as exc:
-        raise RuntimeError(f"load_state_dict: {exc}") from None
+        err = f"load_state_dict: {exc}"
+    if et.store_offset is not None:
+        _store_barrier(rt, err, f"load_state_dict({et.name}): before writing the host store")
+    elif err is not None:
+        raise RuntimeError(err)
     with torch.no_grad():
         full = full.detach().to(et.dtype)
         if et.shard is not None:
             shard = et.layout.shard(full, rt.rank)  # cut where the source lives
             et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
-        if et.store_offset is not None:
-            # Every local rank writes the same bytes into the node's store ([Note: chunk sources]).
-            rt.host_store.view(et.store_offset, et.dtype, (et.layout.rows, et.layout.cols)).copy_(
-                full.reshape(et.layout.rows, et.layout.cols))
+        if et.store_offset is None:
+            return
+        err = None
+        if rt.host_node is None or rt.host_node.layout.local_rank == 0:
+            try:
+                write_host_store(et, full)
+            except Exception as exc:  # noqa: BLE001 - agreed below, raised on every rank
+                err = f"{type(exc).__name__}: {exc}"
+        _store_barrier(rt, err, f"load_state_dict({et.name}): writing the host store")
+
+
+def _store_barrier(rt: ElasticRuntime, err: str | None, what: str) -> None:
+    """Steps (1)-(2) or (4) of [Note: one writer per node]: nothing of this rank reads the store
+    any more, then every rank meets (and fails together when any passes an error)."""
+    if rt.copy_stream is not None:
+        rt.copy_stream.synchronize()  # host copies this rank queued are done reading the store
+    agree(err, rt.group, what=what, timeout_s=rt.policy.collective_timeout_s)
+
+
+def write_host_store(et: ElasticTensor, full: torch.Tensor) -> None:
+    """Write the whole weight `full` into the node's host store (the node's first local rank,
+    between the barriers of [Note: one writer per node])."""
+    rt = et.runtime
+    rt.host_store.view(et.store_offset, et.dtype, (et.layout.rows, et.layout.cols)).copy_(
+        full.reshape(et.layout.rows, et.layout.cols))
 
 
 def install_hooks(model: nn.Module) -> None:

@@ -1,6 +1,22 @@
 """Uses and gathers: pinning a weight's resident chunks for one use, filling the missing ones
 (all-gathers from peers, copies from the host store), waiting for them chunk by chunk, and
-releasing them per residency (ElasticRuntime's gathers, a mixin of runtime.py)."""
+releasing them per residency (ElasticRuntime's gathers, a mixin of runtime.py).
+
+[Note: pages freed on the error path]
+A page that a use allocated to be filled (a gather on the communication stream, a host copy
+on the copy stream) is freed without data when the use ends before the compute stream waited
+for its fill: `_start_uses` failed part-way (a later gather could not be issued, the pool was
+exhausted, a header mismatch) and ends every use it started with `failed=True`, or a gather
+failed. Recording only the compute stream on such a page is not enough on CUDA: nothing on
+the compute stream is ordered after the fill, so the pool could hand the page to the next
+gather on the communication stream while the late H2D copy still runs on the copy stream,
+and that copy would overwrite the peer chunk: a retried step would compute on corrupted
+weights. So a page freed without data is recorded on every side stream that could still be
+writing it (communication and copy) besides the compute stream: the pool reuses it only
+after the work queued on them by then has completed ([Note: stream-ordered reuse] in
+csrc/pool/page_pool.cpp). Pages whose fill was waited for are ordered through the compute
+stream, which waited on the fill's event, and need nothing more.
+"""
 
 from __future__ import annotations
 
@@ -129,8 +145,8 @@ class _Gathers:
             use.chunks[c] = et.chunk_view(page, c)
             pairs.append((et.host_chunk(c), use.chunks[c]))
         work = HostCopyWork(pairs, self.copy_stream, self.device)
-        for c in chunks:
-            use.works[c] = work
+        for i, c in enumerate(chunks):
+            use.works[c] = work.part(i)  # chunk c waits for its own copy only
         self._stats["h2d_bytes"] += work.bytes
 
     def _runs(self, use: _Use, missing: list[int]) -> list[tuple[_Use, list[int]]]:
@@ -193,16 +209,29 @@ class _Gathers:
         if not use.keys_pinned:
             return
         et = use.tensor
-        if self.comm_stream is not None:
-            compute = torch.cuda.current_stream(self.device)
-            for key in use.keys_pinned:
-                self.pool.record_stream(key, compute)
-        self.pool.unpin_many(use.keys_pinned)
         wid_shift = self._KEY_BITS
+        no_data = set()
+        for key in use.keys_pinned:
+            work = use.works[key - (et.wid << wid_shift)]
+            if key in use.fresh and (failed or work is None or work.failed or not work.done):
+                no_data.add(key)
+        if self.comm_stream is not None:
+            for key, stream in self._page_streams(use, no_data, torch.cuda.current_stream(self.device)):
+                self.pool.record_stream(key, stream)
+        self.pool.unpin_many(use.keys_pinned)
         for key in use.keys_pinned:
             c = key - (et.wid << wid_shift)
-            work = use.works[c]
-            no_data = key in use.fresh and (failed or work is None or work.failed or not work.done)
-            if (et.residency[c] < keep or no_data) and self.pool.pin_count(key) == 0 and self.pool.contains(key):
+            if (et.residency[c] < keep or key in no_data) and self.pool.pin_count(key) == 0 and self.pool.contains(key):
                 self.pool.free(key)
         use.keys_pinned = []
+
+    def _page_streams(self, use: _Use, no_data: set[int], compute) -> list[tuple[int, object]]:
+        """(key, stream) pairs to record on the use's pages before they are unpinned, on CUDA
+        ([Note: pages freed on the error path])."""
+        side = [s for s in (self.comm_stream, self.copy_stream) if s is not None]
+        out = []
+        for key in use.keys_pinned:
+            out.append((key, compute))
+            if key in no_data:
+                out.extend((key, s) for s in side)
+        return out

@@ -8,7 +8,7 @@ import torch
 
 from python_api.distributed.agree import exchange
 from python_api.host.sources import store_offsets
-from python_api.host.store import node_host_store
+from python_api.host.store import build_node_host_store
 from python_api.runtime.tensor import ElasticTensor
 
 
@@ -41,7 +41,8 @@ class _Registration:
         return et
 
     def _agreement(self) -> dict:
-        policy = {k: v for k, v in vars(self.policy).items() if k != "collective_timeout_s"}
+        # Timeouts may differ between ranks (each bounds its own waits); everything else must agree.
+        policy = {k: v for k, v in vars(self.policy).items() if k not in ("collective_timeout_s", "host_setup_timeout_s")}
         return {"policy": policy, "weights": [et.signature() for et in self.tensors]}
 
     def check_ranks_agree(self) -> None:
@@ -102,7 +103,8 @@ class _Registration:
                 dst = store.view(et.store_offset + r0 * cols * et.element_size, et.dtype, (r1 - r0, cols))
                 dst.copy_(et._reader(r0, r1).reshape(r1 - r0, cols).to(dtype=et.dtype))
 
-        self.host_store = node_host_store(size, group=self.group, fill=fill,
-                                          timeout_s=self.policy.collective_timeout_s, device=self.device)
+        self.host_store, self.host_node = build_node_host_store(
+            size, group=self.group, fill=fill, timeout_s=self.policy.collective_timeout_s, device=self.device,
+            setup_timeout_s=self.policy.host_setup_timeout_s)
         for et in self.tensors:
             et._reader = None

@@ -109,6 +109,10 @@ class _Residency:
             raise ValueError(f"set_offload_activations: expected True or False, got {enabled!r}")
         # The policy checks the host budget when offload is on (a bad one raises here).
         self.policy = dataclasses.replace(self.policy, offload_activations=enabled)
+        if self.activation_offload is not None:
+            # Off: the host buffers go back to the OS now, and those still held by live graphs
+            # when they return ([Note: trimming returns memory] in python_api/host/offload.py).
+            self.activation_offload.set_enabled(enabled)
 
     def _working_set_pages(self) -> int:
         units: dict[str, int] = {}

@@ -74,6 +74,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         # The copy stream: host store -> page copies ([Note: host copies are stream ordered]).
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and policy.uses_host_store else None
         self.host_store = None  # built by finish_registration when the policy uses the host tier
+        self.host_node = None  # NodeStoreInfo of this rank (python_api/host/store.py), with the store
         self.activation_offload = None  # python_api/host/offload.py, created on first use
         self.phase = Phase.IDLE
         self._order = {Phase.FORWARD: None, Phase.BACKWARD: None}  # learned wid sequences
@@ -96,14 +97,19 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         """Cumulative per-rank counters; `per_weight` adds "allgather_bytes_per_weight"
         (name -> bytes received for that weight's chunks, `full_weight` excluded).
         h2d_bytes: host -> device bytes (host-store chunks and activations brought back);
-        d2h_bytes: activations offloaded; host_store_bytes: the node's host store;
-        host_pinned_bytes: page-locked host bytes (the store when pinned, on CUDA, and the
-        activation offload's buffers)."""
+        d2h_bytes: activations offloaded; host_store_bytes: the size of this rank's node's host
+        store (the same on every rank of the node: not a per-rank share);
+        host_pinned_bytes: page-locked host bytes this rank accounts for: its activation offload
+        buffers, and the node's store on one rank per node only (the lowest local rank whose
+        registration succeeded; [Note: pinned bytes are counted once per node] in
+        python_api/host/store.py), so the sum over a node's ranks is the node's locked memory;
+        0 for the store where pinning failed or is not possible (CPU)."""
         out = dict(self._stats)
         out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
         out["d2h_bytes"] = 0
         out["host_store_bytes"] = self.host_store.nbytes if self.host_store is not None else 0
-        out["host_pinned_bytes"] = self.host_store.pinned_bytes if self.host_store is not None else 0
+        reports = self.host_store is not None and self.host_node is not None and self.host_node.reports_pinned
+        out["host_pinned_bytes"] = self.host_store.pinned_bytes if reports else 0
         if self.activation_offload is not None:
             act = self.activation_offload.stats()
             out["h2d_bytes"] += act["h2d_bytes"]

@@ -10,6 +10,10 @@ greedy rule, steady state by counting host allocations, and lifetime by the byte
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -148,6 +152,12 @@ def test_parity_and_traffic_offload_on_vs_off(world_size):
             # bf16 autocast: lora_x and the mask in bf16, xa in the fp32 adapters' dtype.
             expected = micro * sum(_saved_bytes_per_forward(2 if autocast else 4, 4, dropout > 0))
             allocations = per_step[0]["stats"]["host_allocations"]
+            # Host buffers held: one forward's worth, each activation in its size class (the
+            # micro-batches run one after the other, so the second recycles the first's); none
+            # with checkpointing, which offloads nothing.
+            from python_api.host.offload import size_class
+
+            held = 0 if ckpt else sum(size_class(b) for b in _saved_bytes_per_forward(2 if autocast else 4, 4, dropout > 0))
             for step, row in enumerate(per_step):
                 s = row["stats"]
                 assert row["losses_equal"], f"{what} step {step}: losses differ"
@@ -161,13 +171,7 @@ def test_parity_and_traffic_offload_on_vs_off(world_size):
                 assert s["h2d_bytes"] == s["d2h_bytes"], (what, step, s)
                 assert s["host_in_use_bytes"] == 0, (what, step, s)  # every buffer returned
                 assert s["host_allocations"] == allocations, (what, step, s)  # steady state
-                assert s["host_pinned_bytes"] == (0 if ckpt else s["host_pinned_bytes"])
-            if ckpt is None:
-                # One forward's worth of buffers (micro-batches run one after the other).
-                from python_api.host.offload import size_class
-
-                held = sum(size_class(b) for b in _saved_bytes_per_forward(2 if autocast else 4, 4, dropout > 0))
-                assert per_step[-1]["stats"]["host_pinned_bytes"] == held, (what, per_step[-1]["stats"], held)
+                assert s["host_pinned_bytes"] == held, (what, step, s, held)
 
 
 # ------------------------------------------------------------------------------ budget
@@ -378,9 +382,9 @@ def test_copy_back_runs_one_layer_ahead(monkeypatch):
         events.append(("copy", order[id(self)]))
         return real_copy_back(self)
 
-    def restore(self, saved):
+    def restore(self, saved, **kwargs):
         events.append(("restore", order[id(self)]))
-        return real_restore(self, saved)
+        return real_restore(self, saved, **kwargs)
 
     real_offload = ao.ActivationOffload.offload
 
@@ -461,3 +465,345 @@ def test_cuda_offload_bit_identical_pinned_and_stream_ordered():
         allocations = s["host_allocations"] if allocations is None else allocations
         assert s["host_allocations"] == allocations
         off.reset_stats()
+
+
+# ------------------------------------------------------------------------------ deadlock (issue 17)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A handle dies inside a cyclic garbage collection (a dead graph in a reference cycle, as after a
+# caught exception in a step): its __del__ returns its buffers to the pool. The collection is
+# forced at the allocation the pool makes for a new buffer, and (second part) at every container
+# allocation (gc threshold 1) while buffers are acquired and returned; a __del__ that takes a
+# lock the allocating code holds hangs this process.
+DEADLOCK_CHILD = textwrap.dedent(
+    """
+    import gc, sys, torch
+    from python_api.config import ElasticPolicy
+    from python_api.host.offload import ActivationOffload
+
+    class FakeRuntime:
+        policy = ElasticPolicy(offload_activations=True)
+        device = torch.device("cpu")
+
+    off = ActivationOffload(FakeRuntime())
+
+    def cyclic_handle(n):
+        kept, handle = off.offload((torch.ones(n),), (0,))
+        assert handle is not None and kept == (None,)
+        box = [handle]
+        box.append(box)  # unreachable only through the cycle collector from here on
+
+    gc.disable()
+    cyclic_handle(64)
+    in_use = off.pool.in_use_bytes
+    assert in_use > 0
+    real_empty = torch.empty
+
+    def empty_collecting(*args, **kwargs):  # a collection at the pool's allocation
+        gc.collect()
+        return real_empty(*args, **kwargs)
+
+    torch.empty = empty_collecting
+    buf = off.pool.acquire(1 << 16)  # a size class the pool has not allocated yet
+    torch.empty = real_empty
+    assert buf is not None and buf.numel() == 1 << 16
+    assert off.pool.in_use_bytes == 1 << 16, off.pool.in_use_bytes  # the dead handle's buffer is back
+    off.pool.release(buf)
+    print("part 1 ok", flush=True)
+
+    gc.enable()
+    gc.set_threshold(1, 1, 1)  # a collection at (almost) every container allocation
+    for i in range(300):
+        cyclic_handle(16 + i % 50)
+        b = off.pool.acquire(1024 + 4096 * (i % 7))
+        off.pool.release(b)
+        off.trim() if i % 50 == 0 else None
+    gc.set_threshold(700, 10, 10)
+    gc.collect()
+    assert off.pool.in_use_bytes == 0, off.pool.in_use_bytes
+    print("part 2 ok", flush=True)
+    """
+)
+
+
+def test_handle_dying_in_a_gc_inside_the_pool_lock_does_not_deadlock(tmp_path):
+    """Defect 1 of issue 17: nothing that runs from `_Offloaded.__del__` may take a lock that
+    allocating code holds. Run in a child with a bound: a deadlock is a timeout, not a hung suite."""
+    script = tmp_path / "child.py"
+    script.write_text(DEADLOCK_CHILD)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        out = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the child hung (deadlock): stdout so far {exc.stdout!r}") from None
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "part 1 ok" in out.stdout and "part 2 ok" in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------------------ in-place check (issue 17)
+
+
+def _inplace_worker(offload: bool, variant: str):
+    """Forward a tiny model whose first LoRA layer's input is changed in place after that
+    layer's forward; returns the backward's error text (None when it ran)."""
+    model = _build(0.0, offload)
+    ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    q_proj = model.model.layers[0].self_attn.q_proj
+
+    def change_input(module, args, out):
+        x = args[0]
+        if variant == "mul_":
+            x.mul_(2.0)  # the layer's input, changed after the layer ran
+        else:
+            torch.nn.functional.dropout(x, p=0.5, training=True, inplace=True)
+
+    q_proj.register_forward_hook(change_input)
+    loss = model(input_ids=ids, labels=ids).loss
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("variant", ["mul_", "dropout_inplace"])
+def test_inplace_change_of_an_offloaded_input_is_refused_like_autograd(variant):
+    """Defect 4 of issue 17: an in-place change of a LoRA layer's input after its forward is
+    refused by autograd without offload; with offload the same error (autograd's wording) is
+    raised when the offloaded copy is restored, instead of silently using the old values."""
+    plain = _inplace_worker(False, variant)
+    assert plain is not None and "modified by an inplace operation" in plain, plain
+    offloaded = _inplace_worker(True, variant)
+    assert offloaded is not None, "offload used an activation that was changed in place after it was saved"
+    assert offloaded.startswith("one of the variables needed for gradient computation has been modified by an "
+                                "inplace operation: [torch.FloatTensor ["), offloaded
+    assert "is at version 1; expected version 0 instead" in offloaded, offloaded
+
+
+# ------------------------------------------------------------------------------ memory back (issue 17)
+
+TRIM_CHILD = textwrap.dedent(
+    """
+    import gc, torch
+    from python_api.host.offload import HostBufferPool
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    pool = HostBufferPool(None, pin=False)
+    n, size = 64, 1 << 20
+    for round in range(2):
+        gc.collect()
+        r0 = rss()
+        bufs = [pool.acquire(size) for _ in range(n)]
+        for b in bufs:
+            b.fill_(1)  # touched: resident
+        grown = rss() - r0
+        for b in bufs:
+            pool.release(b)
+        del bufs, b
+        freed = pool.trim()
+        print(round, grown, rss() - r0, freed, pool.held_bytes, flush=True)
+    """
+)
+
+
+def test_trim_returns_host_memory_to_the_os(tmp_path):
+    """Issue 17, item 9: `trim()` must give the freed buffers' memory back to the operating
+    system (measured as the resident set), not only drop them into the C library's heap.
+    In a child process, so the heap state of the test session does not matter."""
+    script = tmp_path / "child.py"
+    script.write_text(TRIM_CHILD)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mib = 1 << 20
+    rows = [list(map(int, line.split())) for line in out.stdout.strip().splitlines()]
+    assert len(rows) == 2, out.stdout
+    for rnd, grown, left, freed, held in rows:
+        assert freed == 64 * mib and held == 0, rows
+        assert grown >= 56 * mib, f"round {rnd}: touching 64 MiB of buffers grew the RSS by {grown / mib:.1f} MiB only"
+        # Allowance: 8 MiB for the interpreter's own pages touched meanwhile (the list, ints).
+        assert left <= 8 * mib, f"round {rnd}: {left / mib:.1f} MiB of the 64 MiB trimmed are still resident"
+
+
+def test_switching_offload_off_frees_the_host_buffers():
+    """Issue 17, item 9: a re-plan that turns offload off (`set_offload_activations(False)`)
+    frees the pool's buffers at once, and the buffers a live graph still holds when they come
+    back; switching it on again recycles as before."""
+    from python_api import runtime_of
+
+    model = _build(0.0, True)
+    rt = runtime_of(model)
+    ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    off = rt.activation_offload
+    held = off.pool.held_bytes
+    assert held > 0 and off.pool.in_use_bytes == 0
+    rt.set_offload_activations(False)
+    assert off.pool.held_bytes == 0, "switching offload off kept the host buffers"
+
+    rt.set_offload_activations(True)
+    loss = model(input_ids=ids, labels=ids).loss  # buffers in use by this graph
+    assert off.pool.in_use_bytes == held
+    rt.set_offload_activations(False)  # while the graph holds them
+    assert off.pool.held_bytes == held  # in use: not freed under the graph
+    loss.backward()
+    del loss
+    assert off.pool.held_bytes == 0 and off.pool.in_use_bytes == 0, "returned buffers were kept after offload was off"
+    model(input_ids=ids, labels=ids).loss.backward()  # off: nothing offloaded, nothing allocated
+    assert off.pool.held_bytes == 0
+    rt.set_offload_activations(True)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert off.pool.held_bytes == held and off.pool.in_use_bytes == 0
+
+
+# ------------------------------------------------------------------------------ GPU: ordering under delay (issue 17)
+
+GPU_SLEEP = 20_000_000  # cycles: ~10 ms at 2 GHz, far longer than one 32 MiB copy (< 1 ms)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _gpu_stack(offload: bool, width: int, depth: int, dropout: float = 0.1):
+    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+
+    torch.manual_seed(0)
+    m = _Stack(width, depth).cuda()
+    m.requires_grad_(False)
+    m = convert_to_elastic(m, LoRAConfig(r=8, alpha=16, dropout=dropout, target_modules=r"layers\.\d+"),
+                           ElasticPolicy(offload_activations=offload))
+    gen = torch.Generator().manual_seed(7)
+    for _, layer in lora_layers(m):
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen).cuda() * 0.1)
+    return m.train()
+
+
+# Each variant delays one side so that one ordering matters (see the test's docstring):
+#   input_sleeps: sleeps on the compute stream before each step's input is written
+#   d2h_sleeps: sleeps on the copy stream, after it caught up with compute, before each offload
+#   h2d_sleeps: sleeps on the copy stream before each copy-back
+#   backward_sleeps: sleeps on the compute stream before each layer's backward
+DELAYS = {
+    "d2h_waits_for_compute": dict(input_sleeps=5, d2h_sleeps=0, h2d_sleeps=0, backward_sleeps=0),
+    "d2h_source_not_reused": dict(input_sleeps=0, d2h_sleeps=1, h2d_sleeps=0, backward_sleeps=0),
+    "h2d_waited_for": dict(input_sleeps=0, d2h_sleeps=0, h2d_sleeps=1, backward_sleeps=0),
+    "h2d_result_not_reused": dict(input_sleeps=0, d2h_sleeps=0, h2d_sleeps=0, backward_sleeps=1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(DELAYS))
+def test_cuda_offload_ordered_under_delayed_streams(monkeypatch, variant):
+    """Every ordering the CUDA offload relies on, each made to matter by a delay (issue 17):
+    "d2h_waits_for_compute": each step's input is written behind a long sleep on the compute
+    stream (a D2H that does not wait for compute copies it unwritten); "d2h_source_not_reused":
+    every D2H waits behind a sleep on the copy stream while, after each layer's forward, the
+    freed activations' memory is claimed and overwritten at once on the compute stream (without
+    `record_stream` on the copy stream the allocator hands it out under the late D2H);
+    "h2d_waited_for": every copy-back waits behind a sleep on the copy stream (without
+    `wait_event` the backward reads the restored tensor before it arrives);
+    "h2d_result_not_reused": each layer's backward waits behind a sleep on the compute stream (a
+    restored tensor freed without `record_stream` on compute is reused by the next copy-back
+    while its backward is still to read it). Losses and adapter gradients must equal offload
+    off bit for bit, under the same delays."""
+    from python_api import runtime_of
+    from python_api.host import offload as ao
+
+    delays = DELAYS[variant]
+    width, depth, tokens = 2048, 4, 4096  # each activation 32 MiB
+    real_offload, real_copy_back = ao.ActivationOffload.offload, ao._Offloaded._copy_back
+
+    def delayed_offload(self, tensors, activations):
+        if delays["d2h_sleeps"]:
+            # Behind the compute stream first, so that the sleep delays the copies *after* the
+            # point where the layer drops its tensors (this variant tests their record_stream;
+            # "d2h_waits_for_compute" tests the offloader's own wait, which this would mask).
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(delays["d2h_sleeps"] * GPU_SLEEP)
+        return real_offload(self, tensors, activations)
+
+    def delayed_copy_back(self):
+        with torch.cuda.stream(self._owner.copy_stream):
+            torch.cuda._sleep(delays["h2d_sleeps"] * GPU_SLEEP)
+        return real_copy_back(self)
+
+    monkeypatch.setattr(ao.ActivationOffload, "offload", delayed_offload)
+    monkeypatch.setattr(ao._Offloaded, "_copy_back", delayed_copy_back)
+
+    def run(model):
+        junk = []
+
+        def claim_freed_memory(module, args, out):  # the freed activations' blocks, overwritten now
+            junk.append(torch.full((tokens, width), 1e6, device="cuda"))
+            junk.append(torch.full((tokens, width), -1e6, device="cuda"))
+
+        def delay_backward(grad):
+            torch.cuda._sleep(delays["backward_sleeps"] * GPU_SLEEP)
+            return grad
+
+        layers = [layer for _, layer in lora_layers(model)]
+        assert len(layers) == depth
+        hooks = [layer.register_forward_hook(claim_freed_memory) for layer in layers]
+        hooks += [layer.register_forward_hook(lambda m, a, out: out.register_hook(delay_backward) and None)
+                  for layer in layers]
+        out = []
+        for step in range(3):
+            base = torch.randn(tokens, width, generator=torch.Generator().manual_seed(step)).cuda()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(delays["input_sleeps"] * GPU_SLEEP)
+            x = base * 0.5  # written only after the sleep
+            torch.manual_seed(100 + step)  # the dropout masks
+            loss = model(x).square().mean()
+            junk.clear()
+            loss.backward()
+            out.append((loss.detach().clone(), _grads(model)))
+            for p in model.parameters():
+                p.grad = None
+        for h in hooks:
+            h.remove()
+        torch.cuda.synchronize()
+        return out
+
+    plain = run(_gpu_stack(False, width, depth))
+    model = _gpu_stack(True, width, depth)
+    offloaded = run(model)
+    s = runtime_of(model).activation_offload.stats(detail=True)
+    assert s["d2h_bytes"] > 0 and s["d2h_bytes"] == s["h2d_bytes"] and s["host_in_use_bytes"] == 0, s
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(plain, offloaded)):
+        assert torch.equal(l0, l1), f"{variant} step {step}: loss {l0.item()} vs {l1.item()} with offload"
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1)), f"{variant} step {step}: adapter gradients differ"
+
+
+@pytest.mark.gpu
+def test_cuda_inplace_change_after_offload_is_refused():
+    """Defect 4 on CUDA: the D2H copy of an input changed in place after the layer's forward
+    races with the in-place kernel; restore refuses it with autograd's error instead."""
+    model = _gpu_stack(True, 256, 2, dropout=0.0)  # no dropout: the layer saves its input itself
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    h = x * 1.0
+    first = next(layer for _, layer in lora_layers(model))
+
+    def change_input(module, args, out):
+        args[0].mul_(2.0)
+
+    first.register_forward_hook(change_input)
+    loss = model(h).sum()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.cuda\.FloatTensor \[64, 256\]\] "
+                                           r"is at version 1; expected version 0"):
+        loss.backward()

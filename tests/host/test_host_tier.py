@@ -197,3 +197,99 @@ def test_state_dict_round_trip_with_host_weights():
             mb.B.load_state_dict(rb.B.state_dict())
             mb.base.bias.copy_(rb.base.bias)
         assert torch.equal(model(x), ref(x))
+
+
+def _load_worker(rank, world_size, fake_nodes):
+    import python_api.host.store as hs
+    import python_api.nn.state_dict as sd
+    from python_api import ElasticPolicy, elasticize, runtime_of
+
+    if fake_nodes:  # ranks 0,1 / 2,3: two nodes, two stores
+        hs.node_identity = lambda: f"fake-node-{rank // 2}"
+    writes = []
+    real_copy = torch.Tensor.copy_
+    store_ptrs = []
+
+    def counting_copy(self, src, non_blocking=False):
+        # A write whose destination lies inside this rank's mapping of the store.
+        if store_ptrs and store_ptrs[0] <= self.data_ptr() < store_ptrs[1]:
+            writes.append(self.numel())
+        return real_copy(self, src, non_blocking)
+
+    model = make_model()
+    elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, weights_on="host"))
+    rt = runtime_of(model)
+    base = rt.host_store.data_ptr
+    store_ptrs[:] = [base, base + rt.host_store.nbytes]
+    new = make_model(seed=5)  # the same on every rank
+    torch.Tensor.copy_ = counting_copy
+    try:
+        for et, block in zip(rt.tensors, new):
+            sd.load_full_weight(et, block.base.weight)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    ok = all(torch.equal(rt.full_weight(et), block.base.weight) for et, block in zip(rt.tensors, new))
+    chunks_ok = all(torch.equal(et.host_chunk(c), block.base.weight[slice(*et.layout.chunk_rows(c))])
+                    for et, block in zip(rt.tensors, new) for c in range(et.num_chunks))
+    return dict(ok=ok, chunks_ok=chunks_ok, writes=len(writes), weights=len(rt.tensors),
+                handle=rt.host_store.handle)
+
+
+@pytest.mark.parametrize("world_size,fake_nodes", [(2, False), (4, True)])
+def test_load_state_dict_writes_the_store_once_per_node(world_size, fake_nodes):
+    """Issue 17 #6: loading a weight into the host store is done by one rank per node, between
+    barriers; every rank of every node then reads the new weight (through its own mapping)."""
+    out = run_distributed(_load_worker, world_size, fake_nodes, timeout=300)
+    assert all(o["ok"] and o["chunks_ok"] for o in out), out
+    n = out[0]["weights"]
+    per_node = 2 if fake_nodes else world_size
+    expected = [n if r % per_node == 0 else 0 for r in range(world_size)]
+    assert [o["writes"] for o in out] == expected, ([o["writes"] for o in out], expected)
+    if fake_nodes:
+        assert out[0]["handle"] == out[1]["handle"] != out[2]["handle"] == out[3]["handle"]
+
+
+def _nonfinite_worker(rank, world_size):
+    from types import SimpleNamespace
+
+    import python_api.host.store as hs
+    from python_api import ElasticPolicy, elasticize, runtime_of
+    from python_api.finetune.engines import _nonfinite_loaded
+    from python_api.runtime import ElasticTensor
+
+    hs.node_identity = lambda: f"fake-node-{rank // 2}"
+    model = make_model()
+    elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, weights_on="host"))
+    rt = runtime_of(model)
+    import torch.distributed as dist
+
+    spec = SimpleNamespace(embedded=True, source=None, dtype=torch.float32)
+    checked = []
+    real = ElasticTensor.host_chunk
+    ElasticTensor.host_chunk = lambda self, c: checked.append((self.name, c)) or real(self, c)
+    try:
+        clean = _nonfinite_loaded(model, rt, spec)  # intact: every chunk this rank checks
+    finally:
+        ElasticTensor.host_chunk = real
+    dist.barrier()
+    if rank == 2:  # damage chunk 0 of the first weight in node 1's store only
+        rt.tensors[0].host_chunk(0).view(-1)[3] = float("nan")
+    dist.barrier()
+    err = _nonfinite_loaded(model, rt, spec)
+    every = {(et.name, c) for et in rt.tensors for c in range(et.num_chunks)}
+    return err, checked, sorted(every), clean
+
+
+def test_nonfinite_check_covers_every_nodes_store_once():
+    """Issue 17 #9: with weights_on="host" on several nodes the NaN/Inf check of the base weights
+    covers every chunk of every node's store exactly once per node (4 ranks as 2 nodes; a NaN
+    in node 1's store, where the check by global rank would never look)."""
+    out = run_distributed(_nonfinite_worker, 4, timeout=300)
+    every = out[0][2]
+    for node in (0, 1):
+        checked = out[2 * node][1] + out[2 * node + 1][1]
+        assert sorted(checked) == every, f"node {node} checked {sorted(checked)}, its store holds {every}"
+    assert [o[3] for o in out] == [None] * 4
+    errors = [o[0] for o in out]
+    assert errors[0] is None and errors[1] is None, errors  # node 0's store is intact
+    assert any(e is not None and "NaN or Inf" in e for e in errors[2:]), errors
