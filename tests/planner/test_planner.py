@@ -240,7 +240,7 @@ def test_search_estimate_is_the_cost_model():
                 estimate, kept, _ = s.evaluate(m, rec, limit)
                 if estimate is None:
                     continue
-                ch = s.choices(m, rec, kept)
+                ch = s.choices(m, rec, kept, False)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
                 assert memory_curve(prof, ch).peak_bytes <= limit
@@ -607,13 +607,14 @@ def test_host_search_bound_is_the_memory_model():
         for f, off in ((0.5, True), (1.0, False), (0.25, True)):
             if prof.weights_on == "host":
                 f = 1.0
-            s = _Search(prof, 1, "chunks", f, off)
+            s = _Search(prof, 1, "chunks", f)
             for m in (1, 3):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 for fraction, buffers in ((0.0, True), (1.0, False)):
                     c = memory_curve(prof, Choices.uniform(prof, m, fraction, recompute=rec, host_fraction=f,
                                                            offload=off))
-                    assert s.act_peak(m * prof.seq_len, rec, buffers) == c.peak_bytes - c.fixed_bytes - c.pool_bytes
+                    assert s.act_peak(m * prof.seq_len, rec, buffers, off) == \
+                        c.peak_bytes - c.fixed_bytes - c.pool_bytes
 
 
 def test_host_search_estimate_is_the_cost_model():
@@ -626,16 +627,16 @@ def test_host_search_estimate_is_the_cost_model():
         for granularity in ("chunks", "eighths"):
             f = 1.0 if prof.weights_on == "host" else rng.choice([0.25, 0.5, 0.75, 1.0])
             off = rng.random() < 0.5
-            s = _Search(prof, 1, granularity, f, off)
+            s = _Search(prof, 1, granularity, f)
             for m in (1, 2):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec, host_fraction=f,
                                                           offload=off)).peak_bytes
                 limit = int(need * rng.uniform(0.9, 1.5))
-                estimate, kept, _ = s.evaluate(m, rec, limit)
+                estimate, kept, _ = s.evaluate(m, rec, limit, off)
                 if estimate is None:
                     continue
-                ch = s.choices(m, rec, kept)
+                ch = s.choices(m, rec, kept, off)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
                 assert memory_curve(prof, ch).peak_bytes <= limit
