@@ -62,7 +62,7 @@ def _served(profile, tokens: int, recompute, min_buffer: int):
     for i, layer in enumerate(profile.layers):
         mine = []
         if not recompute[i]:
-            names = list(layer.offload_tensors_weight) or [layer.weights[-1].name] * len(
+            names = list(getattr(layer, "offload_tensors_weight", ())) or [layer.weights[-1].name] * len(
                 layer.offload_tensors_bytes_per_token)
             index = {w.name: j for j, w in enumerate(layer.weights)}
             for b, name in zip(layer.offload_tensors_bytes_per_token, names):
@@ -104,8 +104,9 @@ def step_seconds(profile, plan, min_buffer: int = 512, unit_waits: bool = True) 
 
     def gather_seconds(slices: int) -> float:
         t = profile.allgather.latency_s + (W - 1) * slices / profile.allgather.bytes_per_s
-        if profile.copy is not None:  # pack (slices) and unpack (W x slices): two copy kernels
-            t += 2 * profile.copy.latency_s + (W + 1) * slices / profile.copy.bytes_per_s
+        copy = getattr(profile, "copy", None)  # absent in profiles older than issue 17
+        if copy is not None:  # pack (slices) and unpack (W x slices): two copy kernels
+            t += 2 * copy.latency_s + (W + 1) * slices / copy.bytes_per_s
         return t
 
     def host_seconds(nbytes: int) -> float:
