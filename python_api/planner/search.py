@@ -95,6 +95,7 @@ buffer bound let it fit first wins.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, insort
 from itertools import accumulate
 from operator import add
 
@@ -332,8 +333,9 @@ class _Search:
     evaluated per candidate (micro-batch, recompute set, offload)."""
 
     def __init__(self, profile: Profile, prefetch_depth: int, granularity: str, host_fraction: float = 0.0,
-                 tables: dict | None = None):
+                 tables: dict | None = None, events: dict | None = None):
         self.p = profile
+        self.events = {} if events is None else events
         self.d = prefetch_depth
         self.f = host_fraction
         tables = {} if tables is None else tables
@@ -349,6 +351,7 @@ class _Search:
         self.fixed = profile.reserved_bytes + profile.static_bytes
         self.rec_order = _recompute_order(profile)
         self.run_cache: dict = {}
+        self._order: dict = {}  # micro-batch -> (per unit (rec, windows), sorted run entries)
         self._offload_cache: dict = {}
         self._no_offload = None
         self._eof: dict = {}
@@ -471,8 +474,10 @@ class _Search:
     def candidate(self, m: int, rec: list[bool]) -> _Candidate:
         """The parts of candidate (m, rec) that do not depend on memory or offload: per unit the
         proxy's prefetch windows of its (forward, recompute, backward) uses (None when the use
-        does not exist: independent windows, the sum of the compute of the prefetch_depth uses
-        before it in its phase), and the compute of every use."""
+        does not exist): independent windows, the compute from the entry of the segment
+        prefetch_depth segments before it (where the runtime issues its gathers) to its own
+        entry, in its phase ([Note: the search]: with these windows the proxy of one link
+        alone is a lower bound); and the compute of every use."""
         layers, d = self.p.layers, self.d
         L = len(layers)
         T = m * self.p.seq_len
@@ -487,8 +492,16 @@ class _Search:
             bc.append(layers[i].bwd_s(T))
         wr: list = [None] * L
         wb = [0.0] * L
+        prefix = list(accumulate(bc, initial=0.0))
+        entries = []  # positions of the segment uses (a backward use of a unit with no backward weight is none)
+        segment = self.bwd_segment
         for j, (i, kind) in enumerate(bseq):
-            w = sum(bc[max(0, j - d) : j])
+            if kind == 1 or segment[i]:
+                entries.append(j)
+                start = entries[-1 - d] if len(entries) > d else 0
+            else:
+                start = entries[-d] if d and len(entries) >= d else j  # no use, no gather: window unused
+            w = prefix[j] - prefix[start]
             if kind == 1:
                 wr[i] = w
             else:
@@ -500,6 +513,29 @@ class _Search:
         c.compute = sum(fc) + sum(bc) + self.outside_per_token * T
         c.entries = None
         return c
+
+    def lower_bound(self, c: _Candidate, kept: list) -> float:
+        """A lower bound of `exact(c, kept, offload)` for either offload ([Note: the search]):
+        the compute, plus the larger of the proxy's exposure of the all-gathers alone and of
+        the host copies alone. Dropping one link and the activation copies only removes work
+        from the model's fixed-order max-plus system; with one FIFO link, a use's exposure is
+        at least its transfer minus its independent window (the compute from its issue to its
+        entry: if no use in between waited, the window is exactly that; if one did, the link
+        was busy with earlier gathers until then, so its own could not start before)."""
+        glat, gbw, hlat, hbw = self.links
+        eg = eh = 0.0
+        for u, x, (wf, wr, wb), r in zip(self.units, kept, c.windows, c.rec):
+            pf, hf, pb, hb = u.missing(x)
+            for peer, host, w in ((pf, hf, wf), (pb, hb, wb)) + (((pf, hf, wr),) if r else ()):
+                if peer > 0:
+                    t = glat + peer / gbw - w
+                    if t > 0:
+                        eg += t
+                if host > 0:
+                    t = hlat + host / hbw - w
+                    if t > 0:
+                        eh += t
+        return c.compute + (eg if eg > eh else eh)
 
     # -------------------------------------------------------- one candidate
 
@@ -563,30 +599,39 @@ class _Search:
                 return None, (kept - budget) * self.page
         return budget, 0
 
-    def _entries(self, c: _Candidate):
-        """The proxy's runs of every unit of candidate c, sorted by time saved per chunk (ties:
-        run index, then unit index): one order that does not depend on the memory."""
+    def _entries(self, c: _Candidate) -> list:
+        """The proxy's runs of every unit of candidate c, (-time saved per chunk, run index,
+        unit, x0, x1), sorted (ties: run index, then unit index): one order that does not
+        depend on the memory. Kept sorted per micro-batch and updated where a unit's
+        recompute choice or windows changed (one more recomputed layer changes a few)."""
         if c.entries is not None:
             return c.entries
-        groups: dict = {}  # equal units (structure, recompute choice, windows) share their runs
-        for i, u in enumerate(self.units):
-            key = (u.sig, c.rec[i], c.windows[i])
-            g = groups.get(key)
-            if g is None:
-                groups[key] = [i]
-            else:
-                g.append(i)
-        entries = []
-        for key, members in groups.items():
-            i0 = members[0]
-            runs = self.run_cache.get(key)
-            if runs is None:
-                runs = self.run_cache[key] = _runs(self.units[i0], c.rec[i0], c.windows[i0], self.links)
-            for j, (x0, x1, saved) in enumerate(runs):
-                entries.append((-(saved / (x1 - x0)), j, i0, x0, x1, members))
-        entries.sort(key=lambda e: e[:3])
-        c.entries = entries
+        keys = [(r, w) for r, w in zip(c.rec, c.windows)]
+        state = self._order.get(c.m)
+        if state is None:
+            old_keys, entries = [None] * len(keys), []
+        else:
+            old_keys, entries = state
+        for i, (key, old) in enumerate(zip(keys, old_keys)):
+            if key == old:
+                continue
+            u = self.units[i]
+            if old is not None:
+                for e in self._unit_entries(u, i, old):
+                    del entries[bisect_left(entries, e)]
+            for e in self._unit_entries(u, i, key):
+                insort(entries, e)
+        self._order[c.m] = (keys, entries)
+        c.entries = entries  # valid until the next candidate of this micro-batch
         return entries
+
+    def _unit_entries(self, u: _Unit, i: int, key) -> list:
+        rec, windows = key
+        ckey = (u.sig, rec, windows)
+        runs = self.run_cache.get(ckey)
+        if runs is None:
+            runs = self.run_cache[ckey] = _runs(u, rec, windows, self.links)
+        return [(-(saved / (x1 - x0)), j, i, x0, x1) for j, (x0, x1, saved) in enumerate(runs)]
 
     def proposal(self, c: _Candidate, budget: int) -> list:
         """Chunks kept per unit: the longest prefix of the candidate's run order with `budget`
@@ -597,20 +642,19 @@ class _Search:
             return [u.n for u in self.units]
         kept = [0] * len(self.units)
         left = budget
-        for _, _, i0, x0, x1, members in self._entries(c):
+        for _, _, i, x0, x1 in self._entries(c):
             n = x1 - x0
-            full = min(len(members), left // n)
-            for i in members[:full]:
+            if n <= left:
                 kept[i] = x1
-            left -= full * n
-            if full < len(members):
-                u = self.units[members[full]]
-                x = x0 + left
-                if u.stops is not None:
-                    x = max(s for s in u.stops if s <= x)
-                if x > x0:
-                    kept[members[full]] = x
-                break
+                left -= n
+                continue
+            u = self.units[i]
+            x = x0 + left
+            if u.stops is not None:
+                x = max(st for st in u.stops if st <= x)
+            if x > x0:
+                kept[i] = x
+            break
         return kept
 
     def exact(self, c: _Candidate, kept: list, offload: bool, act: ActivationEvents | None = None) -> float:
@@ -631,7 +675,11 @@ class _Search:
             else:
                 bwd.append((i, bc, gl.time(pb), h2d.time(hb) if hb else 0.0, True, segment[i]))
         if offload and act is None:
-            act = activation_events(self.p, c.T, c.rec, True, self.offload_of(c.T, c.rec, True))
+            key = (c.T, tuple(c.rec))
+            act = self.events.get(key)  # the same for every prefetch depth and host fraction
+            if act is None:
+                act = self.events[key] = activation_events(self.p, c.T, c.rec, True,
+                                                            self.offload_of(c.T, c.rec, True))
         total, _, _ = simulate_micro_batch(fwd, bwd, self.d, self.outside_per_token * c.T, act)
         return total
 
@@ -741,10 +789,11 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
     best = None  # (step seconds, candidate key, search, candidate, kept, offload)
     shortfall = None
     tables: dict = {}
-    evaluated = visited = 0
+    events: dict = {}
+    evaluated = visited = bounded = 0
     for di, d in enumerate(depths):
         for fi, f in enumerate(fractions):
-            s = _Search(profile, d, granularity, f, tables)
+            s = _Search(profile, d, granularity, f, tables, events)
             s.keep_only = keep_only
             live = list(enumerate(offloads))  # offload choices that can still fit a larger micro-batch
             for mi, m in enumerate(candidates):
@@ -787,11 +836,14 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
                     c = s.candidate(m, rec)
                     for oi, off, budget in feasible:
                         kept = s.proposal(c, budget)
-                        t_step = acc * s.exact(c, kept, off) + allreduce
-                        evaluated += 1
                         key = (di, fi, oi, mi, R)
-                        if best is None or (t_step, key) < best[:2]:
-                            best = (t_step, key, s, c, kept, off)
+                        if best is not None and acc * s.lower_bound(c, kept) + allreduce > best[0] * (1 + 1e-12):
+                            bounded += 1
+                        else:
+                            t_step = acc * s.exact(c, kept, off) + allreduce
+                            evaluated += 1
+                            if best is None or (t_step, key) < best[:2]:
+                                best = (t_step, key, s, c, kept, off)
                         if not off and budget >= s.total:
                             open_.remove((oi, off))  # everything kept: recomputing more only adds time
                     if not open_:
@@ -800,7 +852,7 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
                     # activations grow with the micro-batch: where no R fits m, no larger m fits
                     live = [(oi, off) for oi, off in live if fits[oi]]
     if stats is not None:
-        stats.update(visited=visited, evaluated=evaluated)
+        stats.update(visited=visited, evaluated=evaluated, bounded=bounded)
     if best is None:
         raise PlanningError(
             f"no plan fits in memory_bytes x (1 - margin) = {limit} bytes per rank: the smallest plan "

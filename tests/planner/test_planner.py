@@ -240,6 +240,7 @@ def test_search_estimate_is_the_cost_model():
                 estimate, kept, _ = s.evaluate(m, rec, limit)
                 if estimate is None:
                     continue
+                assert s.lower_bound(s.candidate(m, rec), kept) <= estimate * (1 + 1e-12)
                 ch = s.choices(m, rec, kept, False)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
@@ -636,6 +637,8 @@ def test_host_search_estimate_is_the_cost_model():
                 estimate, kept, _ = s.evaluate(m, rec, limit, off)
                 if estimate is None:
                     continue
+                # the pruning bound never exceeds the model ([Note: the search])
+                assert s.lower_bound(s.candidate(m, rec), kept) <= estimate * (1 + 1e-12)
                 ch = s.choices(m, rec, kept, off)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
