@@ -53,6 +53,7 @@ normed hidden state, down silu(g) x u) and x A^T (fp32, r values), no dropout ma
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from python_api.config import PAGE_ALIGN
@@ -188,10 +189,16 @@ def device_of(device: str | DeviceSpec) -> DeviceSpec:
 
 def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str | DeviceSpec = "a100-40g-pcie", *,
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16, host_tier: bool = False,
-                      weights_on: str = "device", host_budget_bytes: int | None = None) -> Profile:
+                      weights_on: str = "device", host_budget_bytes: int | None = None, jitter: float = 0.0,
+                      seed: int = 0) -> Profile:
     """The profile of Llama-2 `shape` on `ranks` GPUs of `device` ([Note: synthetic profile
     assumptions]); with `host_tier` (implied by weights_on="host") the host link, a host store
-    and the offloadable activations are in it."""
+    and the offloadable activations are in it. `jitter`: each decoder layer's four timings
+    scaled by independent factors uniform in [1 - jitter, 1 + jitter] (drawn from `seed`), as
+    a measured profile's layers differ (no two are equal, so the search cannot share their work)."""
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
+        raise ValueError(f"jitter must be a number in [0, 1), got {jitter!r}")
+    rng = random.Random(seed)
     if weights_on not in ("device", "host"):
         raise ValueError(f'weights_on must be "device" or "host", got {weights_on!r}')
     host_tier = host_tier or weights_on == "host"
@@ -221,10 +228,11 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         weights = tuple(_weight(name, rows, cols, ranks, chunk_bytes,
                                 backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")))
                         for name, rows, cols in projections)
+        j = [1.0 + rng.uniform(-jitter, jitter) if jitter else 1.0 for _ in range(4)]
         layers.append(LayerProfile(
             name=f"model.layers.{li}", recomputable=True,
-            fwd_s_per_token=fwd_flops / dev.flops, bwd_s_per_token=bwd_flops / dev.flops,
-            fwd_s_fixed=FWD_FIXED_S, bwd_s_fixed=BWD_FIXED_S,
+            fwd_s_per_token=j[0] * fwd_flops / dev.flops, bwd_s_per_token=j[1] * bwd_flops / dev.flops,
+            fwd_s_fixed=j[2] * FWD_FIXED_S, bwd_s_fixed=j[3] * BWD_FIXED_S,
             act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
             offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed, offload_tensors_weight=owners,
         ))
