@@ -474,9 +474,12 @@ def test_close_to_exhaustive_search_on_small_profiles():
     # Every (micro-batch, recompute set, kept chunks per weight) of small random profiles,
     # evaluated with the same models: the planner's greedy (one recompute order, runs by time
     # saved per page) is optimal in most cases and never far off. Measured with this
-    # generator: optimal on 449 of the 450 profiles of seeds 3, 4, 5, one 11.5% slower (it
-    # recomputes another layer: the recomputed layers are a prefix of one fixed order, not
-    # any set); the 60 checked here (seed 3) are all optimal.
+    # generator (re-measured with the queued-link model of issue 17, 2026-12-01, the same
+    # figures as before it: at depth 1 without the host tier the model did not change): optimal
+    # on 449 of the 450 profiles of seeds 3, 4, 5, one 11.5% slower (it recomputes another
+    # layer: the recomputed layers are a prefix of one fixed order, not any set); the 60
+    # checked here (seed 3) are all optimal. The host tier and the prefetch depth searched:
+    # test_close_to_exhaustive_search_with_the_host_tier.
     import itertools
 
     rng = random.Random(3)
@@ -518,6 +521,65 @@ def test_close_to_exhaustive_search_on_small_profiles():
 
 
 # ---------------------------------------------------------------- the host tier
+
+def test_close_to_exhaustive_search_with_the_host_tier():
+    """As above with every dimension: prefetch depth 1 and 2 (where gathers queue), the host
+    fractions and activation offload (copies per linear on the shared link), judged by the
+    same models, at memory below what keeping everything needs at micro-batch 1. Measured
+    (2026-12-01, seeds 11, 12, 13, 60 profiles each): optimal on 177 of 180, 178 within 1%,
+    worst 17.2% (seed 13: it recomputes layer 1 where recomputing layer 0 is faster, the
+    fixed recompute order again); the 30 checked here (seed 11) are all optimal."""
+    import dataclasses
+    import itertools
+
+    from python_api.planner.search import host_candidates, least_memory
+
+    rng = random.Random(11)
+    checked = optimal = 0
+    worst = 0.0
+    while checked < 30:
+        prof = random_host_profile(rng)
+        layers = []
+        for layer in prof.layers:  # each offloaded tensor belongs to a linear, in forward order
+            owners = sorted(rng.randrange(len(layer.weights)) for _ in layer.offload_tensors_bytes_per_token)
+            layers.append(dataclasses.replace(layer, offload_tensors_weight=tuple(layer.weights[o].name
+                                                                                  for o in owners)))
+        prof = dataclasses.replace(prof, layers=tuple(layers), copy=Link(rng.uniform(0, 1e-4), rng.uniform(1e6, 1e9)))
+        if len(prof.layers) > 3 or prof.total_chunks > 6:
+            continue
+        G = prof.world_size * rng.choice([1, 2, 4])
+        per_rank = G // prof.world_size
+        try:
+            least = least_memory(prof, G, prefetch_depth=None)
+        except PlanningError:
+            continue
+        keep_all = int(memory_curve(prof, Choices.uniform(prof, 1, 1.0)).peak_bytes / 0.95)
+        if least >= keep_all:
+            continue
+        memory = rng.randint(least, keep_all - 1)
+        limit = int(memory * 0.95)
+        best = None
+        weights = [w for layer in prof.layers for w in layer.weights]
+        for m in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+            for ks in itertools.product(*[range(w.chunks + 1) for w in weights]):
+                it = iter(ks)
+                keep = tuple(tuple(next(it) for _ in layer.weights) for layer in prof.layers)
+                for rec in itertools.product(*[(False, True) if layer.recomputable else (False,)
+                                               for layer in prof.layers]):
+                    for depth in (1, 2):
+                        for f, off in host_candidates(prof):
+                            ch = Choices(m, keep, keep, rec, depth, f, off)
+                            if memory_curve(prof, ch).peak_bytes <= limit:
+                                t = step_cost(prof, ch, per_rank // m).step_s
+                                best = t if best is None else min(best, t)
+        checked += 1
+        plan = plan_from_profile(prof, memory, G, prefetch_depth=None)
+        assert best is not None and plan.predicted_step_time_s >= best * (1 - 1e-12)
+        gap = plan.predicted_step_time_s / best - 1
+        worst = max(worst, gap)
+        optimal += gap <= 1e-9
+    assert optimal >= 0.9 * checked and worst < 0.2, (optimal, checked, worst)
+
 
 def random_host_profile(rng: random.Random) -> Profile:
     """random_profile with the host tier: an h2d link, a store (or weights_on="host"), ragged
