@@ -211,3 +211,27 @@ def step_seconds(profile, plan, min_buffer: int = 512, unit_waits: bool = True) 
     if W > 1:
         total += profile.allreduce.latency_s + profile.adapter_grad_bytes / profile.allreduce.bytes_per_s
     return total
+
+
+def latency_slack(prof, plan) -> float:
+    """What the simulation adds to the model by the runtime's granularity: one host copy per
+    weight of a use (the model: one per use, one latency), per micro-batch, times the
+    accumulation. Every simulated time is a max-plus expression of the durations, so the
+    simulated step exceeds the model's by at least 0 and at most the sum of the added
+    durations (1-Lipschitz in each)."""
+    if prof.h2d is None:
+        return 0.0
+    f = 1.0 if prof.weights_on == "host" else (0.0 if prof.world_size == 1 else plan.host_fraction)
+    if f <= 0:
+        return 0.0
+    extra = 0
+    for i, (layer, lp) in enumerate(zip(prof.layers, plan.layers)):
+        keep = [w.keep_chunks for w in lp.weights]
+        persist = [w.persist_chunks for w in lp.weights]
+        uses = [persist] + ([[k if w.backward else p for w, k, p in zip(layer.weights, keep, persist)]]
+                            if lp.recompute else []) + [[k if w.backward else w.chunks for w, k in
+                                                         zip(layer.weights, keep)]]
+        for kept in uses:
+            k = sum(1 for w, x in zip(layer.weights, kept) if _missing_chunks(w.chunks, x, f)[1])
+            extra += max(0, k - 1)
+    return plan.accumulation * extra * prof.h2d.latency_s

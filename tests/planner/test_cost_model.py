@@ -13,8 +13,7 @@ import random
 import pytest
 
 from python_api.planner import Choices, Link, PlanningError, memory_curve, plan_from_profile, plan_of, synthetic_profile
-from python_api.planner.memory import host_chunk_count
-from tests.planner._event_sim import step_seconds
+from tests.planner._event_sim import latency_slack, step_seconds
 from tests.planner.test_planner import random_host_profile, random_profile
 
 
@@ -27,30 +26,6 @@ def _with_owners(prof, rng):
         layers.append(dataclasses.replace(layer, offload_tensors_weight=tuple(layer.weights[o].name for o in owners)))
     return dataclasses.replace(prof, layers=tuple(layers),
                                copy=rng.choice([None, Link(rng.uniform(0, 1e-4), rng.uniform(1e6, 1e9))]))
-
-
-def _extra_latency(prof, plan) -> float:
-    """What the simulation adds to the model by the runtime's granularity: one host copy per
-    weight of a use (the model: one per use, one latency), per micro-batch, times the
-    accumulation. Every simulated time is a max-plus expression of the durations, so the
-    simulated step exceeds the model's by at least 0 and at most the sum of the added
-    durations (1-Lipschitz in each)."""
-    if prof.h2d is None:
-        return 0.0
-    f = 1.0 if prof.weights_on == "host" else (0.0 if prof.world_size == 1 else plan.host_fraction)
-    if f <= 0:
-        return 0.0
-    extra = 0
-    for i, (layer, lp) in enumerate(zip(prof.layers, plan.layers)):
-        keep = [w.keep_chunks for w in lp.weights]
-        persist = [w.persist_chunks for w in lp.weights]
-        uses = [persist] + ([[k if w.backward else p for w, k, p in zip(layer.weights, keep, persist)]]
-                            if lp.recompute else []) + [[k if w.backward else w.chunks for w, k in
-                                                         zip(layer.weights, keep)]]
-        for kept in uses:
-            k = sum(1 for w, x in zip(layer.weights, kept) if host_chunk_count(w.chunks, x, f))
-            extra += max(0, k - 1)
-    return plan.accumulation * extra * prof.h2d.latency_s
 
 
 def _random_plan(prof, rng):
@@ -86,7 +61,7 @@ def test_step_time_is_the_event_simulation_two_sided():
         for plan in plans:
             model = plan.predicted_step_time_s
             sim = step_seconds(prof, plan)
-            slack = _extra_latency(prof, plan)
+            slack = latency_slack(prof, plan)
             rounding = 1e-9 * sim
             assert -rounding <= sim - model <= slack + rounding, (trial, model, sim, slack)
             # the runtime starts a weight on its own chunks: never later than waiting for the unit
@@ -133,6 +108,6 @@ def test_chosen_plans_are_fastest_under_the_simulation(shape, memory_gb, host_ti
     searched = plan_from_profile(prof, memory_gb * 10**9, 64, prefetch_depth=None)
     depth1 = plan_from_profile(prof, memory_gb * 10**9, 64, prefetch_depth=1)
     sim, sim1 = step_seconds(prof, searched), step_seconds(prof, depth1)
-    assert sim <= sim1 + _extra_latency(prof, depth1) + 1e-9 * sim1, (searched.prefetch_depth, sim, sim1)
-    assert abs(searched.predicted_step_time_s - sim) <= _extra_latency(prof, searched) + 1e-9 * sim, \
+    assert sim <= sim1 + latency_slack(prof, depth1) + 1e-9 * sim1, (searched.prefetch_depth, sim, sim1)
+    assert abs(searched.predicted_step_time_s - sim) <= latency_slack(prof, searched) + 1e-9 * sim, \
         (searched.predicted_step_time_s, sim)

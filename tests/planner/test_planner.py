@@ -271,10 +271,18 @@ def test_step_cost_by_hand():
 # ---------------------------------------------------------------- search guarantees
 
 def _check_plan(profile: Profile, plan: Plan, memory: int, margin: float, global_batch: int):
+    """A plan's predictions against independent references (tests/planner/_reference.py:
+    memory point by point, traffic chunk by chunk; tests/planner/_event_sim.py: time), and its
+    shape."""
+    from tests.planner import _reference
+    from tests.planner._event_sim import latency_slack, step_seconds
+
     assert plan.predicted_peak_bytes <= int(memory * (1 - margin))
-    ch = plan.choices()
-    assert plan.predicted_peak_bytes == memory_curve(profile, ch).peak_bytes
-    assert plan.predicted_step_time_s == step_cost(profile, ch, plan.accumulation).step_s
+    assert plan.predicted_peak_bytes == _reference.peak_bytes(profile, plan)
+    gathered, h2d = _reference.traffic_per_step(profile, plan)
+    assert (plan.predicted_allgather_bytes_per_step, plan.predicted_h2d_bytes_per_step) == (gathered, h2d)
+    sim = step_seconds(profile, plan)
+    assert -1e-9 * sim <= sim - plan.predicted_step_time_s <= latency_slack(profile, plan) + 1e-9 * sim
     assert plan.micro_batch * plan.accumulation * profile.world_size == global_batch
     assert plan.pool_budget_bytes == profile.page_bytes * plan.kept_chunks
     for layer, lp in zip(profile.layers, plan.layers):
