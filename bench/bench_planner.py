@@ -10,6 +10,13 @@ bench/results/planner_host.csv.
 
     .venv/bin/python bench/bench_planner.py [--repeats 5] [--results DIR] [--no-demo]
 
+Then the search at full width on profiles whose layers differ, as measured ones do: 70B (80
+layers) on 8 ranks with the host tier and every dimension searched (prefetch depth 1 and 2,
+five host fractions, offload on/off, every micro-batch and recompute count), the timings of
+each decoder layer jittered by +-1% (`synthetic_profile(jitter=0.01)`), on the H100-80G shape
+at 80 GB and the A100-40G shape at 40 GB, with the same profiles unjittered as the baseline
+of the same run; rows in bench/results/planner_jitter.csv (target: under 1 s).
+
 Then, unless --no-demo, the planner against hand-picked settings on this machine: the demo
 model on `--world-size` (4) gloo ranks under 3 memory caps (bench/planner_grid.py), rows in
 bench/results/planner_demo.csv.
@@ -49,6 +56,41 @@ def planning_times(shape: str, repeats: int, weights_on: str | None = None) -> t
         plan = plan_from_profile(profile, MEMORY, GLOBAL_BATCH)
         times.append(time.perf_counter() - t0)
     return times, plan
+
+
+JITTER_CASES = [("h100-sxm", 80 * 10**9), ("a100-40g-pcie", 40 * 10**9)]
+
+
+def jittered_rows(repeats: int, ctx: dict) -> list[dict]:
+    """Planning time with every dimension searched, on jittered and plain 70B profiles."""
+    from python_api.planner.search import _search
+
+    rows = []
+    for device, memory in JITTER_CASES:
+        for jitter in (0.0, 0.01):
+            profile = synthetic_profile("llama2-70b", RANKS, SEQ_LEN, device, host_tier=True, jitter=jitter, seed=1)
+            memory = min(memory, profile.capacity_bytes)
+            stats: dict = {}
+            plan = _search(profile, memory, GLOBAL_BATCH, None, 0.05, None, "chunks", stats=stats)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                plan = plan_from_profile(profile, memory, GLOBAL_BATCH, prefetch_depth=None)
+                times.append(time.perf_counter() - t0)
+            rows.append({
+                **ctx, "machine": ctx["device"], "shape": "llama2-70b", "ranks": RANKS, "seq_len": SEQ_LEN,
+                "device_spec": device, "host_tier": True, "jitter": jitter, "memory_bytes": memory,
+                "global_batch": GLOBAL_BATCH, "dimensions": "depth{1,2} x f{0,.25,.5,.75,1} x offload{off,on} x mb x R",
+                "layers": len(plan.layers), "chunks": plan.total_chunks, "repeats": repeats,
+                "candidates_visited": stats["visited"], "exact_evaluations": stats["evaluated"],
+                "pruned_by_bound": stats["bounded"], "prefetch_depth": plan.prefetch_depth,
+                "host_fraction": plan.host_fraction, "offload_activations": plan.offload_activations,
+                "micro_batch": plan.micro_batch, "recomputed_layers": sum(lp.recompute for lp in plan.layers),
+                "predicted_step_time_s": round(plan.predicted_step_time_s, 4),
+                "planning_s_median": round(statistics.median(times), 4), "planning_s_min": round(min(times), 4),
+                "load_average_1min": round(os.getloadavg()[0], 2), "target_s": TARGET_S,
+            })
+    return rows
 
 
 def main(argv=None) -> int:
@@ -91,6 +133,12 @@ def main(argv=None) -> int:
                             "planning_s_median", "planning_s_min", "target_s"])
     path = append_rows("planner_host", host_rows, args.results)
     print(f"appended {len(host_rows)} rows to {path}")
+    jit_rows = jittered_rows(args.repeats, ctx)
+    print_table(jit_rows, ["device_spec", "jitter", "memory_bytes", "candidates_visited", "exact_evaluations",
+                           "pruned_by_bound", "prefetch_depth", "host_fraction", "offload_activations",
+                           "recomputed_layers", "planning_s_median", "planning_s_min", "load_average_1min", "target_s"])
+    path = append_rows("planner_jitter", jit_rows, args.results)
+    print(f"appended {len(jit_rows)} rows to {path}")
     if not args.no_demo:
         demo_grid(args, ctx)
     return 0

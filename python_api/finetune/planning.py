@@ -7,7 +7,11 @@ values) never changes; how a rank splits its share into micro-batches does. Befo
 optimizer step the planned run takes the memory it may use now: the --memory-cap in force at
 that step (--memory-cap-change STEP:SIZE), and on CUDA with `--memory-cap auto` also what the
 device has left (free memory plus what torch holds), then the MIN of that over the ranks by
-one all-reduce. A departure of more than 5% from the memory the current plan was made for
+one all-reduce. What the device has left counts the memory that is not ours (other processes,
+the CUDA context) out already, while the planner's memory model counts it in (the profile's
+reserved_bytes, [Note: what the memory model counts]); so under `--memory-cap auto` the
+memory a plan may use is free + torch's + the profile's reserved bytes: not ours is taken off
+once (it was twice, leaving 1-3 GB per GPU unused). A departure of more than 5% from the memory the current plan was made for
 re-plans from the same profile (deterministic: every rank computes the same plan from the same
 numbers); a plan that differs is applied on every rank at that step (residency, pool budget,
 recompute, and the micro-batch split of the step's batch). The windows of a step are the same
@@ -48,6 +52,15 @@ def _host_memory_share() -> int:
             raise FinetuneError("--memory-cap auto: cannot read MemTotal from /proc/meminfo; give a size")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return total // max(1, local)
+
+
+def plan_document(plan, events: list[dict], profile_seconds: float) -> dict:
+    """plan.json: the plan in force (what `Plan.load` reads back) with the run's record of it:
+    its adaptations (one entry per plan applied, `JobPlanner._event`) and the profiling time."""
+    doc = plan.to_dict()
+    doc["adaptations"] = list(events)
+    doc["profile_seconds"] = float(profile_seconds)
+    return doc
 
 
 class JobPlanner:
@@ -104,8 +117,10 @@ class JobPlanner:
                 cap = size
         if self.device_auto:
             dev = self.job.device
-            free, total = torch.cuda.mem_get_info(dev)
-            available = int(free + torch.cuda.memory_reserved(dev))
+            free, _ = torch.cuda.mem_get_info(dev)
+            # [Note: adaptive accumulation]: what we may use, in the model's terms (it counts
+            # the memory not ours, the profile's reserved_bytes, within the peak).
+            available = int(free + torch.cuda.memory_reserved(dev)) + self.profile.reserved_bytes
             cap = available if cap is None else min(cap, available)
         return int(cap)
 
@@ -159,10 +174,8 @@ class JobPlanner:
 
         def write():
             if job.rank == 0:
-                doc = self.plan.to_dict()
-                doc["adaptations"] = self.events
-                doc["profile_seconds"] = self.profile_seconds
-                write_json(os.path.join(job.save_dir, "plan.json"), doc)
+                write_json(os.path.join(job.save_dir, "plan.json"),
+                           plan_document(self.plan, self.events, self.profile_seconds))
                 write_json(os.path.join(job.save_dir, "profile.json"), self.profile.to_dict())
 
         agreed_write(job, write, "plan.json was not written")

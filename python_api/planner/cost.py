@@ -11,21 +11,45 @@ formula is integer arithmetic and is what the runtime's `allgather_bytes` counte
 when the pool never evicts a kept chunk (the plan's budget guarantees it).
 
 [Note: the time model]
-With T = micro_batch x seq_len tokens, each use u costs compute c(u):
+One micro-batch is the forward uses of the units, the outside compute (embeddings, head,
+loss: (outside fwd + bwd per token) x T), then the backward-phase uses ([Note: the timeline of
+an iteration]), with T = micro_batch x seq_len tokens. Each use u has compute c(u)
     forward, recompute   fwd_s_fixed + fwd_s_per_token x T   (a recompute is the forward again)
     backward             bwd_s_fixed + bwd_s_per_token x T
-Its all-gather takes g(u) = latency_s + received_bytes / bytes_per_s (0 when nothing is
-missing). The runtime issues the gathers of a use when the `prefetch_depth` uses before it in
-the same phase start ([Note: learned order and prefetch]; nothing is prefetched across the
-forward/backward boundary), so the part of g(u) not hidden is
-    exposed(u) = max(0, g(u) - sum of c(v) over the prefetch_depth uses before u in its phase)
-(the first use of each phase hides nothing). Then
-    step = accumulation x (sum_u c(u) + sum_u exposed(u) + outside compute) + allreduce
-where the recompute's c(u) is the recompute cost, outside compute is
-(outside fwd + bwd per token) x T, and allreduce = latency_s + adapter_grad_bytes /
-bytes_per_s, once per optimizer step ([Note: gradient accumulation]; none at world size 1).
-The model assumes a gather's window is its own: gathers that queue behind each other on the
-link are not serialised. It is an estimate, checked against measured step times elsewhere.
+and what it misses arrives over two links, each a FIFO queue served in the order the runtime
+issues to it:
+  - the communication stream (NCCL; the gloo worker on CPU): every all-gather of the rank,
+    with its pack and unpack copies, which run on that stream too: g(u) =
+    gather_link.time(received bytes) (Profile.gather_link: latency + received / all-gather
+    rate + (W + 1) x slice bytes / copy rate);
+  - the host -> device link (one PCIe link per GPU): the host chunks' copies h(u) =
+    h2d.time(host bytes) AND the activation copy-backs ([Note: activation copies in the time
+    model]), in issue order.
+The runtime issues a use's gathers and copies when the use `prefetch_depth` uses before it in
+the same phase is entered (the first use of a phase issues its own and the next
+prefetch_depth; nothing crosses the forward/backward boundary: [Note: learned order and
+prefetch] in python_api/runtime/_order.py). So, in program order, with `entry` the time the
+previous use's compute ended:
+    at entry(j): issue use j + prefetch_depth (and, at the phase's first use, uses 0..d):
+        comm_end(k) = max(entry(j), comm_end of the previous gather) + g(k)    (g(k) > 0)
+        host_end(k) = max(entry(j), the link's previous end) + h(k)            (h(k) > 0)
+    compute of j starts at max(entry(j), comm_end(j), host_end(j)) and takes c(j) (plus any
+    wait for an activation copy-back inside it); exposed(j) = its start - entry(j) + those waits.
+    step = accumulation x (time of one micro-batch) + allreduce
+with allreduce = latency_s + adapter_grad_bytes / bytes_per_s once per optimizer step
+([Note: gradient accumulation]; none at world size 1). With prefetch_depth 1 and no host link
+this is exactly the independent-window model of before, exposed(j) = max(0, g(j) - c(j-1)):
+gather j is issued when use j-1 is entered and the link frees when use j-1's own gather ends,
+which is when j-1's compute starts. With a deeper window the gathers queue: gather j + 2 waits
+for gather j + 1 on the one stream, so it does not get two uses' compute to itself (the model
+before this gave it both, and chose depth 2 where it is slower: issue 17).
+Every time is a max-plus expression of the inputs in a fixed program order, so fewer missing
+bytes never make a step slower (the planner's monotonicity rests on it), and dropping the
+host link or the activation copies gives a lower bound ([Note: the search] in search.py).
+Granularity: a unit's compute waits for its whole gather (the runtime starts a weight as soon
+as its own chunks arrived, so the model is an upper bound there); one latency per use and
+link (the runtime issues one collective per 32 MiB per rank and one copy per host chunk; the
+measured links are fitted on the same shapes, python_api/planning/measure.py).
 
 [Note: chunk sources and the host link]
 With a host fraction f (`Choices.host_fraction`; 1 in effect with weights_on="host", 0 at
@@ -35,24 +59,37 @@ host chunk iff int((c + 1) f) > int(c f). The missing chunks are the last ones (
 are the first), so a use missing m of n chunks has host_chunk_count(n, n - m, f) =
 int(n f) - int((n - m) f) host chunks (memory.py, integer-exact, the runtime's float
 products). Peer chunks are all-gathered as above; a host chunk moves its real bytes
-(chunk_bytes, or last_chunk_bytes for the ragged last one) over the h2d link. Both are in
-flight together, so a use's communication takes max(g(peer bytes), h(host bytes)), h the h2d
-link's latency + bytes / bandwidth, and is exposed beyond the prefetch window as above.
-Activation offload (memory.offload_served says which bytes move) adds, per layer that moves
-M bytes, a D2H copy after its forward, exposed beyond the compute of the next forward use,
-and an H2D copy one layer ahead of its backward, exposed beyond the compute of the
-backward-phase use just before its backward: max(0, h(M) - that compute) each (the same
-link both ways; contention with the weights' H2D copies is not modelled). Exact bytes per
-micro-batch: all-gather = sum of the uses' received bytes; H2D = the uses' host-chunk bytes
-+ the activations moved (each comes back once), what the runtime's `h2d_bytes` counts
+(chunk_bytes, or last_chunk_bytes for the ragged last one) over the h2d link. Exact bytes per
+micro-batch: all-gather = sum of the uses' received bytes; H2D = the uses' host-chunk bytes +
+the activations moved (each comes back once), what the runtime's `h2d_bytes` counts
 (tests/planner/test_plan_host.py).
+
+[Note: activation copies in the time model]
+The activation offload (python_api/host/offload.py; which tensors it serves:
+memory.offload_served) works per LoRA linear: each linear's forward copies its activations to
+host buffers (D2H, on the offloader's copy stream, right after that linear's forward), and the
+backward of a linear first issues its own copy-back if nobody did and then the copy-back of
+the linear that offloaded just before it in forward order, and waits for its own. So a
+linear's copy-back is issued when the backward of the next offloading linear (in forward
+order) begins: one LoRA linear ahead, not one decoder layer. Within a layer the model places
+each linear in the layer's compute at a share proportional to its weight's bytes (the GEMMs'
+FLOPs; forward in the layers' weight order, which is the forward order; backward in reverse,
+and only weights with a backward use take backward time), a linear's D2H issued at the end of
+its forward share and its restore at the start of its backward share. The offloader's stream
+is one FIFO for both directions (a copy-back waits for every earlier D2H); D2H has the PCIe
+link's device->host direction to itself; copy-backs share the host->device direction with the
+host chunks' copies (the FIFO above). Each tensor is one copy: h2d.time(its bytes) both ways.
+The first linear restored in backward (the last that offloaded) has no window; a layer whose
+down_proj input is the largest tensor gets only the window of the next layer's q_proj share.
+On CPU the offloader's and the host store's copies are synchronous memcpys (the runtime's
+CPU path, for tests); the model times them as the GPU's asynchronous copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from python_api.planner.memory import FORWARD, RECOMPUTE, Choices, Use, offload_served, timeline
+from python_api.planner.memory import FORWARD, RECOMPUTE, Choices, Use, is_segment, offload_served, timeline
 from python_api.planner.profile import Profile
 
 
@@ -89,31 +126,6 @@ def h2d_bytes_per_step(profile: Profile, choices: Choices, accumulation: int) ->
     return accumulation * h2d_bytes_per_micro_batch(profile, choices)
 
 
-def offload_exposed_s(profile: Profile, tokens: int, recompute, offload: bool, served=None) -> float:
-    """Exposed time of the activation copies of one micro-batch ([Note: chunk sources and the
-    host link]): per moving layer, its D2H beyond the next forward use's compute and its H2D
-    beyond the compute of the backward-phase use before its backward."""
-    if not offload or profile.h2d is None:
-        return 0.0
-    off = served if served is not None else offload_served(profile, tokens, recompute, offload)
-    if not any(off.moved):
-        return 0.0
-    layers = profile.layers
-    L = len(layers)
-    fc = [layer.fwd_s(tokens) for layer in layers]
-    # The backward-phase use just before layer i's backward: its own recompute, else the
-    # backward of layer i + 1 (none for the last layer).
-    total = 0.0
-    for i, m in enumerate(off.moved):
-        if not m:
-            continue
-        t = profile.h2d.time(m)
-        after = fc[i + 1] if i + 1 < L else (profile.outside.fwd_s_per_token * tokens)
-        before_bwd = fc[i] if recompute[i] else (layers[i + 1].bwd_s(tokens) if i + 1 < L else 0.0)
-        total += max(0.0, t - after) + max(0.0, t - before_bwd)
-    return total
-
-
 def allgather_bytes_per_step(profile: Profile, choices: Choices, accumulation: int) -> int:
     """Bytes one rank receives in all-gathers per optimizer step, steady state."""
     return accumulation * allgather_bytes_per_micro_batch(profile, choices)
@@ -124,17 +136,172 @@ def use_compute_s(profile: Profile, u: Use, tokens: int) -> float:
     return layer.fwd_s(tokens) if u.kind in (FORWARD, RECOMPUTE) else layer.bwd_s(tokens)
 
 
-def exposed_s(profile: Profile, uses: list[Use], compute: list[float], prefetch_depth: int) -> list[float]:
-    """Exposed communication of each use of one phase ([Note: the time model]; both sources
-    in flight together: [Note: chunk sources and the host link])."""
-    out = []
-    for j, u in enumerate(uses):
-        window = sum(compute[max(0, j - prefetch_depth) : j])
-        comm = profile.allgather.time(u.received_bytes)
-        if u.h2d_bytes:
-            comm = max(comm, profile.h2d.time(u.h2d_bytes))
-        out.append(max(0.0, comm - window))
-    return out
+# ---------------------------------------------------------------- the simulation
+
+
+class ActivationEvents:
+    """The activation copies of one micro-batch, placed in the layers' compute ([Note:
+    activation copies in the time model]): `forward[i]` is, for layer i's forward use, a
+    tuple of (duration, D2H seconds issued at the piece's end; 0.0: none) pieces, one per
+    weight in forward order; `backward[i]` is (lead, pieces) for its backward use, pieces
+    (duration, index of the offloading linear restored at the piece's start; -1: none) per
+    weight in reverse order, the first `lead` of them restored before the use issues its
+    gathers (a linear restores before it calls the runtime's use, and the first weight with a
+    backward use is the one that issues); `copy_back[l]` is the H2D time of offloading linear
+    l (numbered in forward order). Layers without copies have no entry (one piece)."""
+
+    __slots__ = ("forward", "backward", "copy_back")
+
+    def __init__(self, forward: dict, backward: dict, copy_back: list):
+        self.forward, self.backward, self.copy_back = forward, backward, copy_back
+
+
+def _shares(profile: Profile, i: int) -> tuple[list[float], list[float]]:
+    """Layer i's per-weight fractions of its forward and of its backward compute."""
+    layer = profile.layers[i]
+    size = [float(w.host_bytes(w.chunks, True)) for w in layer.weights]
+    total = sum(size) or 1.0
+    fwd = [b / total for b in size]
+    bsize = [b if w.backward else 0.0 for b, w in zip(size, layer.weights)]
+    btotal = sum(bsize)
+    bwd = [b / btotal for b in bsize] if btotal else [1.0 / len(size)] * len(size)
+    return fwd, bwd
+
+
+def activation_events(profile: Profile, tokens: int, recompute, offload: bool, served=None) -> ActivationEvents | None:
+    """The activation copies of one micro-batch ([Note: activation copies in the time model]);
+    None when nothing moves."""
+    if not offload or profile.h2d is None:
+        return None
+    off = served if served is not None else offload_served(profile, tokens, recompute, offload)
+    if not any(off.moved):
+        return None
+    h2d = profile.h2d
+    forward, backward, copy_back = {}, {}, []
+    for i, tensors in enumerate(off.served):
+        if not tensors:
+            continue
+        layer = profile.layers[i]
+        fshare, bshare = _shares(profile, i)
+        per_weight = [0.0] * len(layer.weights)
+        for owner, nbytes in tensors:
+            per_weight[owner] += h2d.time(nbytes)
+        cf, cb = layer.fwd_s(tokens), layer.bwd_s(tokens)
+        forward[i] = tuple((cf * fs, t) for fs, t in zip(fshare, per_weight))
+        ids = [-1] * len(layer.weights)
+        for j, t in enumerate(per_weight):
+            if t > 0.0:
+                ids[j] = len(copy_back)
+                copy_back.append(t)
+        order = list(reversed(range(len(layer.weights))))
+        lead = next((k + 1 for k, j in enumerate(order) if layer.weights[j].backward), len(order))
+        backward[i] = (lead, tuple((cb * bshare[j], ids[j]) for j in order))
+    return ActivationEvents(forward, backward, copy_back)
+
+
+def simulate_micro_batch(fwd: list, bwd: list, depth: int, outside_s: float,
+                         act: ActivationEvents | None = None) -> tuple[float, list[float], list[float]]:
+    """One micro-batch under [Note: the time model]: `fwd` and `bwd` are the phases' uses in
+    execution order, each (layer, compute s, gather s, host copy s, is the layer's backward
+    use, is a segment: memory.is_segment); returns (seconds, exposed per forward use, exposed
+    per backward-phase use). The issue rule counts segments: a use that is none issues
+    nothing and misses nothing."""
+    t = 0.0
+    comm = link = stream = 0.0  # when the comm stream, the H2D link and the offloader's stream free up
+    fwaits, bwaits = [], []
+    issued_back: list[float | None] = [None] * len(act.copy_back) if act is not None else []
+
+    def copy_back(lin: int, at: float) -> None:
+        nonlocal link, stream
+        end = max(at, stream, link) + act.copy_back[lin]
+        issued_back[lin] = end
+        stream = link = end
+
+    def restore(lin: int, at: float) -> None:
+        """A linear's backward restores: its own copy-back unless issued, then the previous one's."""
+        if issued_back[lin] is None:
+            copy_back(lin, at)
+        if lin > 0 and issued_back[lin - 1] is None:
+            copy_back(lin - 1, at)
+
+    for phase, waits in ((fwd, fwaits), (bwd, bwaits)):
+        segs = [j for j, row in enumerate(phase) if row[5]]
+        n = len(segs)
+        ready = [0.0] * len(phase)
+        issued = 0  # segments issued so far
+        p = 0  # segments entered so far
+        for j in range(len(phase)):
+            entry = t
+            layer, c, _, _, is_bwd, seg = phase[j]
+            pieces = lead = None
+            at = entry  # when the use issues: after the waits of the restores before it
+            if act is not None:
+                if is_bwd:
+                    hit = act.backward.get(layer)
+                    if hit is not None:
+                        lead, pieces = hit
+                        for _, lin in pieces[:lead]:
+                            if lin >= 0:
+                                restore(lin, at)
+                                if issued_back[lin] > at:
+                                    at = issued_back[lin]
+                elif phase is fwd:
+                    pieces = act.forward.get(layer)
+            if seg:
+                p += 1
+            top = min(n, p + depth) if seg else issued
+            while issued < top:
+                k = segs[issued]
+                _, _, g, h, _, _ = phase[k]
+                r = 0.0
+                if g > 0.0:
+                    comm = (at if at > comm else comm) + g
+                    r = comm
+                if h > 0.0:
+                    link = (at if at > link else link) + h
+                    if link > r:
+                        r = link
+                ready[k] = r
+                issued += 1
+            s = ready[j] if ready[j] > at else at
+            if pieces is None:
+                t = s + c
+                waits.append(s - entry)
+                continue
+            wait = s - entry
+            if lead is None:  # forward: each linear's D2H after its share
+                for dur, d2h in pieces:
+                    s += dur
+                    if d2h > 0.0:
+                        stream = (s if s > stream else stream) + d2h
+            else:
+                for k, (dur, lin) in enumerate(pieces):
+                    if lin >= 0 and k >= lead:
+                        restore(lin, s)
+                        end = issued_back[lin]
+                        if end > s:
+                            wait += end - s
+                            s = end
+                    s += dur
+            t = s
+            waits.append(wait)
+        if phase is fwd:
+            t += outside_s
+    return t, fwaits, bwaits
+
+
+def phase_inputs(profile: Profile, choices: Choices):
+    """The forward and backward-phase uses of one micro-batch as `simulate_micro_batch` reads
+    them, from the memory model's timeline; and the timeline."""
+    forward, backward = timeline(profile, choices)
+    T = choices.micro_batch * profile.seq_len
+    gl, h2d = profile.gather_link(), profile.h2d
+
+    def row(u: Use):
+        return (u.layer, use_compute_s(profile, u, T), gl.time(u.received_bytes),
+                h2d.time(u.h2d_bytes) if u.h2d_bytes else 0.0, u.kind not in (FORWARD, RECOMPUTE),
+                is_segment(profile, u))
+    return [row(u) for u in forward], [row(u) for u in backward], forward, backward
 
 
 @dataclass(frozen=True)
@@ -143,7 +310,7 @@ class StepCost:
 
     compute_s: float  # forward + backward of the units and the outside, all micro-batches
     recompute_s: float  # the recomputes' forward again, all micro-batches
-    exposed_comm_s: float  # all-gather time not hidden behind compute, all micro-batches
+    exposed_comm_s: float  # time compute waits for gathers, host copies and copy-backs, all micro-batches
     allreduce_s: float  # the adapter-gradient all-reduce, once
     step_s: float
     exposed_per_use: tuple[tuple[str, float], ...]  # (use label, seconds) for one micro-batch
@@ -153,29 +320,20 @@ def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost
     """The time model ([Note: the time model])."""
     if not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an int >= 1, got {accumulation!r}")
-    forward, backward = timeline(profile, choices)
+    fwd, bwd, forward, backward = phase_inputs(profile, choices)
     T = choices.micro_batch * profile.seq_len
-    compute = recompute = exposed = 0.0
-    per_use = []
-    for uses in (forward, backward):
-        c = [use_compute_s(profile, u, T) for u in uses]
-        e = exposed_s(profile, uses, c, choices.prefetch_depth)
-        for u, cu, eu in zip(uses, c, e):
-            if u.kind == RECOMPUTE:
-                recompute += cu
-            else:
-                compute += cu
-            exposed += eu
-            per_use.append((f"{u.kind} {profile.layers[u.layer].name}", eu))
-    compute += (profile.outside.fwd_s_per_token + profile.outside.bwd_s_per_token) * T
-    act = offload_exposed_s(profile, T, choices.recompute, choices.offload)
-    if act:
-        exposed += act
-        per_use.append(("activation offload", act))
+    outside = (profile.outside.fwd_s_per_token + profile.outside.bwd_s_per_token) * T
+    act = activation_events(profile, T, choices.recompute, choices.offload)
+    total, fw, bw = simulate_micro_batch(fwd, bwd, choices.prefetch_depth, outside, act)
+    compute = sum(r[1] for r in fwd) + sum(r[1] for r, u in zip(bwd, backward) if u.kind != RECOMPUTE) + outside
+    recompute = sum(r[1] for r, u in zip(bwd, backward) if u.kind == RECOMPUTE)
+    exposed = sum(fw) + sum(bw)
+    per_use = tuple((f"{u.kind} {profile.layers[u.layer].name}", e)
+                    for u, e in zip(forward + backward, fw + bw))
     allreduce = profile.allreduce.time(profile.adapter_grad_bytes) if profile.world_size > 1 else 0.0
-    step = accumulation * (compute + exposed + recompute) + allreduce
+    step = accumulation * total + allreduce
     return StepCost(accumulation * compute, accumulation * recompute, accumulation * exposed, allreduce, step,
-                    tuple(per_use))
+                    per_use)
 
 
 def step_time_s(profile: Profile, choices: Choices, accumulation: int) -> float:

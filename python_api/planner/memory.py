@@ -34,7 +34,10 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
     measured at profile time)
   + outside.act_bytes_per_token x T        (embeddings/head activations saved for backward)
   + buffers of the gathers in flight: (world_size + 1) x slice_bytes per missing chunk of
-    the current use and of the `prefetch_depth` uses after it in the same phase (the packed
+    the current use and of the `prefetch_depth` segments after it in the same phase (a
+    backward use of a layer none of whose weights has a backward use is no segment: the
+    runtime never calls `use` for it, `is_segment`; at such a point the next `prefetch_depth`
+    segments are in flight) (the packed
     send buffer and the all-gather output, alive until the output is unpacked into pages),
     plus on CPU (gloo) world_size x slice_bytes more: gloo's all-gather fills a flat scratch
     tensor of the output's size and copies it into the output (measured on the demo model:
@@ -241,6 +244,9 @@ class Offload(NamedTuple):
     moved: tuple[int, ...]  # bytes copied device -> host after forward (and back before backward)
     credit: tuple[int, ...]  # device bytes freed between forward and backward
     prev: tuple[int, ...]  # moved bytes of the previous layer that moved something (prefetched)
+    # per layer, the tensors served, in forward order: (index of the weight whose LoRA linear
+    # saved it, bytes); what the cost model times ([Note: activation copies in the time model])
+    served: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> Offload:
@@ -248,20 +254,22 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
     L = len(profile.layers)
     if not offload:
         zero = (0,) * L
-        return Offload(zero, zero, zero)
+        return Offload(zero, zero, zero, ((),) * L)
     budget = profile.host_budget_bytes
     held = 0
     refused_classes: set[int] = set()
-    moved, credit, prev = [], [], []
+    moved, credit, prev, served = [], [], [], []
     last = 0
     for i, layer in enumerate(profile.layers):
         prev.append(last)
         if recompute[i] or not layer.offload_tensors_bytes_per_token:
             moved.append(0)
             credit.append(0)
+            served.append(())
             continue
         m, every = 0, True
-        for b in layer.offload_tensors_bytes_per_token:
+        mine = []
+        for b, owner in zip(layer.offload_tensors_bytes_per_token, layer.offload_owner_indices()):
             nbytes = int(round(b * tokens))
             if nbytes <= 0:
                 continue
@@ -272,12 +280,14 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
                 continue
             held += cap
             m += nbytes
+            mine.append((owner, nbytes))
+        served.append(tuple(mine))
         moved.append(m)
         credit.append(min(int(layer.offload_freed_bytes_per_token * tokens), int(layer.act_bytes_per_token * tokens))
                       if every and m else 0)
         if m:
             last = m
-    return Offload(tuple(moved), tuple(credit), tuple(prev))
+    return Offload(tuple(moved), tuple(credit), tuple(prev), tuple(served))
 
 
 def pool_pages(profile: Profile, choices: Choices) -> int:
@@ -330,8 +340,9 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
         own = int(layers[u.layer].act_bytes_per_token * T)
         points.append((f"forward {layers[u.layer].name}", base + before[u.layer] + own + buffers))
     points.append(("end of forward", base + before[-1] + int(profile.outside.peak_bytes_per_token * T)))
+    segment = [is_segment(profile, u) for u in backward]
     for j, u in enumerate(backward):
-        buffers = sum(v.buffer_bytes for v in backward[j : j + 1 + d])
+        buffers = window_buffers(backward, segment, j, d)
         i = u.layer
         own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0) + off.prev[i]
         if u.kind == BACKWARD:
@@ -343,10 +354,32 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     return MemoryCurve(tuple(points), fixed, pool)
 
 
+def is_segment(profile: Profile, u: Use) -> bool:
+    """Whether the runtime calls `use` for this use, so that it is a segment of the learned
+    order, issues gathers and counts in the prefetch window: every forward and recompute
+    use; a backward use when some weight of the layer has a backward use (otherwise the
+    layer's backward runs only its adapters' gradients)."""
+    return u.kind != BACKWARD or any(w.backward for w in profile.layers[u.layer].weights)
+
+
+def window_buffers(uses: list[Use], segment: list[bool], j: int, d: int) -> int:
+    """Gather buffers alive at use j: its own and those of the next `d` segments (prefetched);
+    at a use that is not a segment, those of the next `d` segments."""
+    need = d + 1 if segment[j] else d
+    total = 0
+    k = j
+    while need and k < len(uses):
+        if segment[k]:
+            total += uses[k].buffer_bytes
+            need -= 1
+        k += 1
+    return total
+
+
 def peak_bytes(profile: Profile, choices: Choices) -> int:
     return memory_curve(profile, choices).peak_bytes
 
 
 __all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "Offload", "ProfileError", "RECOMPUTE", "Use",
-           "effective_host_fraction", "host_chunk_count", "is_host_chunk", "memory_curve", "offload_served",
-           "peak_bytes", "pool_budget_bytes", "pool_pages", "timeline"]
+           "effective_host_fraction", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
+           "offload_served", "peak_bytes", "pool_budget_bytes", "pool_pages", "timeline", "window_buffers"]

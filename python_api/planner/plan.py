@@ -39,6 +39,9 @@ _PLAN_FIELDS = ("version", "world_size", "memory_bytes", "global_batch", "micro_
                 "predicted_allgather_bytes_per_step", "predicted_step_time_s", "planning_seconds", "profile_source")
 # Optional in a plan document (absent in plans written before the host tier): their defaults.
 _PLAN_HOST_FIELDS = {"host_fraction": 0.0, "offload_activations": False, "predicted_h2d_bytes_per_step": 0}
+# What the CLI adds to the plan it writes (python_api/finetune/planning.py `plan_document`):
+# the run's record of the plan, not part of it; read and checked for shape, not kept.
+_PLAN_RUN_FIELDS = ("adaptations", "profile_seconds")
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d) -> Plan:
-        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS))
+        """The plan of a document: one `to_dict` wrote, or the CLI's plan.json (whose run
+        record, adaptations and profile_seconds, is checked and left out)."""
+        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS) + _PLAN_RUN_FIELDS)
+        if "adaptations" in d and not (isinstance(d["adaptations"], list)
+                                       and all(isinstance(e, dict) for e in d["adaptations"])):
+            raise ProfileError(f"plan.adaptations must be a list of objects, got {d['adaptations']!r:.80}")
+        if "profile_seconds" in d:
+            check_num("plan.profile_seconds", d["profile_seconds"])
         if not isinstance(d["layers"], list):
             raise ProfileError(f"plan.layers must be a list, got {type(d['layers']).__name__}")
         layers = []

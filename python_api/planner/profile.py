@@ -180,6 +180,7 @@ class LayerProfile:
     weights: tuple[WeightProfile, ...]
     offload_tensors_bytes_per_token: tuple[float, ...] = ()
     offload_freed_bytes_per_token: float = 0.0
+    offload_tensors_weight: tuple[str, ...] = ()  # per offloaded tensor: the weight whose LoRA linear saved it
 
     @property
     def offloadable_bytes_per_token(self) -> float:
@@ -201,10 +202,13 @@ class LayerProfile:
     def from_dict(cls, where: str, d) -> LayerProfile:
         check_keys(where, d, ("name", "recomputable", "fwd_s_per_token", "bwd_s_per_token", "fwd_s_fixed",
                               "bwd_s_fixed", "act_bytes_per_token", "input_bytes_per_token", "weights"),
-                   ("offload_tensors_bytes_per_token", "offload_freed_bytes_per_token"))
+                   ("offload_tensors_bytes_per_token", "offload_freed_bytes_per_token", "offload_tensors_weight"))
         offl = d.get("offload_tensors_bytes_per_token", [])
         if not isinstance(offl, list):
             raise ProfileError(f"{where}.offload_tensors_bytes_per_token must be a list, got {type(offl).__name__}")
+        owners = d.get("offload_tensors_weight", [])
+        if not isinstance(owners, list):
+            raise ProfileError(f"{where}.offload_tensors_weight must be a list, got {type(owners).__name__}")
         ws = d["weights"]
         if not isinstance(ws, list):
             raise ProfileError(f"{where}.weights must be a list, got {type(ws).__name__}")
@@ -227,15 +231,29 @@ class LayerProfile:
                 check_num(f"{where}.offload_tensors_bytes_per_token[{j}]", b, positive=True) for j, b in enumerate(offl)),
             offload_freed_bytes_per_token=check_num(f"{where}.offload_freed_bytes_per_token",
                                                     d.get("offload_freed_bytes_per_token", 0.0)),
+            offload_tensors_weight=tuple(check_str(f"{where}.offload_tensors_weight[{j}]", n)
+                                         for j, n in enumerate(owners)),
         )
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["weights"] = [w.to_dict() for w in self.weights]
         out["offload_tensors_bytes_per_token"] = list(self.offload_tensors_bytes_per_token)
+        out["offload_tensors_weight"] = list(self.offload_tensors_weight)
+        if not self.offload_tensors_weight:
+            del out["offload_tensors_weight"]
         if not self.offload_tensors_bytes_per_token and not self.offload_freed_bytes_per_token:
             del out["offload_tensors_bytes_per_token"], out["offload_freed_bytes_per_token"]
         return out
+
+    def offload_owner_indices(self) -> tuple[int, ...]:
+        """Per offloaded tensor, the index in `weights` of the LoRA linear that saved it; without
+        `offload_tensors_weight` (older profiles) every tensor is the last weight's (the layer
+        is then one offloading linear, restored first in its backward)."""
+        if not self.offload_tensors_weight:
+            return (len(self.weights) - 1,) * len(self.offload_tensors_bytes_per_token)
+        index = {w.name: j for j, w in enumerate(self.weights)}
+        return tuple(index[n] for n in self.offload_tensors_weight)
 
 
 @dataclass(frozen=True)
@@ -296,6 +314,7 @@ class Profile:
     host_store: bool = False  # the runtime has the node's host store: a host fraction may be chosen
     weights_on: str = "device"  # "host": no device shard, every chunk from the host store
     host_budget_bytes: int | None = None  # the activation offload's host buffer cap (None: none)
+    copy: Link | None = None  # device memory copies (a gather's pack and unpack); None: not timed
 
     @property
     def has_host_tier(self) -> bool:
@@ -326,6 +345,8 @@ class Profile:
                 raise ProfileError(f"profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
         if self.h2d is not None and not isinstance(self.h2d, Link):
             raise ProfileError(f"profile.h2d must be a Link or None, got {type(self.h2d).__name__}")
+        if self.copy is not None and not isinstance(self.copy, Link):
+            raise ProfileError(f"profile.copy must be a Link or None, got {type(self.copy).__name__}")
         check_bool("profile.host_store", self.host_store)
         if self.weights_on not in ("device", "host"):
             raise ProfileError(f'profile.weights_on must be "device" or "host", got {self.weights_on!r}')
@@ -354,6 +375,19 @@ class Profile:
                     f"act_bytes_per_token ({layer.act_bytes_per_token}): a recomputed layer keeps its input, part of "
                     "what it would otherwise save"
                 )
+            owners = layer.offload_tensors_weight
+            if owners:
+                where = f"profile.layers[{i}] ({layer.name}).offload_tensors_weight"
+                if len(owners) != len(layer.offload_tensors_bytes_per_token):
+                    raise ProfileError(f"{where} names {len(owners)} weight(s) for "
+                                       f"{len(layer.offload_tensors_bytes_per_token)} offloaded tensor(s)")
+                index = {w.name: j for j, w in enumerate(layer.weights)}
+                unknown = sorted({n for n in owners if n not in index})
+                if unknown:
+                    raise ProfileError(f"{where}: {', '.join(unknown)} is not a weight of this layer")
+                seq = [index[n] for n in owners]
+                if any(b < a for a, b in zip(seq, seq[1:])):
+                    raise ProfileError(f"{where} must follow the weights' (forward) order, got {list(owners)}")
             for j, w in enumerate(layer.weights):
                 where = f"profile.layers[{i}] ({layer.name}).weights[{j}] ({w.name})"
                 if w.chunk_bytes > self.page_bytes:
@@ -372,6 +406,19 @@ class Profile:
             )
 
     # -------------------------------------------------------- derived quantities
+
+    def gather_link(self) -> Link:
+        """What one use's gather occupies the communication stream for, as a function of the
+        bytes it receives ([Note: the time model] in cost.py): the all-gather itself plus its
+        pack (the slices, S bytes, into the send buffer) and unpack (W x S bytes into pages)
+        copies, which run on the same stream: with received bytes D = (W - 1) S,
+            latency (all-gather + 2 copy kernels) + D / all-gather rate + (W + 1) S / copy rate
+        folded into one latency and one rate (received bytes per second)."""
+        W = self.world_size
+        if self.copy is None or W == 1:
+            return self.allgather
+        per_byte = 1.0 / self.allgather.bytes_per_s + (W + 1) / ((W - 1) * self.copy.bytes_per_s)
+        return Link(self.allgather.latency_s + 2.0 * self.copy.latency_s, 1.0 / per_byte)
 
     @property
     def total_chunks(self) -> int:
@@ -396,6 +443,8 @@ class Profile:
             out["host_store"] = self.host_store
             out["weights_on"] = self.weights_on
             out["host_budget_bytes"] = self.host_budget_bytes
+        if self.copy is not None:
+            out["copy"] = asdict(self.copy)
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -404,7 +453,7 @@ class Profile:
     @classmethod
     def from_dict(cls, d) -> Profile:
         check_keys("profile", d, _SCALARS + ("allgather", "allreduce", "layers", "outside"),
-                   ("h2d", "host_store", "weights_on", "host_budget_bytes"))
+                   ("h2d", "host_store", "weights_on", "host_budget_bytes", "copy"))
         layers = d["layers"]
         if not isinstance(layers, list):
             raise ProfileError(f"profile.layers must be a list, got {type(layers).__name__}")
@@ -427,6 +476,7 @@ class Profile:
             host_store=d.get("host_store", False),
             weights_on=d.get("weights_on", "device"),
             host_budget_bytes=d.get("host_budget_bytes"),
+            copy=None if d.get("copy") is None else Link.from_dict("profile.copy", d["copy"]),
         )
 
     @classmethod

@@ -35,7 +35,9 @@ bus bandwidth is exactly received bytes per second). Over several nodes, of the 
 fraction (W - G) / (W - 1) crosses nodes (G GPUs per node, one NIC per GPU, so each GPU's
 NIC carries its own share) and the rest NVLink, in parallel: B x max(f / inter, (1 - f) / intra).
 The all-reduce of the adapter gradients is a ring: 2 (W - 1) / W x bytes at the slowest bus
-bandwidth.
+bandwidth. A gather's pack and unpack are device memory copies on the communication stream
+(`copy`: every byte copied is read and written once, so half the HBM bandwidth, and 5 us per
+copy kernel).
 Host tier (`host_tier=True`; assumptions, not measurements): the host link of each GPU is its
 PCIe link at an achieved rate (`DeviceSpec.h2d_bytes_per_s`: A100 PCIe Gen4 x16 ~25 GB/s, H100
 SXM Gen5 x16 ~50 GB/s, 10 us per copy batch), each GPU with its own link (no sharing of a
@@ -51,6 +53,7 @@ normed hidden state, down silu(g) x u) and x A^T (fp32, r values), no dropout ma
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from python_api.config import PAGE_ALIGN
@@ -105,9 +108,14 @@ class DeviceSpec:
     inter_latency_s: float
     h2d_bytes_per_s: float = 25e9  # host <-> device copies over the GPU's PCIe link (achieved; assumption)
     h2d_latency_s: float = 10e-6
+    copy_latency_s: float = 5e-6  # one device-to-device copy kernel (a gather's pack or unpack)
 
     def h2d(self) -> Link:
         return Link(self.h2d_latency_s, self.h2d_bytes_per_s)
+
+    def copy(self) -> Link:
+        """Device memory copies: each byte copied is read and written, half the HBM bandwidth."""
+        return Link(self.copy_latency_s, self.hbm_bytes_per_s / 2)
 
     def allgather(self, ranks: int) -> Link:
         if ranks <= self.gpus_per_node:
@@ -181,10 +189,16 @@ def device_of(device: str | DeviceSpec) -> DeviceSpec:
 
 def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str | DeviceSpec = "a100-40g-pcie", *,
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16, host_tier: bool = False,
-                      weights_on: str = "device", host_budget_bytes: int | None = None) -> Profile:
+                      weights_on: str = "device", host_budget_bytes: int | None = None, jitter: float = 0.0,
+                      seed: int = 0) -> Profile:
     """The profile of Llama-2 `shape` on `ranks` GPUs of `device` ([Note: synthetic profile
     assumptions]); with `host_tier` (implied by weights_on="host") the host link, a host store
-    and the offloadable activations are in it."""
+    and the offloadable activations are in it. `jitter`: each decoder layer's four timings
+    scaled by independent factors uniform in [1 - jitter, 1 + jitter] (drawn from `seed`), as
+    a measured profile's layers differ (no two are equal, so the search cannot share their work)."""
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
+        raise ValueError(f"jitter must be a number in [0, 1), got {jitter!r}")
+    rng = random.Random(seed)
     if weights_on not in ("device", "host"):
         raise ValueError(f'weights_on must be "device" or "host", got {weights_on!r}')
     host_tier = host_tier or weights_on == "host"
@@ -205,6 +219,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
     # Activation offload, per LoRA linear in forward order: its input (bf16), then x A^T (fp32).
     ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": h, "up_proj": h, "down_proj": inter}
     offl = tuple(float(b) for name, _, _ in projections for b in (BF16 * ins[name], 4 * r)) if host_tier else ()
+    owners = tuple(name for name, _, _ in projections for _ in range(2)) if host_tier else ()
     freed = float(BF16 * (3 * h + inter) + 7 * 4 * r) if host_tier else 0.0
     layers = []
     for li in range(m.layers):
@@ -213,12 +228,13 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         weights = tuple(_weight(name, rows, cols, ranks, chunk_bytes,
                                 backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")))
                         for name, rows, cols in projections)
+        j = [1.0 + rng.uniform(-jitter, jitter) if jitter else 1.0 for _ in range(4)]
         layers.append(LayerProfile(
             name=f"model.layers.{li}", recomputable=True,
-            fwd_s_per_token=fwd_flops / dev.flops, bwd_s_per_token=bwd_flops / dev.flops,
-            fwd_s_fixed=FWD_FIXED_S, bwd_s_fixed=BWD_FIXED_S,
+            fwd_s_per_token=j[0] * fwd_flops / dev.flops, bwd_s_per_token=j[1] * bwd_flops / dev.flops,
+            fwd_s_fixed=j[2] * FWD_FIXED_S, bwd_s_fixed=j[3] * BWD_FIXED_S,
             act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
-            offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed,
+            offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed, offload_tensors_weight=owners,
         ))
     head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes)
     layers.append(LayerProfile(
@@ -253,4 +269,5 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         host_store=host_tier,
         weights_on=weights_on,
         host_budget_bytes=host_budget_bytes,
+        copy=dev.copy(),
     )

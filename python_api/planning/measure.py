@@ -1,21 +1,23 @@
 """A `Profile` measured from warm-up steps of the real model under its elastic runtime.
 
-    profile = measure_profile(model, batches, capacity_bytes=...)    # on every rank
+    profile = measure_profile(model, batches, capacity_bytes=..., memory_bytes=...)   # on every rank
 
 What is measured, per unit of the runtime (a decoder layer, or a weight that is its own unit),
 in forward order:
 - forward and backward compute time: module hooks time the unit's forward; a hook on the
   gradient of the unit's output marks the start of its backward, whose end is the start of the
-  previous unit's backward (or the end of the whole backward). The steps run with every chunk
-  resident (all weights PERSISTENT for the duration, pool unbounded, one warm-up step first),
-  so no gather is in these times: they are compute alone. With two micro-batch sizes (the
-  batch and its first half) the time is fitted as fixed + per-token; with one, fixed is 0.
+  previous unit's backward (or the end of the whole backward). Only units whose every chunk is
+  resident are timed, so no gather is in the times ([Note: profiling within a memory bound]).
+  With two micro-batch sizes (the batch and its first half) the time is fitted as fixed +
+  per-token; with one, fixed is 0.
 - activation bytes per token: `saved_tensors_hooks` count the bytes each unit's forward saves
   for backward (storages counted once, parameters and the pool's pages never), and the bytes
   of its input (what a recomputed unit keeps);
 - the all-gather and all-reduce links: timed collectives on the runtime's group at two sizes
   (a chunk's slice and a unit's worth of slices; the adapter gradients and a small buffer),
-  median of 5 each, fitted as latency + bytes / bandwidth;
+  median of 5 each, fitted as latency + bytes / bandwidth; the device copy link (a gather's
+  pack and unpack run on the communication stream: [Note: the time model] in
+  python_api/planner/cost.py) from timed device-to-device copies at the same two sizes;
 - static bytes (shards, replicated parameters and buffers, adapters with their gradients and
   AdamW's two states), the page size, and on CUDA the device's capacity and the memory that is
   not ours (total - free - what torch has reserved). On CPU the capacity is the caller's
@@ -27,24 +29,58 @@ in forward order:
   stream) at two sizes (one chunk, the largest unit's chunks), median of 5 each, fitted like
   the collectives (without a store: a plain host -> device copy, pinned on CUDA); whether a
   store exists, weights_on and host_budget_bytes from the policy; per unit, what activation
-  offload would move, read in the timed step from the tensors ElasticLoRAFunction hands to
+  offload would move, read in a step from the tensors ElasticLoRAFunction hands to
   `save_for_backward` as activations (lora_x, xa, mask: their bytes in order, exactly what
-  `ActivationOffload.offload` copies), and what that frees on the device: the storages that
-  nothing but those activations saves (counted by the same saved-tensor hooks);
-Every rank measures; timings are then reduced with MAX across the group (the slowest rank sets
-the pace), so every rank holds the same profile and computes the same plan. The steps run with
-activation offload off (it is restored after).
+  `ActivationOffload.offload` copies) with the weight whose linear saved each, and what that
+  frees on the device: the storages that nothing but those activations saves (counted by the
+  same saved-tensor hooks);
+Every rank measures; every timing and every byte count is then reduced with MAX across the
+group (the slowest rank sets the pace, the largest count bounds memory), so every rank holds
+the same profile and computes the same plan. The steps run with activation offload off and
+prefetch depth 0 (restored after), and without the adapters' gradient all-reduce (`no_sync`:
+it would fall into the first unit's backward window, with the ranks' skew, and is timed on
+its own as the allreduce link).
+
+[Note: profiling within a memory bound]
+Profiling must fit where the plan must fit: a model whose frozen weights exceed the device
+(70B on 8 x 40 GB, weights_on="host") cannot be made resident to be timed. `memory_bytes`
+(default: capacity_bytes; on CUDA at most what the device has free plus what torch holds,
+the MIN over the ranks) bounds every step profiling runs, by the memory model itself:
+ 1. a streamed step (nothing kept, prefetch depth 0: the least memory the runtime runs this
+    micro-batch in without recompute) learns the order; a second measures every byte count
+    (they do not depend on residency) and a third and fourth the backward windows' peaks
+    with and without recompute, which give a conservative workspace (gather buffers are in
+    those windows); if the memory model says even this exceeds the bound, profiling stops
+    with an error naming both;
+ 2. rounds: units are grouped by what determines their time (weights' layouts, activation
+    bytes, recomputable); a round keeps resident one unit of every group not yet timed,
+    then more units, in forward order, while memory_curve of that residency (prefetch 0,
+    the profile's micro-batch) stays within memory_bytes x (1 - 0.05) (the planner's default
+    margin); its resident units are timed (a warm-up step fills them, then `steps` steps at
+    each size) and its windows' peaks, now buffer-free, refit the workspace. With prefetch
+    depth 0 a streamed unit's gathers are issued and waited inside its own timing window, so
+    they never fall into a resident unit's or the outside's time;
+ 3. a unit not timed takes its group's median fit (decoder layers of one model are one or
+    two groups: the first layer's q/k/v have no backward use). A unit too large to be
+    resident alone within the bound is timed streamed, gathers included, with a warning.
+With `memory_bytes` at least what keeping everything needs, this is one round with every
+unit resident and timed (the profile of before). `report` (a dict) receives the rounds
+(units resident and timed, predicted peak), the bound, the streamed step's predicted peak and
+this rank's own byte counts before the MAX, for tests and logs.
 
 Side effects: the warm-up and timed steps run forward and backward (dropout draws random
-numbers; adapter gradients are cleared before and after); residency and the pool budget are
-restored at the end.
+numbers; adapter gradients are cleared before and after); residency, the pool budget and
+the prefetch depth are restored at the end, and the chunks profiling made resident are
+dropped (the pool's arena only shrinks by whole empty segments).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -59,7 +95,9 @@ from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profi
 from python_api.planning.apply import set_recompute
 from python_api.runtime import Phase
 
-_REPEATS = 5
+_PROFILE_MARGIN = 0.05  # the planner's default margin, kept below the bound when choosing a round
+
+_REPEATS = 5  # median of this many timed repeats per link point
 
 
 def _sync(device: torch.device) -> None:
@@ -97,14 +135,25 @@ class _StepProbe:
         self.param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
         self.handles = []
         self.active: list[str] = []
+        self.linear: list[str] = []  # the elastic weight whose layer is running (offload owners)
         self.reset()
         for name, module in units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(name)))
+            for sub in module.modules():
+                et = getattr(sub, "et", None)
+                if et is not None and hasattr(et, "num_chunks"):  # an elastic layer (ElasticLinear / LoRA)
+                    self.handles.append(sub.register_forward_pre_hook(
+                        lambda _m, _a, n=et.name: self.linear.append(n)))
+                    self.handles.append(sub.register_forward_hook(self._linear_done))
+
+    def _linear_done(self, _module, _args, _output) -> None:
+        self.linear.pop()  # returns None: a forward hook's return value would replace the output
 
     def reset(self) -> None:
         self.pack_counts: dict[int, int] = {}  # storage -> times saved (every saved tensor)
         self.offl: dict[str, list[int]] = {n: [] for n in self.units}  # per unit: activation bytes, in order
+        self.offl_owner: dict[str, list[str]] = {n: [] for n in self.units}  # ...and the weight that saved each
         self.offl_storages: dict[int, tuple[str, int, int]] = {}  # storage -> (unit, bytes, times as activation)
         self.fwd_s = {n: 0.0 for n in self.units}
         self.bwd_start: dict[str, float] = {}
@@ -148,6 +197,7 @@ class _StepProbe:
             if t is None or t.numel() == 0:
                 continue
             self.offl[unit].append(t.nbytes)
+            self.offl_owner[unit].append(self.linear[-1] if self.linear else "")
             st = t.untyped_storage()
             u, nb, k = self.offl_storages.get(st.data_ptr(), (unit, st.nbytes(), 0))
             self.offl_storages[st.data_ptr()] = (u, nb, k + 1)
@@ -209,10 +259,11 @@ def _fit(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
     return max(0.0, t1 - slope * x1), slope
 
 
-def _link(rt, sizes: list[int], kind: str) -> Link:
-    """Fit latency + bytes / bandwidth to timed collectives of `sizes` bytes per rank."""
+def _link_points(rt, sizes: list[int], kind: str) -> list[tuple[int, float]]:
+    """Timed collectives of `sizes` bytes per rank: (bytes, seconds) to fit latency + bytes /
+    bandwidth to (bytes received for the all-gather, reduced for the all-reduce)."""
     if rt.world_size == 1:
-        return Link(latency_s=0.0, bytes_per_s=1e18)
+        return [(1, 0.0), (2, 0.0)]
     W, device = rt.world_size, rt.device
     points = []
     for size in sizes:
@@ -225,13 +276,29 @@ def _link(rt, sizes: list[int], kind: str) -> Link:
         else:
             t = _timed(lambda: dist.all_reduce(send, group=rt.group), device)
             points.append((numel * 4, t))
+    return points
+
+
+def _copy_points(rt, sizes: list[int]) -> list[tuple[int, float]]:
+    """Timed device-to-device copies of `sizes` bytes (a gather's pack and unpack are such
+    copies, on the communication stream): (bytes, seconds), median of 5 each."""
+    device, points = rt.device, []
+    for size in sizes:
+        src = torch.zeros(max(1, size), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up
+        points.append((src.numel(), _timed(lambda src=src, dst=dst: dst.copy_(src), device)))
+    return points
+
+
+def _fit_link(points: list[tuple[int, float]]) -> Link:
     (b0, t0), (b1, t1) = points
     latency, per_byte = _fit(b0, t0, b1, t1)
     return Link(latency_s=latency, bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e18)
 
 
-def _h2d_link(rt, sizes_chunks: list[list]) -> Link:
-    """Fit latency + bytes / bandwidth to timed host -> device copies. With a host store: of
+def _h2d_points(rt, sizes_chunks: list[list]) -> list[tuple[int, float]]:
+    """Timed host -> device copies, (bytes, seconds) to fit a link to. With a host store: of
     host chunks into device memory, by the runtime's `HostCopyWork` on its copy stream
     (`sizes_chunks`: lists of (tensor, chunk) to copy together); without: a plain copy of the
     same byte counts from host memory (pinned on CUDA)."""
@@ -256,9 +323,7 @@ def _h2d_link(rt, sizes_chunks: list[list]) -> Link:
                 dst.copy_(src, non_blocking=device.type == "cuda")
         copy()  # warm-up
         points.append((nbytes, _timed(copy, device)))
-    (b0, t0), (b1, t1) = points
-    latency, per_byte = _fit(b0, t0, b1, t1)
-    return Link(latency_s=latency, bytes_per_s=1.0 / per_byte if per_byte > 0 else 1e18)
+    return points
 
 
 def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
@@ -290,14 +355,108 @@ def _static_bytes(model: nn.Module, rt) -> int:
     return shards + params + buffers
 
 
+def _max_over_ranks(obj, rt, what: str):
+    """`obj` (nested dicts / lists / tuples of numbers) reduced element-wise with MAX over the
+    runtime's group: one collective; ranks whose structures differ fail together."""
+    if rt.world_size == 1:
+        return obj
+    from python_api.distributed.agree import exchange
+
+    every = exchange(obj, rt.group, timeout_s=rt.policy.collective_timeout_s, what=what, error_type=RuntimeError)
+
+    def merge(values, where):
+        first = values[0]
+        if isinstance(first, dict):
+            if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+                raise RuntimeError(f"{what}: the ranks measured different structures at {where}")
+            return {k: merge([v[k] for v in values], f"{where}.{k}") for k in first}
+        if isinstance(first, (list, tuple)):
+            if any(not isinstance(v, (list, tuple)) or len(v) != len(first) for v in values):
+                raise RuntimeError(f"{what}: the ranks measured different structures at {where} "
+                                   f"(lengths {[len(v) for v in values]})")
+            return type(first)(merge([v[i] for v in values], f"{where}[{i}]") for i in range(len(first)))
+        if isinstance(first, str):
+            if any(v != first for v in values):
+                raise RuntimeError(f"{what}: the ranks measured different values at {where}: {values}")
+            return first
+        return max(values)
+
+    return merge(every, "profile")
+
+
+def _timings(model, sizes, forward_loss, probe, names, device, steps: int) -> list[tuple]:
+    """Per micro-batch size: (tokens, forward s, backward s, per unit forward s, per unit
+    backward s), medians of `steps` steps."""
+    out = []
+    for b in sizes:
+        rows = []
+        for _ in range(steps):
+            probe.reset()
+            fwd, bwd, _, t_bwd_end, _ = _run_step(model, b, forward_loss, probe, device)
+            starts = [probe.bwd_start.get(n) for n in names]
+            bwd_units = []
+            for i in range(len(names)):
+                if starts[i] is None:
+                    bwd_units.append(0.0)
+                    continue
+                end = next((starts[j] for j in range(i - 1, -1, -1) if starts[j] is not None), t_bwd_end)
+                bwd_units.append(max(0.0, end - starts[i]))
+            rows.append((fwd, bwd, [probe.fwd_s[n] for n in names], bwd_units))
+        med = statistics.median
+        out.append((b.numel(), med(r[0] for r in rows), med(r[1] for r in rows),
+                    [med(r[2][i] for r in rows) for i in range(len(names))],
+                    [med(r[3][i] for r in rows) for i in range(len(names))]))
+    return out
+
+
+def _group_key(layer: LayerProfile) -> tuple:
+    """What a unit's compute time is a function of, as far as the profile can tell."""
+    return (layer.recomputable, layer.act_bytes_per_token, layer.input_bytes_per_token,
+            tuple((w.chunks, w.chunk_bytes, w.slice_bytes, w.backward, w.last_chunk_bytes) for w in layer.weights))
+
+
+def _choose_round(profile: Profile, limit: int, micro_batch: int, untimed: list[int]) -> list[int]:
+    """Units to keep resident in one profiling round ([Note: profiling within a memory bound]):
+    a unit of every group with a unit in `untimed` first, then the others, in forward order,
+    while the memory model of that residency stays within `limit`."""
+    groups: dict = {}
+    for i in untimed:
+        groups.setdefault(_group_key(profile.layers[i]), []).append(i)
+    first = [members[0] for members in groups.values()]
+    order = first + [i for i in range(len(profile.layers)) if i not in first]
+    chosen: list[int] = []
+    for i in order:
+        trial = sorted(chosen + [i])
+        if _residency_peak(profile, trial, micro_batch) <= limit:
+            chosen = trial
+    return chosen
+
+
+def _residency_peak(profile: Profile, resident: list[int], micro_batch: int, recompute: bool = False) -> int:
+    """The memory model's peak of a profiling step: units `resident` keep every chunk, the
+    rest none, prefetch depth 0, no offload."""
+    keep = tuple(tuple(w.chunks if i in resident else 0 for w in layer.weights)
+                 for i, layer in enumerate(profile.layers))
+    rec = tuple(layer.recomputable and recompute for layer in profile.layers)
+    return memory_curve(profile, Choices(micro_batch, keep, keep, rec, prefetch_depth=0)).peak_bytes
+
+
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
-                    capacity_bytes: int | None = None, steps: int = 2, host_tier: bool | None = None) -> Profile:
+                    capacity_bytes: int | None = None, memory_bytes: int | None = None, steps: int = 2,
+                    host_tier: bool | None = None, report: dict | None = None) -> Profile:
     """Measure a `Profile` of `model` (under convert_to_elastic / elasticize) on `batches`
     (at least one micro-batch of input ids [B, T]). A collective: call on every rank alike.
+    `memory_bytes`: the bound every profiling step stays within, per rank ([Note: profiling
+    within a memory bound]; None: capacity_bytes, on CUDA at most what is free now).
     `host_tier`: measure the host tier's fields (None: when the runtime has a host store or
-    its policy offloads activations)."""
+    its policy offloads activations). `report`: a dict that receives the rounds."""
     if not batches:
         raise ValueError("measure_profile: give at least one micro-batch")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"measure_profile: steps must be an int >= 1, got {steps!r}")
+    if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
+                                     or memory_bytes <= 0):
+        raise ValueError(f"measure_profile: memory_bytes must be a positive int or None, got {memory_bytes!r}")
     rt = runtime_of(model)
     device = rt.device
     forward_loss = forward_loss or _hf_loss
@@ -311,111 +470,212 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     else:
         if capacity_bytes is None:
             raise ValueError("measure_profile: on CPU give capacity_bytes (the memory to plan for)")
-        capacity, reserved = int(capacity_bytes), 0
+        capacity, reserved, total = int(capacity_bytes), 0, None
+    # The model's peak counts the memory not ours (reserved) too, so the device's total is the
+    # physical limit of a step ([Note: what the memory model counts]).
+    bound = capacity if memory_bytes is None else memory_bytes
+    if total is not None:
+        bound = min(bound, int(total))
+    bound = -_max_over_ranks(-bound, rt, "measure_profile: the memory bound")  # the MIN over the ranks
 
     saved = [(et, et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     budget = rt.cache_budget
+    depth = rt.policy.prefetch_depth
     was_training = model.training
     if host_tier is None:
         host_tier = rt.host_store is not None or rt.policy.offload_activations
     host_tier = host_tier or rt.policy.weights_on == "host"
     offload_was = rt.policy.offload_activations
+    tokens = batch.numel()
+    B = int(batch.shape[0])
+    sizes = [batch] + ([batch[: B // 2]] if B >= 2 else [])
+    rounds: list[dict] = []
     model.train()
+    # The adapters' gradient all-reduce at the end of backward would fall into the first unit's
+    # backward window (with the ranks' skew); it is timed on its own (the allreduce link) and
+    # the steps here drop their gradients anyway.
+    no_sync = rt.no_sync()
+    no_sync.__enter__()
     try:
         if offload_was:
             rt.set_offload_activations(False)  # every step below saves its activations on the device
+        rt.set_prefetch_depth(0)  # a streamed unit's gathers stay inside its own timing window
         for et in rt.tensors:
-            rt.set_residency(et, et.num_chunks, et.num_chunks)
-        rt.set_pool_budget(None)
-        _run_step(model, batch, forward_loss, None, device)  # learns the order, gathers everything
+            rt.set_residency(et, 0, 0)
+        rt.set_pool_budget(0)
+        _run_step(model, batch, forward_loss, None, device)  # learns the order, streams everything
         names, modules = _unit_modules(model, rt)
         probe = _StepProbe(model, modules, device)
         try:
-            sizes = [batch] + ([batch[: batch.shape[0] // 2]] if batch.shape[0] >= 2 else [])
-            per_size = []
-            offload_bytes, freed = {n: [] for n in names}, {n: 0 for n in names}
-            for si, b in enumerate(sizes):
-                rows = []
-                for step in range(steps):
-                    probe.reset()
-                    record = si == 0 and step == 0
-                    # What activation offload would copy, read from the layers' saves (a supported
-                    # probe hook of python_api/host/offload.py).
-                    observing = observe_activations(probe.record_activations) if record else contextlib.nullcontext()
-                    with observing:
-                        fwd, bwd, t_fwd_end, t_bwd_end, loss = _run_step(model, b, forward_loss, probe, device)
-                    if record:
-                        offload_bytes, freed = dict(probe.offl), probe.freed()
-                    starts = [probe.bwd_start.get(n) for n in names]
-                    bwd_units = []
-                    for i, n in enumerate(names):
-                        if starts[i] is None:
-                            bwd_units.append(0.0)
-                            continue
-                        end = next((starts[j] for j in range(i - 1, -1, -1) if starts[j] is not None), t_bwd_end)
-                        bwd_units.append(max(0.0, end - starts[i]))
-                    rows.append((fwd, bwd, [probe.fwd_s[n] for n in names], bwd_units))
-                tokens = b.numel()
-                med = lambda xs: statistics.median(xs)  # noqa: E731
-                per_size.append((tokens,
-                                 med([r[0] for r in rows]), med([r[1] for r in rows]),
-                                 [med([r[2][i] for r in rows]) for i in range(len(names))],
-                                 [med([r[3][i] for r in rows]) for i in range(len(names))],
-                                 dict(probe.saved), probe.saved_outside, dict(probe.input_bytes)))
+            # 1. Byte counts (the same at every residency), read from one step.
+            probe.reset()
+            with observe_activations(probe.record_activations):
+                _run_step(model, batch, forward_loss, probe, device)
+            backward_wids = set(rt.learned_order(Phase.BACKWARD) or ())
+            forward_order = {wid: k for k, wid in enumerate(rt.learned_order(Phase.FORWARD))}
+            measured = {
+                "act": [probe.saved[n] for n in names], "input": [probe.input_bytes[n] for n in names],
+                "outside": probe.saved_outside, "freed": [probe.freed()[n] for n in names],
+                "offload": [list(probe.offl[n]) for n in names], "static": _static_bytes(model, rt),
+                "reserved": max(0, reserved),
+            }
+            owners = [list(probe.offl_owner[n]) for n in names]
+            layers_of = {n: m for n, m in modules.items() if not n.startswith("weight:")}
+            # A conservative workspace first: streamed windows hold gather buffers too.
+            measured["window0"], measured["rwindow0"] = _window_peaks(model, batch, forward_loss, modules, layers_of,
+                                                                     names, device)
+            local_bytes = {k: v for k, v in measured.items() if k in ("act", "input", "outside", "freed", "static")}
+            measured = _max_over_ranks(measured, rt, "measure_profile: the measured bytes")
+            weights_of = {u: sorted((et for et in rt.tensors if et.unit == u), key=lambda et: forward_order.get(et.wid, 0))
+                          for u in names}
+            prelim = _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, batch, model,
+                                 capacity, host_tier)
+            prelim = _with_workspace(prelim, dict(zip(names, measured["window0"])),
+                                     dict(zip(names, measured["rwindow0"])), B)
+            limit = int(bound * (1.0 - _PROFILE_MARGIN))
+            least = _residency_peak(prelim, [], B)
+            if least > bound:
+                raise ValueError(
+                    f"measure_profile: streaming every weight at this micro-batch ({B} x {batch.shape[1]} tokens) "
+                    f"needs {least} bytes per rank by the memory model, above the profiling bound memory_bytes = "
+                    f"{bound}: profile with a smaller micro-batch, or give more memory")
+            # 2. Rounds of resident units, timed.
+            fits: dict[int, tuple] = {}  # unit -> (fwd fixed, fwd per token, bwd fixed, bwd per token)
+            outside = None
+            workspace_peaks, recompute_peaks = {}, {}
+            untimed = list(range(len(names)))
+            local = rt.world_size == 1 and rt.policy.weights_on == "device" and not rt._force_pool
+            while untimed:
+                # At world size 1 with the weights on the device nothing is gathered at all.
+                resident = list(range(len(names))) if local else _choose_round(prelim, limit, B, untimed)
+                timed = [i for i in resident if i in untimed]
+                streamed = False
+                if not timed:  # nothing untimed fits resident even alone: time it streamed
+                    timed, streamed = [untimed[0]], True
+                    warnings.warn(f"measure_profile: unit {names[untimed[0]]} does not fit resident within "
+                                  f"memory_bytes = {bound}; its times include its gathers", stacklevel=2)
+                keep_units = set(resident)
+                for et in rt.tensors:
+                    n = et.num_chunks if names.index(et.unit) in keep_units else 0
+                    rt.set_residency(et, n, n)
+                rt.set_pool_budget(rt.page_bytes() * sum(et.num_chunks for et in rt.tensors
+                                                         if names.index(et.unit) in keep_units))
+                _run_step(model, batch, forward_loss, None, device)  # fills the resident units
+                per_size = _timings(model, sizes, forward_loss, probe, names, device, steps)
+                for i in timed:
+                    fits[i] = _unit_fit(per_size, i)
+                if outside is None:
+                    t0, fwd, bwd, fu, bu = per_size[0]
+                    outside = (max(0.0, fwd - sum(fu)) / t0, max(0.0, bwd - sum(bu)) / t0)
+                if not streamed:
+                    w, r = _window_peaks(model, batch, forward_loss, modules, layers_of, names, device)
+                    for i in resident:
+                        workspace_peaks[names[i]], recompute_peaks[names[i]] = w[i], r[i]
+                rounds.append({"resident": [names[i] for i in resident], "timed": [names[i] for i in timed],
+                               "predicted_peak_bytes": _residency_peak(prelim, resident, B),
+                               "predicted_recompute_peak_bytes": _residency_peak(prelim, resident, B, True)})
+                untimed = [i for i in untimed if i not in timed]
+                # A unit of a timed group needs no round of its own: its group's median serves it.
+                done = {_group_key(prelim.layers[i]) for i in fits}
+                untimed = [i for i in untimed if _group_key(prelim.layers[i]) not in done]
         finally:
             probe.close()
-        # Which weights have a backward use, from the steps above (the recompute step below
-        # adds forward uses inside backward to the learned backward order).
-        backward_wids = set(rt.learned_order(Phase.BACKWARD) or ())
-        # Each unit's backward allocation peak with every chunk resident (no gathers): what the
-        # memory model's activations miss of it is the backward workspace.
-        window_peaks = _backward_window_peaks(modules, lambda: _run_step(model, batch, forward_loss, None, device),
-                                              device)
-        # ...and the same step with every decoder layer recomputed (activation checkpointing).
-        layers_of = {n: m for n, m in modules.items() if not n.startswith("weight:")}
-        for m in layers_of.values():
-            set_recompute(m, True)
-        try:
-            recompute_peaks = _backward_window_peaks(
-                modules, lambda: _run_step(model, batch, forward_loss, None, device), device)
-        finally:
-            for m in layers_of.values():
-                set_recompute(m, False)
+    except BaseException:
+        # The step that failed may have left the runtime inside a phase, where residency cannot
+        # change: restore what can be, and let the original error through.
+        with contextlib.suppress(Exception):
+            _restore(rt, model, saved, budget, depth, offload_was, was_training)
+        raise
     finally:
-        if offload_was:
-            rt.set_offload_activations(True)
-        for et, k, p in saved:
-            rt.set_residency(et, k, p)
-            # Give the pool back what the profile made resident: its arena only shrinks by
-            # whole empty segments, and the plan sizes the pool from nothing.
-            rt.drop_cached(et)
-        rt.set_pool_budget(budget)
-        model.train(was_training)
+        no_sync.__exit__(None, None, None)
+    _restore(rt, model, saved, budget, depth, offload_was, was_training)
 
-    tokens, fwd, bwd, fwd_units, bwd_units, act, act_out, inputs = per_size[0]
-    # Timings: fixed + per token from the two sizes (per token only with one size).
-    fits_f, fits_b = [], []
-    for i in range(len(names)):
-        if len(per_size) == 2:
-            t2 = per_size[1]
-            fits_f.append(_fit(t2[0], t2[3][i], tokens, fwd_units[i]))
-            fits_b.append(_fit(t2[0], t2[4][i], tokens, bwd_units[i]))
-        else:
-            fits_f.append((0.0, fwd_units[i] / tokens))
-            fits_b.append((0.0, bwd_units[i] / tokens))
-    out_fwd = max(0.0, fwd - sum(fwd_units)) / tokens
-    out_bwd = max(0.0, bwd - sum(bwd_units)) / tokens
-    # Reduce timings with MAX and byte counts with MAX over the ranks: one profile everywhere.
-    flat = [x for f in fits_f for x in f] + [x for f in fits_b for x in f] + [out_fwd, out_bwd]
-    if rt.world_size > 1:
-        tensor = torch.tensor(flat, dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=rt.group)
-        flat = tensor.tolist()
-    n = len(names)
-    fits_f = [(flat[2 * i], flat[2 * i + 1]) for i in range(n)]
-    fits_b = [(flat[2 * n + 2 * i], flat[2 * n + 2 * i + 1]) for i in range(n)]
-    out_fwd, out_bwd = flat[4 * n], flat[4 * n + 1]
+    # 3. Every unit's fit: its own, else its group's median; timings MAX over the ranks.
+    by_group: dict = {}
+    for i, f in fits.items():
+        by_group.setdefault(_group_key(prelim.layers[i]), []).append(f)
+    timings = {"units": [list(fits.get(i) or tuple(statistics.median(f[k] for f in by_group[_group_key(prelim.layers[i])])
+                                                     for k in range(4))) for i in range(len(names))],
+               "outside": list(outside),
+               "links": _link_measurements(rt, prelim, names, host_tier),
+               "peaks": [workspace_peaks.get(n, 0) for n in names], "rpeaks": [recompute_peaks.get(n, 0) for n in names]}
+    timings = _max_over_ranks(timings, rt, "measure_profile: the timings")
+    layers = tuple(dataclasses.replace(layer, fwd_s_fixed=u[0], fwd_s_per_token=u[1], bwd_s_fixed=u[2],
+                                       bwd_s_per_token=u[3]) for layer, u in zip(prelim.layers, timings["units"]))
+    links = timings["links"]
+    profile = dataclasses.replace(
+        prelim, layers=layers,
+        outside=dataclasses.replace(prelim.outside, fwd_s_per_token=timings["outside"][0],
+                                    bwd_s_per_token=timings["outside"][1], workspace_bytes_per_token=0.0,
+                                    recompute_workspace_bytes_per_token=0.0),
+        allgather=_fit_link(links["allgather"]) if rt.world_size > 1 else Link(0.0, 1e18),
+        allreduce=_fit_link(links["allreduce"]) if rt.world_size > 1 else Link(0.0, 1e18),
+        copy=_fit_link(links["copy"]), h2d=_fit_link(links["h2d"]) if host_tier else None)
+    profile = _with_workspace(profile, {n: p for n, p in zip(names, timings["peaks"]) if n in workspace_peaks},
+                              {n: p for n, p in zip(names, timings["rpeaks"]) if n in recompute_peaks}, B)
+    if report is not None:
+        report.update(bound_bytes=bound, rounds=rounds, least_bytes=least, local_bytes=local_bytes)
+    return profile
 
+
+def _restore(rt, model, saved, budget, depth, offload_was, was_training) -> None:
+    """Residency, budget, prefetch depth, offload and training mode as they were before
+    profiling; the chunks profiling made resident dropped (the pool's arena only shrinks by
+    whole empty segments, and the plan sizes the pool from nothing)."""
+    if offload_was:
+        rt.set_offload_activations(True)
+    rt.set_prefetch_depth(depth)
+    for et, k, p in saved:
+        rt.set_residency(et, k, p)
+        rt.drop_cached(et)
+    rt.set_pool_budget(budget)
+    model.train(was_training)
+
+
+def _unit_fit(per_size: list[tuple], i: int) -> tuple[float, float, float, float]:
+    """(fwd fixed, fwd per token, bwd fixed, bwd per token) of unit i from the sizes' times."""
+    tokens, _, _, fu, bu = per_size[0]
+    if len(per_size) == 2:
+        t2 = per_size[1]
+        return _fit(t2[0], t2[3][i], tokens, fu[i]) + _fit(t2[0], t2[4][i], tokens, bu[i])
+    return (0.0, fu[i] / tokens, 0.0, bu[i] / tokens)
+
+
+def _window_peaks(model, batch, forward_loss, modules, layers_of, names, device) -> tuple[list[int], list[int]]:
+    """Each unit's backward window peak in a step without, then with, every decoder layer
+    recomputed (`_backward_window_peaks`), in `names` order."""
+    plain = _backward_window_peaks(modules, lambda: _run_step(model, batch, forward_loss, None, device), device)
+    for m in layers_of.values():
+        set_recompute(m, True)
+    try:
+        rec = _backward_window_peaks(modules, lambda: _run_step(model, batch, forward_loss, None, device), device)
+    finally:
+        for m in layers_of.values():
+            set_recompute(m, False)
+    return [plain.get(n, 0) for n in names], [rec.get(n, 0) for n in names]
+
+
+def _link_measurements(rt, profile: Profile, names, host_tier: bool) -> dict:
+    """The timed points of every link ([Note: the time model]): all-gather, all-reduce, device
+    copies, host -> device."""
+    slice_max = max(w.slice_bytes for layer in profile.layers for w in layer.weights)
+    unit_max = max(sum(w.slice_bytes * w.chunks for w in layer.weights) for layer in profile.layers)
+    adapter = profile.adapter_grad_bytes
+    out = {"allgather": _link_points(rt, [slice_max, unit_max], "allgather"),
+           "allreduce": _link_points(rt, [4096, max(8192, adapter)], "allreduce"),
+           "copy": _copy_points(rt, [slice_max, (rt.world_size + 1) * unit_max])}
+    if host_tier:
+        big = max(rt.tensors, key=lambda et: et.page_bytes)
+        unit = max(names, key=lambda n: sum(et.num_chunks for et in rt.tensors if et.unit == n))
+        out["h2d"] = _h2d_points(rt, [[(big, 0)], [(et, c) for et in rt.tensors if et.unit == unit
+                                                    for c in range(et.num_chunks)]])
+    return out
+
+
+def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, batch, model, capacity,
+                host_tier) -> Profile:
+    """The profile's byte fields from the (MAX-reduced) measurements; timings zero, links
+    placeholders (filled by measure_profile)."""
     layers = []
     for i, u in enumerate(names):
         weights = tuple(
@@ -423,48 +683,38 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                           chunk_bytes=et.page_bytes, backward=et.wid in backward_wids,
                           last_chunk_bytes=(None if et.chunk_bytes_of(et.num_chunks - 1) == et.page_bytes
                                             else et.chunk_bytes_of(et.num_chunks - 1)))
-            for et in rt.tensors if et.unit == u
-        )
+            for et in weights_of[u])
         recomputable = not u.startswith("weight:")
-        a = act[u] / tokens
-        x = inputs[u] / tokens
+        a = measured["act"][i] / tokens
+        x = measured["input"][i] / tokens
+        offl = measured["offload"][i] if host_tier else []
+        names_w = [w.name for w in weights]
+        own = [o for o in owners[i]] if host_tier else []
+        if own and (any(o not in names_w for o in own)
+                    or any(names_w.index(b) < names_w.index(a_) for a_, b in zip(own, own[1:]))):
+            own = []  # not in the weights' forward order: one linear per layer (LayerProfile)
         layers.append(LayerProfile(
             name=u, recomputable=recomputable and x <= a,
-            fwd_s_fixed=fits_f[i][0], fwd_s_per_token=fits_f[i][1],
-            bwd_s_fixed=fits_b[i][0], bwd_s_per_token=fits_b[i][1],
+            fwd_s_fixed=0.0, fwd_s_per_token=0.0, bwd_s_fixed=0.0, bwd_s_per_token=0.0,
             act_bytes_per_token=a, input_bytes_per_token=min(x, a), weights=weights,
-            offload_tensors_bytes_per_token=tuple(nb / tokens for nb in offload_bytes[u]) if host_tier else (),
-            offload_freed_bytes_per_token=freed[u] / tokens if host_tier else 0.0,
+            offload_tensors_bytes_per_token=tuple(nb / tokens for nb in offl),
+            offload_freed_bytes_per_token=measured["freed"][i] / tokens if host_tier else 0.0,
+            offload_tensors_weight=tuple(own),
         ))
-    logits_bytes = _logits_bytes_per_token(model, batch)
     adapter_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    allgather = _link(rt, [max(et.slice_bytes for et in rt.tensors),
-                           max(sum(w.slice_bytes * w.chunks for w in layer.weights) for layer in layers)], "allgather")
-    allreduce = _link(rt, [4096, max(8192, adapter_grad)], "allreduce")
-    h2d = None
-    if host_tier:
-        big = max(rt.tensors, key=lambda et: et.page_bytes)
-        unit = max(names, key=lambda n: sum(et.num_chunks for et in rt.tensors if et.unit == n))
-        h2d = _h2d_link(rt, [[(big, 0)], [(et, c) for et in rt.tensors if et.unit == unit
-                                         for c in range(et.num_chunks)]])
-    profile = Profile(
-        source="measured", device=_device_name(device), world_size=rt.world_size, seq_len=int(batch.shape[1]),
-        capacity_bytes=capacity, reserved_bytes=max(0, reserved), static_bytes=_static_bytes(model, rt),
-        page_bytes=rt.page_bytes(), adapter_grad_bytes=adapter_grad, allgather=allgather, allreduce=allreduce,
+    placeholder = Link(0.0, 1e18)
+    return Profile(
+        source="measured", device=_device_name(rt.device), world_size=rt.world_size, seq_len=int(batch.shape[1]),
+        capacity_bytes=capacity, reserved_bytes=measured["reserved"], static_bytes=measured["static"],
+        page_bytes=rt.page_bytes(), adapter_grad_bytes=adapter_grad, allgather=placeholder, allreduce=placeholder,
         layers=tuple(layers),
-        outside=OutsideProfile(fwd_s_per_token=out_fwd, bwd_s_per_token=out_bwd,
-                               act_bytes_per_token=act_out / tokens, peak_bytes_per_token=logits_bytes),
-        h2d=h2d, host_store=host_tier and rt.host_store is not None,
+        outside=OutsideProfile(fwd_s_per_token=0.0, bwd_s_per_token=0.0,
+                               act_bytes_per_token=measured["outside"] / tokens,
+                               peak_bytes_per_token=_logits_bytes_per_token(model, batch)),
+        h2d=placeholder if host_tier else None, host_store=host_tier and rt.host_store is not None,
         weights_on=rt.policy.weights_on if host_tier else "device",
         host_budget_bytes=rt.policy.host_budget_bytes if host_tier else None,
     )
-    profile = _with_workspace(profile, window_peaks, recompute_peaks, int(batch.shape[0]))
-    if rt.world_size > 1:
-        # Links and the memory not ours are rank 0's (timings are already the MAX over ranks).
-        box = [profile.to_dict()]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(rt.group, 0), group=rt.group)
-        profile = Profile.from_dict(box[0])
-    return profile
 
 
 def _backward_window_peaks(modules: dict[str, nn.Module], run, device: torch.device) -> dict[str, int]:
@@ -513,7 +763,7 @@ def _backward_window_peaks(modules: dict[str, nn.Module], run, device: torch.dev
             h.remove()
     starts = sorted((e["ts"], e["name"].split("::", 2)[2]) for e in events
                     if e.get("ph") == "X" and e.get("name", "").startswith("elastic::backward_of::"))
-    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
+    memory = _allocated_since_start(events)
     peaks = {}
     for k, (t0, name) in enumerate(starts):
         t1 = starts[k + 1][0] if k + 1 < len(starts) else float("inf")
@@ -536,20 +786,35 @@ def _trace_events(prof) -> list[dict]:
         os.unlink(path)
 
 
+def _allocated_since_start(events: list[dict]) -> list[tuple[float, int]]:
+    """(timestamp, bytes allocated since the profiling session started) at each memory event.
+    The profiler's "Total Allocated" counts every allocation made under any profiling session
+    of the process that is still alive (its CPU reporter keeps them across sessions), so the
+    session's own baseline is taken off: the counter before its first event."""
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                    if e.get("name") == "[memory]")
+    if not memory:
+        return []
+    base = memory[0][1] - memory[0][2]
+    return [(ts, total - base) for ts, total, _ in memory]
+
+
 def _profiled_growth(run) -> int:
-    """CPU: the high-water mark of "Total Allocated" in the profiler's memory events."""
+    """CPU: the high-water mark of the bytes allocated during `run()` (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    return max([0] + [e["args"]["Total Allocated"] for e in _trace_events(prof) if e.get("name") == "[memory]"])
+    return max([0] + [b for _, b in _allocated_since_start(_trace_events(prof))])
 
 
 def _excess(profile: Profile, window_peaks: dict[str, int], micro_batch: int, recompute: bool) -> int:
     """The most a unit's measured backward window (recompute included) exceeds the memory
-    model's points for it, with every chunk resident; adapter gradients taken out (the model
-    counts them as static)."""
-    choices = Choices.uniform(profile, micro_batch, keep_fraction=1.0, recompute=True if recompute else None)
+    model's points for it without gather buffers (exact for a unit that was resident, prefetch
+    depth 0; an upper bound for a streamed one, whose window also held its gather's buffers);
+    adapter gradients taken out (the model counts them as static)."""
+    choices = Choices.uniform(profile, micro_batch, keep_fraction=1.0, recompute=True if recompute else None,
+                              prefetch_depth=0)
     curve = memory_curve(profile, choices)
     modelled: dict[str, int] = {}
     for label, b in curve.points:
@@ -566,12 +831,12 @@ def _excess(profile: Profile, window_peaks: dict[str, int], micro_batch: int, re
 def _with_workspace(profile: Profile, window_peaks: dict[str, int], recompute_peaks: dict[str, int],
                     micro_batch: int) -> Profile:
     """The profile with the backward workspaces fitted ([Note: what the memory model counts]
-    in memory.py): `workspace_bytes_per_token` from a step without recompute, then
-    `recompute_workspace_bytes_per_token` from a step recomputing every layer, with the first
-    already in the model; per token, at least 0."""
-    import dataclasses
-
+    in memory.py) from the windows of the units in `window_peaks`: `workspace_bytes_per_token`
+    from a step without recompute, then `recompute_workspace_bytes_per_token` from a step
+    recomputing every layer, with the first already in the model; per token, at least 0."""
     tokens = micro_batch * profile.seq_len
+    profile = dataclasses.replace(profile, outside=dataclasses.replace(
+        profile.outside, workspace_bytes_per_token=0.0, recompute_workspace_bytes_per_token=0.0))
     ws = max(0, _excess(profile, window_peaks, micro_batch, recompute=False)) / tokens
     profile = dataclasses.replace(profile, outside=dataclasses.replace(profile.outside, workspace_bytes_per_token=ws))
     if not any(layer.recomputable for layer in profile.layers):
@@ -619,16 +884,29 @@ def _live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
     return total
 
 
+def _host_tier_storages(rt) -> set[int]:
+    """Data pointers of the host tier's host memory (the store's mapping, the activation
+    offload's free buffers): host memory, not the device memory the model counts."""
+    out = set()
+    if rt.host_store is not None:
+        out.add(rt.host_store.tensor().untyped_storage().data_ptr())
+    off = getattr(rt, "activation_offload", None)
+    if off is not None:
+        for bufs in off.pool._free.values():
+            out.update(b.untyped_storage().data_ptr() for b in bufs)
+    return out
+
+
 def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None) -> int:
     """The peak of tensor memory while `run()` executes: what the memory model predicts.
 
     CUDA: `torch.cuda.max_memory_allocated` over the call (every tensor, the pool's arena
     included). CPU, where torch keeps no allocator statistics: the bytes of the tensors alive
     when `run` starts (storages reachable from Python, each once, plus the pool's arena, which
-    lives in C++) plus the high-water mark of the bytes allocated during it, from the
-    profiler's memory events ("Total Allocated" counts allocations minus frees since the
-    profile started). Non-tensor memory of the process (the interpreter, libraries, thread
-    stacks) is in neither figure."""
+    lives in C++; not the host tier's host memory: the store's mapping and the offload's
+    buffers, which are host memory on a GPU machine too) plus the high-water mark of the bytes
+    allocated during it, from the profiler's memory events. Non-tensor memory of the process
+    (the interpreter, libraries, thread stacks) is in neither figure."""
     rt = runtime_of(model)
     device = device or rt.device
     if device.type == "cuda":
@@ -640,5 +918,6 @@ def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None
     # The pool's segments count once, as the pool reports them (cached page views that
     # Python can see share those storages).
     segments = rt.pool.snapshot() if rt.pool is not None else []
-    live = _live_tensor_bytes({s["data_ptr"] for s in segments}) + sum(s["bytes"] for s in segments)
+    exclude = {s["data_ptr"] for s in segments} | _host_tier_storages(rt)
+    live = _live_tensor_bytes(exclude) + sum(s["bytes"] for s in segments)
     return live + _profiled_growth(run)

@@ -73,6 +73,10 @@ def test_planned_run_adapts_accumulation_when_memory_shrinks(tmp_path):
         assert key in doc, key
     assert doc["memory_bytes"] == cap and len(doc["adaptations"]) == 2
     assert all("recompute" in layer and "weights" in layer for layer in doc["layers"])
+    from python_api.planner import Plan  # what the CLI writes, the API reads
+
+    assert Plan.load(os.path.join(planned, "plan.json")).to_dict() == {k: v for k, v in doc.items()
+                                                                       if k not in ("adaptations", "profile_seconds")}
 
 
 def test_planned_run_refuses_an_impossible_cap(tmp_path):

@@ -1,13 +1,23 @@
 """The memory and cost models against measurement, on the CLI's demo model (embedded Llama,
 4 layers, hidden 256, 128-token sequences) on 2 gloo ranks.
 
-Measured peak: `measure_peak_bytes` (tensor memory: the storages alive at the start of a step
-plus the profiler's allocation high-water mark during it; on GPU it would be
-`torch.cuda.max_memory_allocated`). The memory model must predict it within 10% for plans
-that keep everything, trade kept chunks for recompute, and keep nothing (only the working set):
-the three regimes where different terms (pool, saved activations, gather buffers) dominate.
-The cost model's step time is compared with the measured one and the error printed (on these
-shared CPUs timings are noise; the figure is reported in NOTES.md, not asserted).
+The profile is measured at micro-batch 2 with every unit resident; its two fitted quantities,
+the backward workspaces, come from that step without and with every layer recomputed. The
+memory model is then validated only on what was not fitted: other micro-batches (1 and 4:
+128 and 512 tokens, extrapolated per token) and other regimes (a subset of layers recomputed,
+part of the chunks kept, nothing kept with a deeper prefetch window so that two units'
+gathers are in flight, the planner's own choice under a cap), each of which weighs a
+different term (pool, saved activations, gather buffers). Measured peak: `measure_peak_bytes`
+(tensor memory: the storages alive at the start of a step plus the profiler's allocation
+high-water mark during it; on GPU `torch.cuda.max_memory_allocated`).
+
+Tolerance 10%, two-sided: what the model counts is exact integer arithmetic of the profile's
+byte counts; what it cannot see is allocator and gloo transients (gloo's scratch copy of a
+gather's output lives only while its collective runs, the model counts it for every gather in
+the window, an upper bound; the recompute's transients are one fitted per-token figure).
+Measured on this machine (2026-12-01, `pytest -s tests/planner/test_memory_model.py`): -3.0% to +6.0%. The step time is
+printed next to it, not asserted here (tests/planner/test_cost_model.py has the time model's
+checks; these shared CPUs make a single step time noise).
 """
 
 from __future__ import annotations
@@ -27,11 +37,32 @@ SEQ, MB = 128, 2
 TOLERANCE = 0.10
 
 
+def _plans(profile, world_size):
+    """Plans on regimes and micro-batches the profile was not fitted on."""
+    import dataclasses
+
+    from python_api.planner.memory import Choices
+    from python_api.planner.search import plan_from_profile, plan_of
+
+    def of(choices):
+        return plan_of(profile, choices, memory_bytes=1 << 30, global_batch=4 * world_size)
+
+    layers = profile.layers
+    half = tuple(i % 2 == 1 and layer.recomputable for i, layer in enumerate(layers))
+    keep_half = Choices.uniform(profile, 1, 0.5)
+    ample = plan_from_profile(profile, 1 << 30, 4 * world_size, micro_batches=[4])
+    return {
+        "micro-batch 1, keep half, recompute odd layers": of(dataclasses.replace(keep_half, recompute=half)),
+        "micro-batch 4, keep nothing, prefetch 2": of(Choices.uniform(profile, 4, 0.0, prefetch_depth=2)),
+        "micro-batch 1, keep everything, recompute odd layers": of(Choices.uniform(profile, 1, 1.0, recompute=half)),
+        "micro-batch 4, planner at 75% of keeping everything": plan_from_profile(
+            profile, int(ample.predicted_peak_bytes * 0.75 / 0.95), 4 * world_size, micro_batches=[4]),
+    }
+
+
 def _worker(rank, world_size):
     from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
     from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_from_profile, plan_of
     from python_api.planning.apply import apply_plan
     from python_api.planning.measure import measure_peak_bytes, measure_profile
 
@@ -41,25 +72,16 @@ def _worker(rank, world_size):
                                ElasticPolicy(chunk_bytes=256 << 10))
     model.train()
     gen = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=gen)
-    profile = measure_profile(model, [ids], capacity_bytes=1 << 30)
+    profile = measure_profile(model, [torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=gen)],
+                              capacity_bytes=1 << 30)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    everything = plan_from_profile(profile, 1 << 30, MB * world_size, micro_batches=[MB])
-    plans = {
-        "keep everything": everything,
-        "planner, 80% of that": plan_from_profile(profile, int(everything.predicted_peak_bytes * 0.8 / 0.95),
-                                                  MB * world_size, micro_batches=[MB]),
-        "keep nothing, recompute none": plan_of(profile, Choices.uniform(profile, MB, 0.0), memory_bytes=1 << 30,
-                                                global_batch=MB * world_size),
-        "keep nothing, recompute all": plan_of(profile, Choices.uniform(profile, MB, 0.0, recompute=True),
-                                               memory_bytes=1 << 30, global_batch=MB * world_size),
-    }
     out = {}
-    for name, plan in plans.items():
+    for name, plan in _plans(profile, world_size).items():
+        ids = torch.randint(0, cfg.vocab_size, (plan.micro_batch, SEQ), generator=gen)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+
         apply_plan(model, plan)
         times = []
         for _ in range(3):  # warm: the pool reaches its size, AdamW creates its state
@@ -70,17 +92,17 @@ def _worker(rank, world_size):
             times.append(time.perf_counter() - t0)
         measured = measure_peak_bytes(model, step)
         opt.zero_grad(set_to_none=True)
-        out[name] = (plan.predicted_peak_bytes, measured, plan.predicted_step_time_s, statistics.median(times[1:]),
-                     plan.kept_chunks, sum(lp.recompute for lp in plan.layers))
+        out[name] = (plan.predicted_peak_bytes, measured, plan.predicted_step_time_s / plan.accumulation,
+                     statistics.median(times[1:]), plan.kept_chunks, sum(lp.recompute for lp in plan.layers))
     return out
 
 
-def test_memory_model_predicts_the_measured_peak():
-    reports = run_distributed(_worker, 2, timeout=600)
+def test_memory_model_predicts_the_measured_peak_off_its_fitting_points():
+    reports = run_distributed(_worker, 2, timeout=900)
     for rank, report in enumerate(reports):
         for name, (predicted, measured, step_pred, step_meas, kept, rec) in report.items():
             err = (predicted - measured) / measured
             print(f"rank {rank} {name} (kept {kept}, recompute {rec}): predicted peak {predicted / 2**20:.2f} MiB, "
-                  f"measured {measured / 2**20:.2f} MiB ({err:+.1%}); step time predicted {step_pred:.3f} s, "
-                  f"measured {step_meas:.3f} s ({(step_pred - step_meas) / step_meas:+.0%})")
+                  f"measured {measured / 2**20:.2f} MiB ({err:+.1%}); one micro-batch predicted {step_pred:.3f} s, "
+                  f"measured {step_meas:.3f} s")
             assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {measured} ({err:+.1%})"

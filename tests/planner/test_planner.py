@@ -240,7 +240,8 @@ def test_search_estimate_is_the_cost_model():
                 estimate, kept, _ = s.evaluate(m, rec, limit)
                 if estimate is None:
                     continue
-                ch = s.choices(m, rec, kept)
+                assert s.lower_bound(s.candidate(m, rec), kept) <= estimate * (1 + 1e-12)
+                ch = s.choices(m, rec, kept, False)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
                 assert memory_curve(prof, ch).peak_bytes <= limit
@@ -270,10 +271,18 @@ def test_step_cost_by_hand():
 # ---------------------------------------------------------------- search guarantees
 
 def _check_plan(profile: Profile, plan: Plan, memory: int, margin: float, global_batch: int):
+    """A plan's predictions against independent references (tests/planner/_reference.py:
+    memory point by point, traffic chunk by chunk; tests/planner/_event_sim.py: time), and its
+    shape."""
+    from tests.planner import _reference
+    from tests.planner._event_sim import latency_slack, step_seconds
+
     assert plan.predicted_peak_bytes <= int(memory * (1 - margin))
-    ch = plan.choices()
-    assert plan.predicted_peak_bytes == memory_curve(profile, ch).peak_bytes
-    assert plan.predicted_step_time_s == step_cost(profile, ch, plan.accumulation).step_s
+    assert plan.predicted_peak_bytes == _reference.peak_bytes(profile, plan)
+    gathered, h2d = _reference.traffic_per_step(profile, plan)
+    assert (plan.predicted_allgather_bytes_per_step, plan.predicted_h2d_bytes_per_step) == (gathered, h2d)
+    sim = step_seconds(profile, plan)
+    assert -1e-9 * sim <= sim - plan.predicted_step_time_s <= latency_slack(profile, plan) + 1e-9 * sim
     assert plan.micro_batch * plan.accumulation * profile.world_size == global_batch
     assert plan.pool_budget_bytes == profile.page_bytes * plan.kept_chunks
     for layer, lp in zip(profile.layers, plan.layers):
@@ -473,9 +482,12 @@ def test_close_to_exhaustive_search_on_small_profiles():
     # Every (micro-batch, recompute set, kept chunks per weight) of small random profiles,
     # evaluated with the same models: the planner's greedy (one recompute order, runs by time
     # saved per page) is optimal in most cases and never far off. Measured with this
-    # generator: optimal on 449 of the 450 profiles of seeds 3, 4, 5, one 11.5% slower (it
-    # recomputes another layer: the recomputed layers are a prefix of one fixed order, not
-    # any set); the 60 checked here (seed 3) are all optimal.
+    # generator (re-measured with the queued-link model of issue 17, 2026-12-01, the same
+    # figures as before it: at depth 1 without the host tier the model did not change): optimal
+    # on 449 of the 450 profiles of seeds 3, 4, 5, one 11.5% slower (it recomputes another
+    # layer: the recomputed layers are a prefix of one fixed order, not any set); the 60
+    # checked here (seed 3) are all optimal. The host tier and the prefetch depth searched:
+    # test_close_to_exhaustive_search_with_the_host_tier.
     import itertools
 
     rng = random.Random(3)
@@ -517,6 +529,65 @@ def test_close_to_exhaustive_search_on_small_profiles():
 
 
 # ---------------------------------------------------------------- the host tier
+
+def test_close_to_exhaustive_search_with_the_host_tier():
+    """As above with every dimension: prefetch depth 1 and 2 (where gathers queue), the host
+    fractions and activation offload (copies per linear on the shared link), judged by the
+    same models, at memory below what keeping everything needs at micro-batch 1. Measured
+    (2026-12-01, seeds 11, 12, 13, 60 profiles each): optimal on 177 of 180, 178 within 1%,
+    worst 17.2% (seed 13: it recomputes layer 1 where recomputing layer 0 is faster, the
+    fixed recompute order again); the 30 checked here (seed 11) are all optimal."""
+    import dataclasses
+    import itertools
+
+    from python_api.planner.search import host_candidates, least_memory
+
+    rng = random.Random(11)
+    checked = optimal = 0
+    worst = 0.0
+    while checked < 30:
+        prof = random_host_profile(rng)
+        layers = []
+        for layer in prof.layers:  # each offloaded tensor belongs to a linear, in forward order
+            owners = sorted(rng.randrange(len(layer.weights)) for _ in layer.offload_tensors_bytes_per_token)
+            layers.append(dataclasses.replace(layer, offload_tensors_weight=tuple(layer.weights[o].name
+                                                                                  for o in owners)))
+        prof = dataclasses.replace(prof, layers=tuple(layers), copy=Link(rng.uniform(0, 1e-4), rng.uniform(1e6, 1e9)))
+        if len(prof.layers) > 3 or prof.total_chunks > 6:
+            continue
+        G = prof.world_size * rng.choice([1, 2, 4])
+        per_rank = G // prof.world_size
+        try:
+            least = least_memory(prof, G, prefetch_depth=None)
+        except PlanningError:
+            continue
+        keep_all = int(memory_curve(prof, Choices.uniform(prof, 1, 1.0)).peak_bytes / 0.95)
+        if least >= keep_all:
+            continue
+        memory = rng.randint(least, keep_all - 1)
+        limit = int(memory * 0.95)
+        best = None
+        weights = [w for layer in prof.layers for w in layer.weights]
+        for m in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+            for ks in itertools.product(*[range(w.chunks + 1) for w in weights]):
+                it = iter(ks)
+                keep = tuple(tuple(next(it) for _ in layer.weights) for layer in prof.layers)
+                for rec in itertools.product(*[(False, True) if layer.recomputable else (False,)
+                                               for layer in prof.layers]):
+                    for depth in (1, 2):
+                        for f, off in host_candidates(prof):
+                            ch = Choices(m, keep, keep, rec, depth, f, off)
+                            if memory_curve(prof, ch).peak_bytes <= limit:
+                                t = step_cost(prof, ch, per_rank // m).step_s
+                                best = t if best is None else min(best, t)
+        checked += 1
+        plan = plan_from_profile(prof, memory, G, prefetch_depth=None)
+        assert best is not None and plan.predicted_step_time_s >= best * (1 - 1e-12)
+        gap = plan.predicted_step_time_s / best - 1
+        worst = max(worst, gap)
+        optimal += gap <= 1e-9
+    assert optimal >= 0.9 * checked and worst < 0.2, (optimal, checked, worst)
+
 
 def random_host_profile(rng: random.Random) -> Profile:
     """random_profile with the host tier: an h2d link, a store (or weights_on="host"), ragged
@@ -607,13 +678,14 @@ def test_host_search_bound_is_the_memory_model():
         for f, off in ((0.5, True), (1.0, False), (0.25, True)):
             if prof.weights_on == "host":
                 f = 1.0
-            s = _Search(prof, 1, "chunks", f, off)
+            s = _Search(prof, 1, "chunks", f)
             for m in (1, 3):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 for fraction, buffers in ((0.0, True), (1.0, False)):
                     c = memory_curve(prof, Choices.uniform(prof, m, fraction, recompute=rec, host_fraction=f,
                                                            offload=off))
-                    assert s.act_peak(m * prof.seq_len, rec, buffers) == c.peak_bytes - c.fixed_bytes - c.pool_bytes
+                    assert s.act_peak(m * prof.seq_len, rec, buffers, off) == \
+                        c.peak_bytes - c.fixed_bytes - c.pool_bytes
 
 
 def test_host_search_estimate_is_the_cost_model():
@@ -626,16 +698,18 @@ def test_host_search_estimate_is_the_cost_model():
         for granularity in ("chunks", "eighths"):
             f = 1.0 if prof.weights_on == "host" else rng.choice([0.25, 0.5, 0.75, 1.0])
             off = rng.random() < 0.5
-            s = _Search(prof, 1, granularity, f, off)
+            s = _Search(prof, 1, granularity, f)
             for m in (1, 2):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec, host_fraction=f,
                                                           offload=off)).peak_bytes
                 limit = int(need * rng.uniform(0.9, 1.5))
-                estimate, kept, _ = s.evaluate(m, rec, limit)
+                estimate, kept, _ = s.evaluate(m, rec, limit, off)
                 if estimate is None:
                     continue
-                ch = s.choices(m, rec, kept)
+                # the pruning bound never exceeds the model ([Note: the search])
+                assert s.lower_bound(s.candidate(m, rec), kept) <= estimate * (1 + 1e-12)
+                ch = s.choices(m, rec, kept, off)
                 allreduce = prof.allreduce.time(prof.adapter_grad_bytes) if prof.world_size > 1 else 0.0
                 assert estimate == pytest.approx(step_cost(prof, ch, 1).step_s - allreduce, rel=1e-9, abs=1e-12)
                 assert memory_curve(prof, ch).peak_bytes <= limit
@@ -714,6 +788,17 @@ def test_llama2_70b_plans_quickly_with_the_host_tier():
     prof = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, host_tier=True)
     times = sorted(plan_from_profile(prof, 41 * 10**9, 64).planning_seconds for _ in range(3))
     assert times[1] < 2.0, times  # measured ~0.45 s median in bench/bench_planner.py; loose on shared CPUs
+
+
+def test_llama2_70b_plans_quickly_on_a_jittered_profile_with_every_dimension():
+    """Issue 17: every dimension searched (depth 1 and 2, five host fractions, offload), the
+    layers' timings jittered by +-1% so no two units share their work, H100-80G shape."""
+    prof = synthetic_profile("llama2-70b", ranks=8, seq_len=4096, device="h100-sxm", host_tier=True, jitter=0.01,
+                             seed=1)
+    assert len({(layer.fwd_s_per_token, layer.bwd_s_per_token) for layer in prof.layers}) == len(prof.layers)
+    times = sorted(plan_from_profile(prof, 80 * 10**9, 64, prefetch_depth=None).planning_seconds for _ in range(3))
+    # measured 0.70-0.87 s at a load average of 13 on 2 cores (bench/results/planner_jitter.csv); loose here
+    assert times[1] < 3.0, times
 
 
 def test_host_documents_round_trip_and_old_ones_load(tmp_path):
