@@ -100,8 +100,6 @@ def run(job: Job) -> dict:
         _write_failure_report(job, runs + ([partial] if partial is not None else []), exc)
         raise
     summary = _summary(job, runs)
-    if job.rank == 0:
-        _warn(summary["warnings"][len(job.notices):])
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
