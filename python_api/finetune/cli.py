@@ -90,7 +90,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args._argv = None if argv is None else list(argv)
     rank, world_size, local_rank = _dist_env()
-    _show_load_warnings(rank)
+    with warnings.catch_warnings():  # the loader's warnings as CLI lines, for this call only
+        _show_load_warnings(rank)
+        return _main(args, rank, world_size, local_rank)
+
+
+def _main(args, rank: int, world_size: int, local_rank: int) -> int:
     job, error = None, None
     try:
         job = prepare(args, rank, world_size, local_rank)
