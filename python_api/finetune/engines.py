@@ -107,8 +107,9 @@ def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None
             plan(model, planner.profile, min(size, planner.profile.capacity_bytes), planner.global_batch)
         except PlanningError as exc:
             try:
-                least = f"; the least memory it plans this model in is {fmt_bytes(least_memory(planner.profile, planner.global_batch, prefetch_depth=None))} per rank"
-            except PlanningError:
+                fits = least_memory(planner.profile, planner.global_batch, prefetch_depth=None)
+                least = f"; the least memory it plans this model in is {fmt_bytes(fits)} per rank"
+            except PlanningError:  # nothing fits even at the profile's capacity
                 least = ""
             raise FinetuneError(
                 f"--memory-cap-change {step}:{fmt_bytes(size)}: the planner finds no plan for {fmt_bytes(size)} per rank "

@@ -28,6 +28,7 @@ from python_api.finetune.files import (
 from python_api.finetune.job import Job
 from python_api.finetune.loop import train
 from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
+from python_api.finetune.options import budget_label
 from python_api.nn import adapter_state_dict
 
 
@@ -37,7 +38,7 @@ def comparison_builds(job: Job, counter) -> list[tuple[str, object]]:
     when the main run has them there already: [Note: options a run ignores]), a planned run,
     the FSDP2 baseline."""
     args = job.args
-    builds = [(f"elastic, budget {b!r}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
+    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
     if args.compare_host and args.weights_on != "host":
         builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
     if args.compare_planned:
