@@ -131,9 +131,26 @@ def _is_run_id(v) -> bool:
     return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
 
 
-def _verify_manifest(ckpt: str, rank: int) -> dict:
-    """The checkpoint's manifest, after every file this rank reads has been checked against it
-    ([Note: the checkpoint's manifest]); a FinetuneError naming the file otherwise."""
+def _verify_listed(ckpt: str, manifest: dict, name: str) -> None:
+    """The file `name` of the checkpoint is the one its manifest lists (size and sha256)."""
+    files = manifest["files"]
+    if name not in files:
+        raise FinetuneError(f"checkpoint {ckpt}: {name} is not listed in its {MANIFEST} (damaged or edited)")
+    full = os.path.join(ckpt, name)
+    if not os.path.isfile(full):
+        raise FinetuneError(f"checkpoint {ckpt} is incomplete: {name} is missing")
+    got, want = file_digest(full), files[name]
+    if got != {"bytes": want["bytes"], "sha256": want["sha256"]}:
+        raise FinetuneError(
+            f"checkpoint {ckpt}: {name} does not match the sha256 in its {MANIFEST} ({got['bytes']} bytes, sha256 "
+            f"{got['sha256'][:16]}..., the manifest says {want['bytes']} bytes, {want['sha256'][:16]}...): the "
+            f"file was damaged or replaced after the checkpoint was written; resume from an intact copy")
+
+
+def _verify_manifest(ckpt: str) -> dict:
+    """The checkpoint's manifest, after every shared file (all but the ranks' RNG files, which
+    `read_checkpoint` verifies once the world size is known to match) has been checked against
+    it ([Note: the checkpoint's manifest]); a FinetuneError naming the file otherwise."""
     path = os.path.join(ckpt, MANIFEST)
     if not os.path.isfile(path):
         try:
@@ -152,18 +169,8 @@ def _verify_manifest(ckpt: str, rank: int) -> dict:
                 isinstance(e, dict) and _is_int(e.get("bytes")) and isinstance(e.get("sha256"), str) for e in files.values())):
         raise FinetuneError(f"checkpoint {ckpt}: {MANIFEST} is not an {PROG} manifest ({MANIFEST_FORMAT}): the file was "
                             "damaged or edited")
-    for name in _SHARED_FILES + (_rng_file(rank),):
-        if name not in files:
-            raise FinetuneError(f"checkpoint {ckpt}: {name} is not listed in its {MANIFEST} (damaged or edited)")
-        full = os.path.join(ckpt, name)
-        if not os.path.isfile(full):
-            raise FinetuneError(f"checkpoint {ckpt} is incomplete: {name} is missing")
-        got, want = file_digest(full), files[name]
-        if got != {"bytes": want["bytes"], "sha256": want["sha256"]}:
-            raise FinetuneError(
-                f"checkpoint {ckpt}: {name} does not match the sha256 in its {MANIFEST} ({got['bytes']} bytes, sha256 "
-                f"{got['sha256'][:16]}..., the manifest says {want['bytes']} bytes, {want['sha256'][:16]}...): the "
-                f"file was damaged or replaced after the checkpoint was written; resume from an intact copy")
+    for name in _SHARED_FILES:
+        _verify_listed(ckpt, manifest, name)
     return manifest
 
 
@@ -223,7 +230,7 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
     refused here, before the process group exists, never by a traceback during the run.
     `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare()."""
     ckpt = find_checkpoint(path)
-    manifest = _verify_manifest(ckpt, rank)
+    manifest = _verify_manifest(ckpt)
     run_id = manifest["run_id"]
     cfile = os.path.join(ckpt, "config.json")
     config = _read_json(cfile, "configuration")
@@ -239,6 +246,7 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
             f"checkpoint {ckpt} was written by a different configuration ({len(diffs)} field"
             f"{'s' if len(diffs) > 1 else ''} differ): " + "; ".join(diffs[:5])
         )
+    _verify_listed(ckpt, manifest, _rng_file(rank))  # the same world size: this rank's file exists
     sfile = os.path.join(ckpt, "trainer_state.json")
     state = _read_json(sfile, "state")
     if not isinstance(state, dict) or not _is_int(state.get("step")) or not isinstance(state.get("losses"), list):

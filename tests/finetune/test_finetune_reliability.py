@@ -622,6 +622,9 @@ def test_tampered_checkpoint_fails_its_checksum(checkpointed, tmp_path):
         json.dump(manifest, f)
     with pytest.raises(FinetuneError, match=r"belongs to run 0{32}, its config\.json to run [0-9a-f]{32}"):
         _prepare(resume + [c])
+    # A rank the checkpoint has no RNG file for (4 ranks resuming 2): the world size is named, not the file.
+    with pytest.raises(FinetuneError, match="world_size: checkpoint has 2, this run 4"):
+        _prepare(resume + [base], world_size=4, rank=3)
     assert not os.path.exists(tmp_path / "out")
 
 
