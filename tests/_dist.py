@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +33,16 @@ _GRACE_S = 5.0
 
 
 def _worker(fn, rank, world_size, init_file, results, args, kwargs, timeout):
+    """One rank: init the group, run fn, end the group, report, and leave without the
+    interpreter's teardown.
+
+    [Note: how a test rank ends]
+    The process group is destroyed before the result goes back, and the result is flushed
+    (the queue's feeder thread joined) before the process leaves with os._exit: gloo's worker
+    threads can abort a process at interpreter teardown ("terminate called without an active
+    exception", pytorch#190489), even after destroy_process_group, and a rank that aborted
+    before its queued result was written would be reported as lost. The CLI ends the same way
+    ([Note: exiting without teardown] in python_api/finetune/cli.py)."""
     import torch
     import torch.distributed as dist
 
@@ -48,12 +59,21 @@ def _worker(fn, rank, world_size, init_file, results, args, kwargs, timeout):
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle to bytes: a tensor put on a multiprocessing queue as is travels as a
         # shared-memory handle that dies with this process, before the parent reads it.
-        results.put(("ok", rank, pickle.dumps(out)))
+        message = ("ok", rank, pickle.dumps(out))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put(("err", rank, traceback.format_exc()))
-    finally:
+        message = ("err", rank, traceback.format_exc())
+    try:
         if dist.is_initialized():
             dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        message = ("err", rank, (message[2] if message[0] == "err" else "") + "destroy_process_group failed:\n"
+                   + traceback.format_exc())
+    results.put(message)
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs):

@@ -48,7 +48,10 @@ checkpoint's files, the adapter, the report) is followed by an agreement: a writ
 on any rank (disk full, a folder gone) stops every rank with one message naming the path;
 the previous checkpoint stays whole. A non-finite loss names its likely cause (base weights,
 checked when the model is built; overflow in the forward pass; divergence). Output files get
-the permissions a plain open() gives (0666 minus the umask).
+the permissions a plain open() gives (0666 minus the umask). A run that fails after training
+steps leaves losses.csv, summary.json and results.md marked as failed ([Note: a run that fails
+after training steps] in runner.py); a worker started by torchrun dies with its launcher
+([Note: workers end with their launcher] in cli.py).
 """
 
 from python_api.finetune.agreement import (

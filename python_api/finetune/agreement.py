@@ -4,9 +4,7 @@ with every other (agreed_configuration, before step 1), and an error on one rank
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 
 from python_api.distributed.agree import agree, exchange
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
@@ -93,14 +91,6 @@ _OPTION_OF = {
 }
 
 
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def agreed_configuration(job) -> dict:
     """What every rank of a run must have equal (see [Note: what ranks must agree on])."""
     a = job.args
@@ -113,9 +103,9 @@ def agreed_configuration(job) -> dict:
                       "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
                       "collective_bytes": a.collective_kib << 10},
         "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets]},
-        "resume": None if r is None else {"step": r.step, "adapters_sha256": _file_sha256(
-            os.path.join(r.path, "adapter_model.safetensors")), "optimizer_sha256": _file_sha256(
-            os.path.join(r.path, "optimizer.pt"))},
+        # The checkpoint resumed from: its run and step, and the digests of its shared files, as
+        # its manifest lists them (each rank verified its files against them).
+        "resume": None if r is None else {"step": r.step, "run_id": r.run_id, "sha256": r.digests},
     }
 
 

@@ -7,6 +7,7 @@
   adapter_model.safetensors  the adapters at that step (PEFT format, with adapter_config.json)
   optimizer.pt               AdamW state and the parameter names it belongs to
   rng_rank{r}.pt             each rank's torch (and CUDA) and Python RNG states
+  manifest.json              the run's id, the step, and the size and sha256 of every file above
 Every rank writes its RNG file, rank 0 the shared files, all into DIR/.checkpoint-tmp/;
 after a barrier rank 0 swaps the folder in by rename (the previous checkpoint is kept under
 DIR/.checkpoint-old until the swap is done), so a checkpoint is never seen half-written.
@@ -24,7 +25,22 @@ grad-accum, optimizer hyper-parameters, seed, LoRA r/alpha/dropout/targets, chun
 The base weights of a --model directory are identified by its configuration only.
 Every file of a checkpoint is validated when it is read, before the process group starts
 (JSON fields, adapter names/shapes, finite values, optimizer and RNG state structure): a
-damaged or edited file is one error naming it, never a traceback during the run. A checkpoint
+damaged or edited file is one error naming it, never a traceback during the run.
+
+[Note: the checkpoint's manifest]
+A damaged file can be well formed: one flipped data byte, an exponent bit set (0.0012 becomes
+0.307), another run's adapters of the same shapes, all-zero adapters. No structural check
+sees these, and resuming from them trained on with exit 0. So every rank hashes its RNG file
+after writing it, the ranks exchange the digests, and rank 0 writes manifest.json last (size
+and sha256 of every file, the run's id and the step) before the folder is swapped in.
+Resuming verifies, on every rank before anything else is read, each file it reads against
+the manifest and refuses, naming the file, one that differs; a checkpoint without a manifest
+(or of format /1, written before manifests) is refused too: it cannot be verified. The run's
+id (rank 0's uuid4, agreed when the run starts, kept by every resume) is in the manifest,
+config.json and trainer_state.json, so files mixed from two runs are refused even where
+their digests were recomputed. What the manifest cannot tell: a checkpoint whose files *and*
+manifest were rewritten consistently; behind it, adapters whose lora_A and lora_B are both
+all zero (they would never train) are refused as well. A checkpoint
 written at the last planned step (a run killed before its report) is resumed by training
 nothing and writing the adapter, probe and report from it. Each process that trains part of a
 run is one segment of trainer_state.json (see [Note: segments of a run]).
@@ -32,6 +48,7 @@ run is one segment of trainer_state.json (see [Note: segments of a run]).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -41,8 +58,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from python_api.distributed.agree import exchange
 from python_api.finetune.agreement import configuration_differences
-from python_api.finetune.constants import CHECKPOINT_FORMAT, PROG
+from python_api.finetune.constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.files import agreed_write, local_now, save_adapter_agreed, torch_save_atomic, write_json
 from python_api.finetune.options import budget_label, policy_of
@@ -51,6 +69,7 @@ CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"
 _CKPT_OLD = ".checkpoint-old"
 _SHARED_FILES = ("config.json", "trainer_state.json", "adapter_model.safetensors", "adapter_config.json", "optimizer.pt")
+MANIFEST = "manifest.json"
 
 
 def _rng_file(rank: int) -> str:
@@ -66,6 +85,8 @@ class Resume:
     param_names: list[str]
     rng: dict
     segments: list[dict] = field(default_factory=list)  # see [Note: segments of a run]
+    run_id: str = ""  # the run's identity ([Note: the checkpoint's manifest])
+    digests: dict = field(default_factory=dict)  # file name -> sha256 of the shared files, from the manifest
 
 
 def find_checkpoint(path: str) -> str:
@@ -94,6 +115,63 @@ def _read_json(path: str, what: str):
         raise FinetuneError(f"checkpoint {os.path.dirname(path)} is incomplete: {os.path.basename(path)} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FinetuneError(f"checkpoint {what} {path} is not valid JSON: {exc}") from exc
+
+
+def file_digest(path: str) -> dict:
+    """{"bytes": size, "sha256": hex digest} of the file at `path`."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def _is_run_id(v) -> bool:
+    return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+
+
+def _verify_listed(ckpt: str, manifest: dict, name: str) -> None:
+    """The file `name` of the checkpoint is the one its manifest lists (size and sha256)."""
+    files = manifest["files"]
+    if name not in files:
+        raise FinetuneError(f"checkpoint {ckpt}: {name} is not listed in its {MANIFEST} (damaged or edited)")
+    full = os.path.join(ckpt, name)
+    if not os.path.isfile(full):
+        raise FinetuneError(f"checkpoint {ckpt} is incomplete: {name} is missing")
+    got, want = file_digest(full), files[name]
+    if got != {"bytes": want["bytes"], "sha256": want["sha256"]}:
+        raise FinetuneError(
+            f"checkpoint {ckpt}: {name} does not match the sha256 in its {MANIFEST} ({got['bytes']} bytes, sha256 "
+            f"{got['sha256'][:16]}..., the manifest says {want['bytes']} bytes, {want['sha256'][:16]}...): the "
+            f"file was damaged or replaced after the checkpoint was written; resume from an intact copy")
+
+
+def _verify_manifest(ckpt: str) -> dict:
+    """The checkpoint's manifest, after every shared file (all but the ranks' RNG files, which
+    `read_checkpoint` verifies once the world size is known to match) has been checked against
+    it ([Note: the checkpoint's manifest]); a FinetuneError naming the file otherwise."""
+    path = os.path.join(ckpt, MANIFEST)
+    if not os.path.isfile(path):
+        try:
+            with open(os.path.join(ckpt, "config.json")) as f:
+                fmt = json.load(f).get("format")
+        except (OSError, ValueError, AttributeError):
+            fmt = None
+        why = (f"it was written in format {fmt}, before checkpoints carried checksums, so its files cannot be "
+               f"verified; resume it with the version that wrote it" if isinstance(fmt, str) and fmt != CHECKPOINT_FORMAT
+               else "the checkpoint is incomplete or was damaged (the manifest is written last)")
+        raise FinetuneError(f"checkpoint {ckpt} has no {MANIFEST} (the size and sha256 of each of its files): {why}")
+    manifest = _read_json(path, "manifest")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not _is_run_id(manifest.get("run_id"))
+            or not _is_int(manifest.get("step")) or not isinstance(files, dict) or not all(
+                isinstance(e, dict) and _is_int(e.get("bytes")) and isinstance(e.get("sha256"), str) for e in files.values())):
+        raise FinetuneError(f"checkpoint {ckpt}: {MANIFEST} is not an {PROG} manifest ({MANIFEST_FORMAT}): the file was "
+                            "damaged or edited")
+    for name in _SHARED_FILES:
+        _verify_listed(ckpt, manifest, name)
+    return manifest
 
 
 def _torch_load(path: str, what: str):
@@ -152,16 +230,23 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
     refused here, before the process group exists, never by a traceback during the run.
     `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare()."""
     ckpt = find_checkpoint(path)
+    manifest = _verify_manifest(ckpt)
+    run_id = manifest["run_id"]
     cfile = os.path.join(ckpt, "config.json")
     config = _read_json(cfile, "configuration")
     if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT or not isinstance(config.get("run"), dict):
         raise FinetuneError(f"checkpoint {ckpt}: config.json is not an {PROG} checkpoint configuration ({CHECKPOINT_FORMAT})")
+    written_by = config.get("info", {}).get("run_id") if isinstance(config.get("info"), dict) else None
+    if written_by != run_id:
+        raise FinetuneError(f"checkpoint {ckpt}: its {MANIFEST} belongs to run {run_id}, its config.json to run "
+                            f"{written_by}: files of two runs were mixed")
     diffs = configuration_differences(config["run"], current)
     if diffs:
         raise FinetuneError(
             f"checkpoint {ckpt} was written by a different configuration ({len(diffs)} field"
             f"{'s' if len(diffs) > 1 else ''} differ): " + "; ".join(diffs[:5])
         )
+    _verify_listed(ckpt, manifest, _rng_file(rank))  # the same world size: this rank's file exists
     sfile = os.path.join(ckpt, "trainer_state.json")
     state = _read_json(sfile, "state")
     if not isinstance(state, dict) or not _is_int(state.get("step")) or not isinstance(state.get("losses"), list):
@@ -176,6 +261,10 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
     if len(losses) != step:
         raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json has {len(losses)} losses for step {step}")
     segments = _check_segments(state.get("segments"), step, f"checkpoint {ckpt}: trainer_state.json")
+    if state.get("run_id") != run_id or manifest["step"] != step:
+        raise FinetuneError(f"checkpoint {ckpt}: trainer_state.json (run {state.get('run_id')}, step {step}) is not the "
+                            f"one its {MANIFEST} lists (run {run_id}, step {manifest['step']}): files of two checkpoints "
+                            "were mixed")
     if step > steps:
         raise FinetuneError(f"checkpoint {ckpt} is at step {step}, past --steps {steps}; pass --steps {step} or more")
     wfile = os.path.join(ckpt, "adapter_model.safetensors")
@@ -212,13 +301,21 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
         if nonfinite(t):
             raise FinetuneError(f"checkpoint adapters {wfile}: {key} holds NaN or Inf values (training never saves "
                                 "them: the file was damaged or edited)")
+    for key, t in adapters.items():
+        other = key.replace(".lora_A.", ".lora_B.")
+        if key != other and other in adapters and not t.any() and not adapters[other].any():
+            module = key[len("base_model.model."):].rsplit(".lora_A.", 1)[0]
+            raise FinetuneError(f"checkpoint adapters {wfile}: lora_A and lora_B of {module} are both all zero: they "
+                                "would never train (both gradients are zero), and training never writes them so: the "
+                                "file was damaged or edited")
     opt = _torch_load(os.path.join(ckpt, "optimizer.pt"), "optimizer state")
     if not isinstance(opt, dict) or "state_dict" not in opt or "param_names" not in opt:
         raise FinetuneError(f"checkpoint {ckpt}: optimizer.pt is not an {PROG} optimizer state")
     _check_optimizer_state(opt, adapters, ckpt)
     rng = _torch_load(os.path.join(ckpt, _rng_file(rank)), f"RNG state of rank {rank}")
     _check_rng_state(rng, os.path.join(ckpt, _rng_file(rank)))
-    return Resume(ckpt, step, losses, opt["state_dict"], list(opt["param_names"]), rng, segments)
+    digests = {name: manifest["files"][name]["sha256"] for name in _SHARED_FILES}
+    return Resume(ckpt, step, losses, opt["state_dict"], list(opt["param_names"]), rng, segments, run_id, digests)
 
 
 def _check_optimizer_state(opt: dict, adapters: dict, ckpt: str) -> None:
@@ -281,13 +378,15 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
         torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
+        digests[_rng_file(rank)] = file_digest(os.path.join(tmp, _rng_file(rank)))
         if rank == 0:
             torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names},
                                os.path.join(tmp, "optimizer.pt"))
-            write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments})
+            write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments,
+                                                                  "run_id": job.run_id})
             write_json(os.path.join(tmp, "config.json"), {
                 "format": CHECKPOINT_FORMAT, "run": job.config,
-                "info": {"step": step, "steps_planned": job.args.steps, "written": local_now(),
+                "info": {"run_id": job.run_id, "step": step, "steps_planned": job.args.steps, "written": local_now(),
                          "model_source": job.spec.source, "data_source": job.data_info["source"],
                          "policy": {k: getattr(policy_of(job.args, job.args.pool_budget), k) for k in (
                              "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes")},
@@ -297,7 +396,7 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
     def swap():
         if rank != 0:
             return
-        missing = [f for f in _SHARED_FILES + tuple(_rng_file(r) for r in range(job.world_size))
+        missing = [f for f in _SHARED_FILES + (MANIFEST,) + tuple(_rng_file(r) for r in range(job.world_size))
                    if not os.path.isfile(os.path.join(tmp, f))]
         if missing:
             raise FinetuneError(f"{missing} are missing from {tmp} (every rank must see --save-dir on one shared file system)")
@@ -308,9 +407,24 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
 
+    def manifest():
+        if rank != 0:
+            return
+        listed = {}
+        for d in every:
+            listed.update(d)
+        for name in _SHARED_FILES:
+            listed[name] = file_digest(os.path.join(tmp, name))
+        write_json(os.path.join(tmp, MANIFEST), {"format": MANIFEST_FORMAT, "run_id": job.run_id, "step": step,
+                                                 "files": dict(sorted(listed.items()))})
+
+    digests: dict = {}
     agreed_write(job, fresh_folder, what)
     agreed_write(job, files, what)
     save_adapter_agreed(job, model, tmp, what)
+    # Every rank's RNG digest to rank 0, which writes the manifest last ([Note: the checkpoint's manifest]).
+    every = exchange(digests, what=what, error_type=FinetuneError)
+    agreed_write(job, manifest, what)
     agreed_write(job, swap, what)
     job.checkpoint_step = step
 

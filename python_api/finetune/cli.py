@@ -20,6 +20,7 @@ from python_api.finetune.job import job_device, prepare
 from python_api.finetune.options import parse_args
 from python_api.finetune.runner import run
 from python_api.finetune.save_dir import lock_save_dir
+from python_api.loading import LoadWarning
 
 
 def _dist_env() -> tuple[int, int, int]:
@@ -52,6 +53,26 @@ def _dist_env() -> tuple[int, int, int]:
 # c10d, 24 s and 56 s.
 
 
+def _show_load_warnings(rank: int) -> None:
+    """The loader's warnings (python_api.loading.LoadWarning: tied weights loaded untied, tensors
+    of the files the model does not use) as one line on rank 0, like the CLI's own warnings;
+    the other ranks see the same files and stay quiet. Each message once: every engine of the
+    job (the main run, the comparisons) loads the same files."""
+    real = warnings.showwarning
+    shown: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, LoadWarning):
+            return real(message, category, filename, lineno, file, line)
+        if rank == 0 and str(message) not in shown:
+            shown.add(str(message))
+            sys.stderr.write(f"{PROG}: warning: {message}\n")
+            sys.stderr.flush()
+
+    warnings.showwarning = show
+    warnings.simplefilter("always", LoadWarning)  # deduplicated by `show`, whichever module issued it
+
+
 def _peer_failure(exc: BaseException) -> bool:
     """A collective that failed because of another rank (its exit, a stop, a timeout), as
     opposed to an error of this rank's own."""
@@ -69,6 +90,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args._argv = None if argv is None else list(argv)
     rank, world_size, local_rank = _dist_env()
+    with warnings.catch_warnings():  # the loader's warnings as CLI lines, for this call only
+        _show_load_warnings(rank)
+        return _main(args, rank, world_size, local_rank)
+
+
+def _main(args, rank: int, world_size: int, local_rank: int) -> int:
     job, error = None, None
     try:
         job = prepare(args, rank, world_size, local_rank)
@@ -119,6 +146,46 @@ def main(argv=None) -> int:
     return 0
 
 
+# [Note: workers end with their launcher]
+# torchrun's agent ends its workers when it is told to stop (SIGTERM, SIGINT), but an agent that
+# is SIGKILLed (the OOM killer, `kill -9`, a scheduler's hard stop) leaves them training: they
+# hold the node's host store, their device memory and the save-dir lock until killed by hand.
+# So each worker started by torchrun (TORCHELASTIC_RUN_ID in its environment) asks the kernel to
+# send it SIGKILL when its parent dies: prctl(PR_SET_PDEATHSIG). SIGKILL, not SIGTERM, because a
+# worker blocked inside a collective or a CUDA call must end too, and nothing it holds outlives
+# the process (the host store is an anonymous memfd, the lock a flock). The signal follows the
+# death of the thread that forked the worker; torchrun starts its workers from the agent's main
+# thread (torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._start). The race:
+# a parent that died before the call leaves the worker re-parented and no signal ever comes, so
+# the parent's pid is read when this module is imported (the earliest point of the CLI's own
+# code) and compared after the call; a worker whose parent changed in between exits at once.
+# A parent that dies before this module is imported (during `import torch`) is not seen. Not
+# set for a process started without torchrun (`python -m python_api.finetune` under nohup
+# must outlive its shell).
+_PARENT_AT_IMPORT = os.getppid()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """See [Note: workers end with their launcher]. Linux only; elsewhere nothing is done."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        sys.stderr.write(f"{PROG}: warning: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}): this worker will "
+                         f"not end by itself if its launcher is killed\n")
+        return
+    if os.getppid() != _PARENT_AT_IMPORT:
+        sys.stderr.write(f"{PROG}: error: the launcher (pid {_PARENT_AT_IMPORT}) exited before this worker started; "
+                         "exiting\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def entry() -> None:
     """The process entry point (`python -m python_api.finetune`, the `elastic-finetune` script):
     `main()`, then exit without the interpreter's teardown.
@@ -131,7 +198,9 @@ def entry() -> None:
     threads can still hold work objects whose tensors point into Python while the interpreter
     is being finalized (pytorch/pytorch#179291, #190489). Everything the job writes is
     written, agreed and closed before `main()` returns, so the process flushes its streams
-    and leaves with `os._exit`, skipping the finalization that can crash."""
+    and leaves with `os._exit`, skipping the finalization that can crash. A worker started by
+    torchrun ends with its launcher ([Note: workers end with their launcher])."""
+    _die_with_parent()
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

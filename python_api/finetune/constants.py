@@ -2,7 +2,8 @@
 model's size, AdamW's betas and eps, the held-out windows."""
 
 PROG = "elastic-finetune"
-CHECKPOINT_FORMAT = "elastic-finetune-checkpoint/1"
+CHECKPOINT_FORMAT = "elastic-finetune-checkpoint/2"  # /2: manifest.json (sha256 of every file, the run's id)
+MANIFEST_FORMAT = "elastic-finetune-manifest/1"
 PROBE_SEQS = 4  # held-out windows at the end of the token stream (held-out loss, logits check)
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8

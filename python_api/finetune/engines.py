@@ -28,10 +28,12 @@ from python_api.finetune.checkpoints import nonfinite
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.job import Job
 from python_api.finetune.models import ModelSpec, lora_config_of, target_list
-from python_api.finetune.options import budget_label, policy_of
+from python_api.finetune.options import budget_label, fmt_bytes, policy_of
 from python_api.finetune.planning import JobPlanner
 from python_api.loading import LoadError, SafetensorsSource, empty_model
 from python_api.nn import convert_to_elastic, runtime_of
+from python_api.planner import PlanningError, least_memory
+from python_api.planning import plan
 
 
 class ElasticEngine:
@@ -42,8 +44,8 @@ class ElasticEngine:
     def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False):
         model, source = _collective_build_on_meta(job)
         try:
-            self.model = convert_to_elastic(model, lora_config_of(job.args), policy_of(job.args, budget, weights_on),
-                                            source=source)
+            self.model = convert_to_elastic(model, lora_config_of(job.args),
+                                            policy_of(job.args, budget, weights_on, job.world_size), source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
             raise FinetuneError(str(exc)) from exc
         self.runtime = runtime_of(self.model)
@@ -70,6 +72,7 @@ class ElasticEngine:
             self.kind = "planned"
             self.planner = JobPlanner(job, self)
             self.name = f"planned, cap {self.planner.cap_label()}{where}"
+            _check_cap_schedule(job, self.planner, self.model)
 
     def before_step(self, step: int) -> None:
         """At the start of optimizer step `step` (0-based): a planned run re-plans if its memory
@@ -90,9 +93,33 @@ class ElasticEngine:
         return self.runtime.stats()["h2d_bytes"]
 
 
+def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None:
+    """Every cap of --memory-cap-change up to the last step must have a plan, checked before
+    step 1 with the planner's own functions on the profile just measured: an impossible cap
+    found only at its step (3:1, say) stopped the run there and discarded the steps trained.
+    The profile is the same on every rank (its figures are agreed across ranks when measured),
+    so is this decision. With `--memory-cap auto` on CUDA the cap in force can be lower still
+    (the device's free memory, read at each step): that case is found at its step."""
+    for step, size in planner.changes:
+        if step > job.args.steps:
+            continue  # after the last step: ignored ([Note: options a run ignores])
+        try:
+            plan(model, planner.profile, min(size, planner.profile.capacity_bytes), planner.global_batch)
+        except PlanningError as exc:
+            try:
+                fits = least_memory(planner.profile, planner.global_batch, prefetch_depth=None)
+                least = f"; the least memory it plans this model in is {fmt_bytes(fits)} per rank"
+            except PlanningError:  # nothing fits even at the profile's capacity
+                least = ""
+            raise FinetuneError(
+                f"--memory-cap-change {step}:{fmt_bytes(size)}: the planner finds no plan for {fmt_bytes(size)} per rank "
+                f"({exc}){least}; checked before step 1, nothing was trained") from exc
+
+
 class FSDP2Engine:
     """The same base model with PEFT LoRA (same initial adapters), fully_shard per decoder layer
-    (reshard_after_forward=True) and on the root."""
+    (reshard_after_forward=True) and on the root. A model directory is built on the meta device
+    and each rank reads only its shard from the files ([Note: FSDP2 from the files])."""
 
     kind = "fsdp2"
     name = "FSDP2 + PEFT (reshard after forward)"
@@ -103,12 +130,16 @@ class FSDP2Engine:
         from torch.distributed.fsdp import fully_shard
 
         args = job.args
-        base = _collective_build(job)
+        if job.spec.embedded:
+            base, source = _collective_build(job), None
+        else:
+            base, source = _collective_meta_base(job)
         self.model = get_peft_model(base, LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             target_modules=target_list(args), use_rslora=False,
         ))
-        _adapters_into_peft(self.model, job.initial_adapters)
+        if source is None:
+            _adapters_into_peft(self.model, job.initial_adapters)
         layer_types = set(getattr(base, "_no_split_modules", None) or [])
         layers = [m for m in self.model.modules() if type(m).__name__ in layer_types]
         if not layers:
@@ -117,6 +148,8 @@ class FSDP2Engine:
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         fully_shard(self.model, mesh=mesh)
+        if source is not None:
+            _load_fsdp2_shards(self.model, base, source, job)
         self.counter = counter
         self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
 
@@ -155,6 +188,90 @@ def _adapters_into_peft(peft_model, state: dict) -> None:
             module_name, _, rest = key[len("base_model.model."):].rpartition(".lora_")
             which = "lora_A" if rest.startswith("A.") else "lora_B"
             getattr(inner.get_submodule(module_name), which)["default"].weight.copy_(value)
+
+
+# [Note: FSDP2 from the files]
+# `--baseline fsdp2` used to build the whole model in host memory on every rank
+# (from_pretrained: 8 x 27 GB for a 7B in fp32) before sharding it. With a model directory it
+# now does what FSDP2 users do: the model is built on the meta device (python_api.loading's
+# empty_model: parameters on meta, buffers real), its files checked against it (shapes,
+# dtypes, tied weights untied as from_pretrained does), PEFT's adapters added (on meta too),
+# `fully_shard` applied, then `to_empty` gives each rank the memory of its own shard only, and
+# each sharded parameter is filled from the files by rows: FSDP2 shards dim 0 as torch.chunk
+# does (ceil(rows / W) per rank), so rank r reads rows [r*c, r*c + its local rows). The
+# adapters come from the elastic run's initial values (job.initial_adapters) the same way;
+# buffers are put back as the constructor made them (or from the files when they hold them).
+# Peak host memory per rank: its shard of everything plus one read at a time. The base
+# weights were checked for NaN/Inf by the elastic run, which reads the same files first.
+
+
+def _collective_meta_base(job: Job):
+    """The FSDP2 baseline's base model of a model directory on the meta device, checked against
+    its files, and the files ([Note: FSDP2 from the files]). A failure anywhere is an error everywhere."""
+    model, source, err = None, None, None
+    try:
+        source = SafetensorsSource(job.spec.source, device=job.device, allow_cast=True)
+        model = empty_model(job.spec.config, job.spec.dtype).train()
+    except LoadError as exc:
+        err = str(exc)
+    agree_error(err, job.world_size)
+    try:
+        source.check(model)  # a collective: every rank raises alike
+    except LoadError as exc:
+        raise FinetuneError(str(exc)) from exc
+    source.untie_differing(model)
+    return model, source
+
+
+def _load_fsdp2_shards(model: nn.Module, base: nn.Module, source, job: Job) -> None:
+    """Give the sharded (meta) PEFT model under fully_shard its memory (`to_empty`) and fill each
+    rank's shard of every parameter from the files, the adapters from the elastic run's initial
+    values ([Note: FSDP2 from the files])."""
+    from torch.distributed.tensor import DTensor
+
+    prefix = getattr(base, "base_model_prefix", None) or None
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # as built (real: params_on_meta)
+    model.to_empty(device=job.device)
+    peft_prefix = "base_model.model."
+
+    def file_rows(name: str):
+        inner = name[len(peft_prefix):] if name.startswith(peft_prefix) else name
+        key = source.resolve(inner.replace(".base_layer.", "."), prefix)
+        if key is None:
+            raise FinetuneError(f"--baseline fsdp2: {name} is in none of the files of {source.path}")
+        return source.rows(key), source.entries[key].shape
+
+    def adapter_rows(name: str):
+        key = name.replace(".default.weight", ".weight")
+        if key not in job.initial_adapters:
+            raise FinetuneError(f"--baseline fsdp2: no initial value for the adapter {name}")
+        value = job.initial_adapters[key]
+        return (lambda b, e: value[b:e]), tuple(value.shape)
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rows, shape = adapter_rows(name) if ".lora_" in name else file_rows(name)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if tuple(param.shape) != tuple(shape):
+                raise FinetuneError(f"--baseline fsdp2: {name} has shape {tuple(param.shape)}, its source {tuple(shape)}")
+            if isinstance(param, DTensor) and local.dim() > 0:
+                chunk = -(-shape[0] // job.world_size)
+                begin = min(job.rank * chunk, shape[0])
+                if local.shape[0] != min(chunk, shape[0] - begin) or tuple(local.shape[1:]) != tuple(shape[1:]):
+                    raise FinetuneError(f"--baseline fsdp2: {name}: this rank's shard has shape {tuple(local.shape)}, "
+                                        f"not rows [{begin}, {begin + chunk}) of {tuple(shape)} (FSDP2's dim-0 chunks)")
+            else:
+                begin = 0
+            if local.dim() == 0:
+                raise FinetuneError(f"--baseline fsdp2: {name} is a 0-dimensional parameter (not supported here)")
+            if local.numel():
+                local.copy_(rows(begin, begin + local.shape[0]).reshape(local.shape))
+        for mname, module in model.named_modules():
+            for local_name, buf in module.named_buffers(recurse=False):
+                name = f"{mname}.{local_name}" if mname else local_name
+                inner = name[len(peft_prefix):] if name.startswith(peft_prefix) else name
+                key = None if local_name in module._non_persistent_buffers_set else source.resolve(inner, prefix)
+                buf.copy_(source.tensor(key, dtype=buf.dtype) if key is not None else buffers[name])
 
 
 def _collective_build(job: Job) -> nn.Module:

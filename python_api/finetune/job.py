@@ -13,6 +13,7 @@ from python_api.finetune.checkpoints import Resume, find_checkpoint, read_checkp
 from python_api.finetune.data import TokenWindows
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.models import ModelSpec, resolve_data, resolve_model, resolved_targets
+from python_api.finetune.options import ignored_options
 from python_api.finetune.save_dir import check_save_dir
 
 
@@ -33,6 +34,8 @@ class Job:
     initial_adapters: dict = field(default_factory=dict)  # the elastic run's, copied into the baseline
     memory: object = None  # python_api.finetune.measure.PeakMemory, set by run()
     checkpoint_step: int | None = None  # the step of the last complete checkpoint in save_dir/checkpoint
+    notices: list[str] = field(default_factory=list)  # options this job ignores ([Note: options a run ignores])
+    run_id: str | None = None  # the run's identity: a resumed run's, else agreed when it starts (runner.run)
 
 
 def job_device(args, local_rank: int) -> torch.device:
@@ -63,4 +66,7 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     save_dir = check_save_dir(args, resume_ckpt)
     if args.resume is not None:
         resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
-    return Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
+    job = Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
+    job.notices = ignored_options(args, world_size)
+    job.run_id = resume.run_id if resume is not None else None
+    return job

@@ -4,6 +4,7 @@ returns the run's measurements."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
@@ -129,66 +130,85 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
                dynamic_ncols=True, leave=True, file=sys.stderr)
     model.train()
-    for step in range(start, args.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(args, step)
-        # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
-        # planned run's (which may change it at this step: the same global batch, the same
-        # windows across the ranks, [Note: adaptive accumulation] in planning.py).
-        engine.before_step(step)
-        mb, accum = engine.micro_batch, engine.grad_accum
-        splits.append((mb, accum))
-        batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
-        g0, c0, h0 = engine.gathered_bytes(), counter.bytes, engine.h2d_bytes()
-        _sync(device)
-        t0 = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for a in range(accum):
-            with engine.accumulate(is_last=a == accum - 1):
-                out = model(input_ids=batch[a], labels=batch[a])
-                (out.loss / accum).backward()
-            total += out.loss.detach().double()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(total)
-        loss = total.item() / (accum * W)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        gathered.append(engine.gathered_bytes() - g0)
-        counted.append(counter.bytes - c0)
-        h2d.append(engine.h2d_bytes() - h0)
-        if not math.isfinite(loss):
-            # The loss is all-reduced and the adapters replicated: every rank raises alike.
-            raise FinetuneError(nan_message(job, engine, loss, step, start, named))
-        losses.append(loss)
-        steady = _tokens_per_s(times, tokens_per_step)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
-        bar.update(1)
-        if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
-    bar.close()
-    peak = mem.peak_above_baseline()
-    first_step = start + 1
-    if primary and times:
-        segments = segments + [segment(peak)]
-        write_checkpoint(job, model, opt, names, args.steps, losses, segments)
-    elif primary and segments:
-        # Resumed at the last step: nothing trained; report the figures of the process that
-        # trained the last steps (see [Note: segments of a run]).
-        last = segments[-1]
-        times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], last["allgather_bytes_counted_per_step"]
-        peak, first_step = last["peak_memory_bytes"], last["first_step"]
-    model.eval()
-    with torch.no_grad():
-        probe = job.windows.probe.to(device)
-        out = model(input_ids=probe, labels=probe)
-    model.train()
+    try:
+        for step in range(start, args.steps):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(args, step)
+            # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
+            # planned run's (which may change it at this step: the same global batch, the same
+            # windows across the ranks, [Note: adaptive accumulation] in planning.py).
+            engine.before_step(step)
+            mb, accum = engine.micro_batch, engine.grad_accum
+            splits.append((mb, accum))
+            batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
+            g0, c0, h0 = engine.gathered_bytes(), counter.bytes, engine.h2d_bytes()
+            _sync(device)
+            t0 = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for a in range(accum):
+                with engine.accumulate(is_last=a == accum - 1):
+                    out = model(input_ids=batch[a], labels=batch[a])
+                    (out.loss / accum).backward()
+                total += out.loss.detach().double()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(total)
+            loss = total.item() / (accum * W)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            gathered.append(engine.gathered_bytes() - g0)
+            counted.append(counter.bytes - c0)
+            h2d.append(engine.h2d_bytes() - h0)
+            if not math.isfinite(loss):
+                # The loss is all-reduced and the adapters replicated: every rank raises alike.
+                raise FinetuneError(nan_message(job, engine, loss, step, start, named))
+            losses.append(loss)
+            steady = _tokens_per_s(times, tokens_per_step)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
+            bar.update(1)
+            if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
+        bar.close()
+        peak = mem.peak_above_baseline()
+        first_step = start + 1
+        if primary and times:
+            segments = segments + [segment(peak)]
+            write_checkpoint(job, model, opt, names, args.steps, losses, segments)
+        elif primary and segments:
+            # Resumed at the last step: nothing trained; report the figures of the process that
+            # trained the last steps (see [Note: segments of a run]).
+            last = segments[-1]
+            times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], last["allgather_bytes_counted_per_step"]
+            peak, first_step = last["peak_memory_bytes"], last["first_step"]
+        model.eval()
+        with torch.no_grad():
+            probe = job.windows.probe.to(device)
+            out = model(input_ids=probe, labels=probe)
+        model.train()
+    except BaseException as exc:
+        # [Note: a run that fails after training steps] (runner.py): what was trained is
+        # reported, marked as failed, before the error goes on.
+        bar.close()
+        if times:
+            partial = {"name": engine.name, "kind": engine.kind, "status": "failed", "losses": list(losses),
+                       "steps_run": len(times), "first_step": start + 1, "step_times_s": list(times),
+                       "tokens_per_step": tokens_per_step, "tokens_per_s": _tokens_per_s(times, tokens_per_step),
+                       "peak_memory_bytes": mem.peak_above_baseline(), "allgather_bytes_per_step": list(gathered),
+                       "allgather_bytes_counted_per_step": list(counted),
+                       "allgather_bytes_first_step": gathered[0] if gathered else 0,
+                       "allgather_bytes_steady": _steady(gathered), "h2d_bytes_per_step": list(h2d),
+                       "h2d_bytes_steady": _steady(h2d), "micro_batch_splits": list(splits),
+                       "final_loss": losses[-1] if losses else None, "heldout_loss": None}
+            with contextlib.suppress(AttributeError, TypeError):  # a few built-in exceptions take no attributes
+                exc.partial_run = partial
+        raise
     first = gathered[0] if gathered else 0
-    steady_bytes = (sum(gathered[1:]) / (len(gathered) - 1)) if len(gathered) > 1 else float(first)
-    h2d_steady = (sum(h2d[1:]) / (len(h2d) - 1)) if len(h2d) > 1 else float(h2d[0] if h2d else 0)
+    steady_bytes = _steady(gathered)
+    h2d_steady = _steady(h2d)
     result = {
         "name": engine.name,
         "kind": engine.kind,
+        "status": "complete",
         "losses": losses,
         "steps_run": len(times),
         "first_step": first_step,
@@ -222,6 +242,13 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     if primary:
         result["probe_logits"] = out.logits.detach().float().cpu()
     return result
+
+
+def _steady(per_step: list) -> float:
+    """The mean of a per-step figure over the steps after the first (the first alone if only it ran)."""
+    if len(per_step) > 1:
+        return sum(per_step[1:]) / (len(per_step) - 1)
+    return float(per_step[0] if per_step else 0)
 
 
 def _tokens_per_s(times: list[float], tokens_per_step: int) -> float | None:

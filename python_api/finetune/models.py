@@ -3,7 +3,6 @@ LoRA targets: resolved from the options, checked before anything runs."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from python_api.finetune.data import (
     tokenize,
 )
 from python_api.finetune.errors import FinetuneError
+from python_api.loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
 from python_api.nn import LoRAConfig, target_names
 
 
@@ -97,9 +97,14 @@ def embedded_model(config, seed: int, dtype: torch.dtype = torch.float32) -> nn.
 
 
 def resolve_model(args) -> ModelSpec:
-    dtype = getattr(torch, args.dtype)
+    """The base model of the options. `--dtype` not given (None): float32 for the embedded model,
+    the checkpoint's dtype for `--model DIR`; `args.dtype` is set to the dtype resolved (what
+    the run configuration, the checkpoints and the messages name)."""
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
     dims = {k: getattr(args, k) for k in EMBEDDED}
     if args.model is None:
+        dtype = dtype or torch.float32
+        args.dtype = str(dtype).replace("torch.", "")
         d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
         if d["hidden_size"] % d["num_heads"]:
             raise FinetuneError(f"--hidden-size {d['hidden_size']} is not a multiple of --num-heads {d['num_heads']}")
@@ -114,35 +119,20 @@ def resolve_model(args) -> ModelSpec:
     if given:
         raise FinetuneError(f"{', '.join(given)} size the embedded model only; --model {args.model} brings its own configuration")
     path = os.path.abspath(args.model)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise FinetuneError(f"model directory {args.model} does not exist")
     if not os.path.isdir(path):
         raise FinetuneError(f"--model {args.model} is not a directory (expected a Hugging Face model directory)")
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FinetuneError(f"model directory {args.model} has no config.json (a Hugging Face model directory holds config.json and *.safetensors)")
+    # The loader's own checks (python_api/loading/): what cannot be listed, read or parsed is
+    # named with its reason (permission, a FIFO, a dangling link), never a raw traceback.
     try:
-        with open(cfg_file) as f:
-            json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FinetuneError(f"model directory {args.model}: config.json is not valid JSON: {exc}") from exc
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise FinetuneError(f"model directory {args.model}: cannot read config.json: {type(exc).__name__}: {exc}") from exc
-    weights = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not weights:
-        raise FinetuneError(f"model directory {args.model} has no *.safetensors weights")
-    from safetensors import safe_open
-
-    for w in weights:
-        try:
-            with safe_open(os.path.join(path, w), framework="pt") as f:
-                f.keys()
-        except Exception as exc:  # noqa: BLE001 - header parse errors come in several types
-            raise FinetuneError(f"model directory {args.model}: {w} is not a valid safetensors file: {exc}") from exc
+        config = read_config(path)
+        source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
+    except LoadError as exc:
+        raise FinetuneError(f"--model {args.model}: {exc}") from exc
+    if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
+        dtype = checkpoint_dtype(config, source)
+        args.dtype = str(dtype).replace("torch.", "")
     tokenizer = _resolve_tokenizer(path, args.model, config)
     return ModelSpec(path, config, dtype, args.seed, tokenizer)
 

@@ -17,6 +17,11 @@ from python_api.finetune.constants import (
     PROG,
 )
 
+# Binary units (KiB, and K as its short form) and decimal ones (KB = 1000 bytes, as GPU memory
+# is quoted: "40 GB").
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1, "": 1}
+
 
 def _budget(text: str):
     """'all' -> None (every frozen chunk), 'N%' -> fraction, else bytes ('0', '64MiB', '2G')."""
@@ -31,17 +36,17 @@ def _budget(text: str):
         if not 0.0 <= pct <= 100.0:
             raise argparse.ArgumentTypeError(f"a percentage in [0, 100] is expected, got {text!r}")
         return ("fraction", pct / 100.0)
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1, "": 1}
-    num = t.rstrip("KMGBikmgb")
+    num = t.rstrip("KMGTBikmgtb")
     unit = t[len(num):].lower()
-    if unit not in units:
-        raise argparse.ArgumentTypeError(f"unknown unit in {text!r} (use B, KiB, MiB, GiB, N% or all)")
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown unit in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, N% or all)")
     try:
         value = float(num)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 0, 64MiB, 50%, all)") from None
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 0, 64MiB, 40GB, 50%, all)") from None
     if value < 0 or math.isnan(value):
-        raise argparse.ArgumentTypeError(f"a budget must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    units = _UNITS
     if not value * units[unit] < _MAX_BYTES:
         raise argparse.ArgumentTypeError(f"a budget must be a finite size below 8 EiB (2**63 bytes), got {text!r}")
     return int(value * units[unit])
@@ -174,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_layers']})")
     g.add_argument("--num-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_heads']})")
     g.add_argument("--num-kv-heads", type=_positive_int, default=None, help=f"embedded model only (default {EMBEDDED['num_kv_heads']})")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the model (adapters stay fp32 for bfloat16/float16, as PEFT keeps them)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="dtype of the model (adapters stay fp32 for bfloat16/float16, as PEFT keeps them); default: "
+                        "the checkpoint's for --model DIR (config.json's dtype, else its files'), float32 for the "
+                        "embedded model")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL where CUDA is available, else CPU with gloo")
 
@@ -253,9 +261,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--memory-cap -5GB` as `--memory-cap=-5GB`: argparse takes a value that starts with '-'
+    (other than a plain negative number) for an option and reports "expected one argument",
+    which names neither the value nor what is wrong with it. Here an option that takes one
+    value (named in full or by an unambiguous prefix) followed by a word that starts with '-'
+    and is no option of this parser gets that word as its value, so the option's own check
+    names it ("a size must be >= 0, got '-5GB'"). A missing value followed by a real option
+    (`--steps --lr 1`) is left for argparse to report."""
+    takes_value = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
+    options = {s for a in parser._actions for s in a.option_strings}
+
+    def resolve(word: str) -> str | None:
+        if word in options:
+            return word
+        matches = [o for o in options if o.startswith(word)] if word.startswith("--") and len(word) > 2 else []
+        return matches[0] if len(matches) == 1 else None
+
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            out.extend(argv[i:])
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if ("=" not in word and resolve(word) in takes_value and nxt is not None and nxt.startswith("-")
+                and nxt != "--" and resolve(nxt.split("=", 1)[0]) is None
+                and not any(o.startswith(nxt.split("=", 1)[0]) for o in options)):
+            out.append(f"{word}={nxt}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def given_options(argv: list[str]) -> set[str]:
+    """The destinations of the options given on the command line (not left at their default):
+    the same parser with every default suppressed."""
     p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(_attach_dash_values(p, argv))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    import sys
+
+    p = build_parser()
+    argv = _attach_dash_values(p, list(sys.argv[1:] if argv is None else argv))
     args = p.parse_args(argv)
+    args._given = given_options(argv)
     try:
         args.compare_budgets = [_budget(b) for b in args.compare_budgets.split(",") if b.strip()]
     except argparse.ArgumentTypeError as exc:
@@ -285,12 +341,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def policy_of(args, budget, weights_on: str | None = None):
+def _host_fraction_used(args, world_size: int | None, weights_on: str) -> bool:
+    """Whether --host-fraction can take anything from the host store: not with the weights on
+    host (every chunk comes from there), and not on one rank with the weights on the device
+    (nothing is ever missing: the local shard is the whole weight, so no store is built)."""
+    return weights_on == "device" and not (world_size == 1) and bool(args.host_fraction)
+
+
+def policy_of(args, budget, weights_on: str | None = None, world_size: int | None = None):
     weights_on = weights_on or args.weights_on
     return ElasticPolicy(
         chunk_bytes=args.chunk_kib << 10, keep_ratio=args.keep_ratio, persist_ratio=args.persist_ratio,
         pool_budget_bytes=budget if isinstance(budget, int) else None, prefetch_depth=args.prefetch_depth,
         collective_bytes=args.collective_kib << 10, collective_timeout_s=args.timeout_s,
-        weights_on=weights_on, host_fraction=None if weights_on == "host" else args.host_fraction,
+        weights_on=weights_on,
+        host_fraction=args.host_fraction if _host_fraction_used(args, world_size, weights_on) else None,
         offload_activations=args.offload_activations, host_budget_bytes=args.host_budget,
     )
+
+
+# [Note: options a run ignores]
+# An option that changes nothing in a run is said so, one warning line each on rank 0 (and in
+# summary.json / results.md), never silently dropped: a user who passed it expects it to act.
+# The rules are pure functions of the options and the world size (the same on every rank).
+
+def ignored_options(args, world_size: int) -> list[str]:
+    """One line per option (or combination) this job ignores, and why."""
+    given = getattr(args, "_given", set())
+    planned = args.plan == "auto" or args.compare_planned
+    host_tier_profile = args.weights_on == "host" or bool(args.host_fraction) or args.offload_activations
+    out = []
+    if args.host_budget is not None and not args.offload_activations and not (planned and host_tier_profile):
+        out.append(f"--host-budget {fmt_bytes(args.host_budget)} is ignored: it bounds the host memory of the "
+                   "activation offload, which no run of this job uses (add --offload-activations)")
+    late = sorted(step for step, _ in args.memory_cap_change if step > args.steps)
+    if late:
+        out.append(f"--memory-cap-change at step{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} "
+                   f"{'are' if len(late) > 1 else 'is'} ignored: after the last step (--steps {args.steps})")
+    if "memory_cap" in given and not planned:
+        out.append("--memory-cap is ignored: only a planned run (--plan auto or --compare-planned) uses a memory cap")
+    if args.plan == "auto":
+        overridden = [o for o, dest in (("--pool-budget", "pool_budget"), ("--keep-ratio", "keep_ratio"),
+                                        ("--persist-ratio", "persist_ratio"), ("--prefetch-depth", "prefetch_depth"))
+                      if dest in given]
+        if overridden:
+            out.append(f"--plan auto: the plan chooses the planned run's pool budget, per-weight keep/persist "
+                       f"chunks and prefetch depth, so {', '.join(overridden)} {'are' if len(overridden) > 1 else 'is'}"
+                       f" not used by it")
+        chosen = ([f"--host-fraction {args.host_fraction:g}"] if "host_fraction" in given
+                  and _host_fraction_used(args, world_size, args.weights_on) else [])
+        chosen += ["--offload-activations"] if args.offload_activations else []
+        if chosen:
+            out.append(f"--plan auto: {' and '.join(chosen)} only put{'s' if len(chosen) == 1 else ''} the host tier "
+                       "into the profile; the plan picks the planned run's host fraction and activation offload itself")
+    if args.weights_on == "host" and args.compare_host:
+        out.append("--compare-host is ignored: with --weights-on host the main run already has its weights in the host "
+                   "store (the comparison would train the same run twice)")
+    if world_size == 1 and args.weights_on == "device" and args.host_fraction:
+        out.append(f"--host-fraction {args.host_fraction:g} is ignored on one rank: nothing is ever missing (the local "
+                   "shard is the whole weight), so no chunk would come from the host store and none is built")
+    return out

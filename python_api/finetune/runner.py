@@ -6,14 +6,17 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import uuid
 
 import torch
 import torch.distributed as dist
 
+from python_api.distributed.agree import exchange
 from python_api.finetune import report
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
 from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+from python_api.finetune.errors import FinetuneError
 from python_api.finetune.files import (
     agreed_write,
     local_now,
@@ -25,73 +28,154 @@ from python_api.finetune.files import (
 from python_api.finetune.job import Job
 from python_api.finetune.loop import train
 from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
+from python_api.finetune.options import budget_label
 from python_api.nn import adapter_state_dict
 
 
+def comparison_builds(job: Job, counter) -> list[tuple[str, object]]:
+    """The comparison runs of the job, each trained from scratch after the main run: (what,
+    a function building its engine): more elastic budgets, the weights in the host store (not
+    when the main run has them there already: [Note: options a run ignores]), a planned run,
+    the FSDP2 baseline."""
+    args = job.args
+    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
+    if args.compare_host and args.weights_on != "host":
+        builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
+    if args.compare_planned:
+        builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
+    if args.baseline == "fsdp2":
+        builds.append(("fsdp2", lambda: FSDP2Engine(job, counter)))
+    return builds
+
+
 def run(job: Job) -> dict:
-    """The whole job on every rank; rank 0 writes the report. Returns the summary."""
+    """The whole job on every rank; rank 0 writes the report. Returns the summary. A run that
+    fails after training steps leaves its report, marked as failed ([Note: a run that fails
+    after training steps])."""
     args = job.args
     job.memory = PeakMemory(job.device)
-    runs = []
+    runs: list[dict] = []
+    if job.run_id is None:  # a fresh run: rank 0's id for every rank ([Note: the checkpoint's manifest])
+        job.run_id = exchange(uuid.uuid4().hex, what="the run's id", error_type=FinetuneError)[0]
     if job.rank == 0:
         print(f"{PROG}: {job.spec.description()}; {job.world_size} ranks on {job.device.type} "
               f"({dist.get_backend()}); data {job.data_info['source']}, {job.data_info['tokens']} tokens; "
               f"{job.world_size * args.micro_batch * args.grad_accum} sequences x {args.seq_len} tokens per step; "
               f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {len(job.targets)} modules; output {job.save_dir}",
               flush=True)
+        _warn(job.notices)
         if job.resume is not None:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
-    with AllGatherCounter() as counter:
-        # 1. the elastic run (checkpointed, its adapter exported)
-        job.memory.set_baseline()
-        engine = ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
-        # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
-        job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
-        result = train(job, engine, counter, primary=True)
-        save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
-        probe_logits = result.pop("probe_logits")
-
-        def probe():
-            if job.rank == 0:
-                from safetensors.torch import save_file
-
-                write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
-                    {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
-
-        agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
-        runs.append(result)
-        del engine
-        gc.collect()
-        # 2. the comparisons, each from scratch: more elastic budgets, the weights in the host
-        # store, a planned run, the FSDP2 baseline
-        builds = [lambda b=b: ElasticEngine(job, b) for b in args.compare_budgets]
-        if args.compare_host:
-            builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="host"))
-        if args.compare_planned:
-            builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True))
-        if args.baseline == "fsdp2":
-            builds.append(lambda: FSDP2Engine(job, counter))
-        for build in builds:
+    try:
+        with AllGatherCounter() as counter:
+            # 1. the elastic run (checkpointed, its adapter exported)
             job.memory.set_baseline()
-            engine = build()
-            runs.append(train(job, engine, counter, primary=False))
+            engine = ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
+            # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
+            job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
+            result = train(job, engine, counter, primary=True)
+            probe_logits = result.pop("probe_logits")
+            runs.append(result)
+            save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+
+            def probe():
+                if job.rank == 0:
+                    from safetensors.torch import save_file
+
+                    write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
+                        {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
+
+            agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
             del engine
             gc.collect()
-            dist.barrier()
+            # 2. the comparisons, each from scratch
+            for _, build in comparison_builds(job, counter):
+                job.memory.set_baseline()
+                engine = build()
+                runs.append(train(job, engine, counter, primary=False))
+                del engine
+                gc.collect()
+                dist.barrier()
+    except BaseException as exc:
+        partial = getattr(exc, "partial_run", None)
+        _write_failure_report(job, runs + ([partial] if partial is not None else []), exc)
+        raise
     summary = _summary(job, runs)
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
 
 
-def _summary(job: Job, runs: list[dict]) -> dict:
-    base = next((r for r in runs if r["kind"] == "fsdp2"), None)
+def _warn(lines: list[str]) -> None:
+    """One line per warning on stderr (rank 0 calls it)."""
+    for line in lines:
+        sys.stderr.write(f"{PROG}: warning: {line}\n")
+    sys.stderr.flush()
+
+
+# [Note: a run that fails after training steps]
+# An error after some steps were trained (a non-finite loss, a failed write, a re-plan that
+# finds nothing, a peer that died) used to end the process with no losses.csv or summary.json:
+# the steps were trained for nothing. train() attaches what it measured to the exception
+# (`partial_run`), and run() has rank 0 write losses.csv, summary.json ("status": "failed",
+# the error) and results.md from the runs that finished and that partial run, then re-raises.
+# These writes are local to rank 0 and take no collective (the error may be a collective that
+# failed); a write that fails then is reported on stderr and does not hide the error. An error
+# before the first step of this process writes nothing, as before (README: bad input writes
+# nothing). The last checkpoint is whatever the cadence wrote; none is written here.
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, FinetuneError):
+        return str(exc)
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _write_failure_report(job: Job, runs: list[dict], exc: BaseException) -> None:
+    if job.rank != 0 or not any(r.get("steps_run") for r in runs):
+        return
+    try:
+        summary = _summary(job, runs, error=_error_text(exc))
+        d = job.save_dir
+        write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
+        write_json(os.path.join(d, "summary.json"), summary)
+        write_text_atomic(os.path.join(d, "results.md"), _markdown(job, runs, summary))
+        sys.stderr.write(f"{PROG}: the run failed after {sum(r.get('steps_run', 0) for r in runs)} trained step(s); "
+                         f"what it trained is in {os.path.join(d, 'losses.csv')} and {os.path.join(d, 'summary.json')} "
+                         f"(status failed)\n")
+    except Exception as write_exc:  # noqa: BLE001 - the run's own error is what must reach the user
+        sys.stderr.write(f"{PROG}: the run failed, and its partial report could not be written either: "
+                         f"{type(write_exc).__name__}: {write_exc}\n")
+    sys.stderr.flush()
+
+
+def _summary(job: Job, runs: list[dict], error: str | None = None) -> dict:
+    """Every figure of the job's runs; "status" complete or failed (with the error); "warnings":
+    the options this job ignores ([Note: options a run ignores]) and every loss gap to the
+    FSDP2 baseline beyond rounding ([Note: the loss gap to the baseline] in report.py)."""
+    base = next((r for r in runs if r["kind"] == "fsdp2" and r.get("steps_run")), None)
+    warnings = list(job.notices)
     for r in runs:
         if base is not None and r is not base:
             n = min(len(r["losses"]), len(base["losses"]))
-            r["max_abs_loss_diff_vs_fsdp2"] = max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
+            if n == 0:
+                continue
+            diff = max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
+            r["max_abs_loss_diff_vs_fsdp2"] = diff
             r["steps_compared_with_fsdp2"] = n
+            if job.args.lora_dropout > 0:
+                r["loss_gap_vs_fsdp2"] = "not compared: LoRA dropout draws other masks in each run"
+                continue
+            bound = report.loss_gap_bound(job.args.dtype, base["losses"][:n])
+            r["loss_gap_bound"] = bound
+            r["loss_gap_vs_fsdp2"] = "beyond rounding" if diff > bound else "within rounding"
+            if diff > bound:
+                warnings.append(report.loss_gap_warning(r["name"], diff, n, bound, job.args.dtype))
     return {
+        "status": "failed" if error is not None else "complete",
+        "run_id": job.run_id,
+        "error": error,
+        "warnings": warnings,
         "command": " ".join([PROG] + sys.argv[1:]) if job.args._argv is None else " ".join([PROG] + job.args._argv),
         "date": local_now(),
         "machine": device_name(job.device),
@@ -107,6 +191,25 @@ def _summary(job: Job, runs: list[dict]) -> dict:
     }
 
 
+def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
+    """results.md: the command, the table, the loss gaps to FSDP2, the warnings (and the error
+    of a failed job)."""
+    md = (f"Command: `{summary['command']}`  \n"
+          f"Date: {summary['date']}; machine: {summary['machine']}; {job.world_size} ranks, {summary['backend']}; "
+          f"torch {summary['torch']}  \n"
+          f"Model: {summary['model']}; data: {job.data_info['source']} ({job.data_info['tokens']} tokens)\n\n")
+    if summary["status"] == "failed":
+        md += f"**FAILED**: {summary['error']} (the table shows what was trained before it)\n\n"
+    md += report.markdown_table(report.table_rows(runs))
+    for r in runs:
+        if "max_abs_loss_diff_vs_fsdp2" in r:
+            md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
+                   f"{r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})  ")
+    for w in summary["warnings"]:
+        md += f"\n\n**Warning**: {w}"
+    return md + "\n"
+
+
 def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     d = job.save_dir
     rows = report.table_rows(runs)
@@ -114,17 +217,7 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     caption = (f"{summary['date'][:10]} · {summary['machine']} · {job.world_size} ranks ({summary['backend']}) · "
                f"{job.spec.description()} · {job.world_size * args.micro_batch * args.grad_accum}x{args.seq_len} "
                f"tokens/step · LoRA r={args.lora_r}")
-    md = (f"Command: `{summary['command']}`  \n"
-          f"Date: {summary['date']}; machine: {summary['machine']}; {job.world_size} ranks, {summary['backend']}; "
-          f"torch {summary['torch']}  \n"
-          f"Model: {summary['model']}; data: {job.data_info['source']} ({job.data_info['tokens']} tokens)\n\n"
-          + report.markdown_table(rows))
-    for r in runs:
-        if "max_abs_loss_diff_vs_fsdp2" in r:
-            md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
-                   f"{r['max_abs_loss_diff_vs_fsdp2']:.3g}  ")
-    md += "\n"
-    write_text_atomic(os.path.join(d, "results.md"), md)
+    write_text_atomic(os.path.join(d, "results.md"), _markdown(job, runs, summary))
     write_text_atomic(os.path.join(d, "results.csv"), report.csv_text(rows))
     write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
     write_json(os.path.join(d, "summary.json"), summary)
@@ -134,7 +227,9 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     print(report.text_table(rows), end="")
     for r in runs:
         if "max_abs_loss_diff_vs_fsdp2" in r:
-            print(f"{r['name']}: max |loss - FSDP2 loss| = {r['max_abs_loss_diff_vs_fsdp2']:.3g}")
+            print(f"{r['name']}: max |loss - FSDP2 loss| = {r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})")
+    for w in summary["warnings"][len(job.notices):]:
+        print(f"WARNING: {w}")
     print(f"\ntable:   {os.path.join(d, 'results.md')} (and results.csv)")
     print(f"picture: {png}")
     print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format)")

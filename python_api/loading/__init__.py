@@ -1,11 +1,19 @@
 """Loading a model larger than one rank's memory: built on the meta device, each rank reading
 from the memory-mapped safetensors files only the rows of the frozen weights it keeps.
 
-  source.py  SafetensorsSource (the files, read by rows), LoadError
-  model.py   load_elastic, empty_model, params_on_meta, config_dtype
+  source.py  SafetensorsSource (the files, read by rows), LoadError, LoadWarning
+  model.py   load_elastic, empty_model, read_config, params_on_meta, config_dtype, checkpoint_dtype
 """
 
-from python_api.loading.model import config_dtype, empty_model, load_elastic, params_on_meta
-from python_api.loading.source import LoadError, SafetensorsSource
+from python_api.loading.model import (
+    checkpoint_dtype,
+    config_dtype,
+    empty_model,
+    load_elastic,
+    params_on_meta,
+    read_config,
+)
+from python_api.loading.source import LoadError, LoadWarning, SafetensorsSource
 
-__all__ = ["LoadError", "SafetensorsSource", "config_dtype", "empty_model", "load_elastic", "params_on_meta"]
+__all__ = ["LoadError", "LoadWarning", "SafetensorsSource", "checkpoint_dtype", "config_dtype", "empty_model", "load_elastic",
+           "params_on_meta", "read_config"]

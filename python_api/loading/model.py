@@ -26,7 +26,13 @@ such as rotary `inv_freq` keep the values the model's constructor computes), and
    is [out, in], so its rows are columns of the stored tensor (`rows(name, transpose=True)`);
 3. every other parameter (embeddings, norms, biases, small replicated linears, a tied lm_head)
    is read whole onto the target device, one tensor at a time, and tied parameters get one
-   tensor for all their names (then `tie_weights()` for a Hugging Face model).
+   tensor for all their names, unless the files hold the tied names as different tensors
+   (a config saying `tie_word_embeddings=true` over files with their own `lm_head.weight`):
+   those are untied, each read from its own tensor, with a LoadWarning, as transformers'
+   `from_pretrained` does (`SafetensorsSource.untie_differing`; tying would replace the files'
+   head by the embeddings without a word). Tensors of the files that no parameter takes (a
+   config with fewer layers than the files) are named in a LoadWarning, as `from_pretrained`
+   lists its unexpected keys.
 Peak host memory per rank is then its share of the frozen weights + the replicated parameters +
 one read at a time (a chunk's rows; a whole Conv1D weight for a column read), never a whole
 model: see `tests/loading/test_loading.py::test_meta_loading_peak_rss` for the measured figures.
@@ -34,15 +40,17 @@ model: see `tests/loading/test_loading.py::test_meta_loading_peak_rss` for the m
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
+from python_api.config import ElasticPolicy
 from python_api.distributed.agree import agree
-from python_api.loading.source import LoadError, SafetensorsSource
-from python_api.nn import convert_to_elastic
+from python_api.loading.source import LoadError, SafetensorsSource, check_regular_file, list_directory
+from python_api.nn import LoRAConfig, convert_to_elastic
 
 # ---------------------------------------------------------------------- building on meta
 
@@ -80,15 +88,69 @@ def config_dtype(config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
+def checkpoint_dtype(config, source: SafetensorsSource) -> torch.dtype:
+    """The dtype a model directory is in: its config's (`dtype`, formerly `torch_dtype`), else
+    the first floating dtype of its files, else float32 (the dtype `load_elastic` and the
+    CLI's `--model DIR` use when none is given)."""
+    return config_dtype(config) or next(
+        (e.dtype for e in source.entries.values() if e.dtype is not None and e.dtype.is_floating_point), torch.float32)
+
+
+def read_config(path: str | os.PathLike):
+    """The Hugging Face config of model directory `path`, or a LoadError that says why not:
+    the directory cannot be listed, config.json is missing, a dangling link, a FIFO (never
+    opened: it would block) or unreadable, not JSON, or not a config transformers knows."""
+    from transformers import AutoConfig
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        raise LoadError(f"{path} {what} (a Hugging Face model directory holds config.json and *.safetensors)")
+    if "config.json" not in list_directory(path):
+        raise LoadError(f"{path} has no config.json (a Hugging Face model directory holds config.json and "
+                        "*.safetensors)")
+    cfg_file = os.path.join(path, "config.json")
+    check_regular_file(cfg_file, "the model's config")
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            json.load(f)
+    except OSError as exc:
+        raise LoadError(f"cannot read the model's config {cfg_file}: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LoadError(f"the model's config {cfg_file} is not valid JSON: {exc}") from exc
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - an unknown model_type, a bad field: a bad model directory
+        raise LoadError(f"{path}: cannot read the model's config: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_model_class(model_class, config) -> None:
+    """`model_class` must be an nn.Module class that takes this config (a transformers model
+    class declares its `config_class`): another architecture's class fails deep inside its
+    constructor otherwise."""
+    if not (isinstance(model_class, type) and issubclass(model_class, nn.Module)):
+        raise TypeError(f"model_class must be an nn.Module class (e.g. transformers.LlamaForCausalLM), got "
+                        f"{model_class!r}")
+    want = getattr(model_class, "config_class", None)
+    if isinstance(want, type) and not isinstance(config, want):
+        raise ValueError(f"model_class {model_class.__name__} takes a {want.__name__}, but the model's config is a "
+                         f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}): pass the "
+                         f"class of that architecture, or leave model_class out (AutoModelForCausalLM)")
+
+
 def empty_model(config_or_dir, dtype: torch.dtype | None = None, model_class=None) -> nn.Module:
     """The model of a Hugging Face config (or model directory) with its parameters on the meta
     device and its buffers real, in eval mode (as `from_pretrained` returns it). `dtype`:
     default the config's dtype, else float32. `model_class`: default `AutoModelForCausalLM`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = config_or_dir
     if isinstance(config_or_dir, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(os.fspath(config_or_dir), local_files_only=True)
+        config = read_config(config_or_dir)
+    if model_class is not None:
+        _check_model_class(model_class, config)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     dtype = dtype or config_dtype(config) or torch.float32
     with params_on_meta():
         if model_class is None:
@@ -109,20 +171,51 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     another dtype are cast on load. A collective: call it on every rank of `group`. The model
     comes back in eval mode (as `from_pretrained` returns it): call `.train()` to train with
     dropout."""
-    from transformers import AutoConfig
-
+    # Arguments: the same on every rank (a programming error, raised before any collective).
+    if not isinstance(lora, LoRAConfig):
+        raise TypeError(f"load_elastic: lora must be a python_api.LoRAConfig, got {type(lora).__name__}")
+    if not isinstance(policy, ElasticPolicy):
+        raise TypeError(f"load_elastic: policy must be a python_api.ElasticPolicy, got {type(policy).__name__} "
+                        f"(ElasticPolicy() for the defaults)")
+    device = _load_device(device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_elastic: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if model_class is not None and not (isinstance(model_class, type) and issubclass(model_class, nn.Module)):
+        raise TypeError(f"load_elastic: model_class must be an nn.Module class (e.g. transformers.LlamaForCausalLM), "
+                        f"got {model_class!r}")
     error, model, source = None, None, None
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)
-        try:
-            config = AutoConfig.from_pretrained(source.path, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - no or bad config.json: a bad model directory
-            raise LoadError(f"{source.path}: cannot read the model's config: {type(exc).__name__}: {exc}") from exc
-        if dtype is None:
-            dtype = config_dtype(config) or next(
-                (e.dtype for e in source.entries.values() if e.dtype is not None and e.dtype.is_floating_point), torch.float32)
-        model = empty_model(config, dtype, model_class)
+        config = read_config(source.path)
+        if model_class is not None:
+            _check_model_class(model_class, config)
+        model = empty_model(config, dtype or checkpoint_dtype(config, source), model_class)
     except LoadError as exc:
+        error = str(exc)
+    except ValueError as exc:  # model_class of another architecture: the same on every rank, but agreed anyway
         error = str(exc)
     agree(error, group, error_type=LoadError)
     return convert_to_elastic(model, lora, policy, group=group, unit_modules=unit_modules, source=source)
+
+
+def _load_device(device) -> torch.device:
+    """The device load_elastic puts the model on: CPU by default, or a CUDA device; anything
+    else (meta: no memory to load into) is refused here rather than deep inside a read."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"load_elastic: device {device!r} is not a torch device: {exc}") from exc
+    if d.type == "meta":
+        raise ValueError("load_elastic: device='meta' holds no data, so nothing can be loaded into it; for the "
+                         "model's structure without its weights use python_api.loading.empty_model(path)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"load_elastic: device {str(d)!r}: the elastic runtime runs on 'cpu' or 'cuda' devices")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"load_elastic: device {str(d)!r}, but torch sees no CUDA device")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"load_elastic: device {str(d)!r}, but only {torch.cuda.device_count()} CUDA device(s) "
+                             "are visible")
+    return d

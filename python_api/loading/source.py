@@ -20,6 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
+import warnings
 
 import torch
 import torch.nn as nn
@@ -46,6 +49,45 @@ _DTYPES = {
 
 class LoadError(ValueError):
     """A model directory whose files do not fit the model (or cannot be read)."""
+
+
+class LoadWarning(UserWarning):
+    """The files load, but not as they say: tensors the model does not use (a config with
+    fewer layers than the files), or tied weights whose files differ (loaded untied)."""
+
+
+def check_regular_file(path: str, what: str) -> None:
+    """A LoadError unless `path` is a regular file this process can read, saying which of
+    those it is not (missing, a dangling symbolic link, a directory, a FIFO, unreadable).
+    A FIFO is refused without being opened: opening one for reading blocks until a writer
+    comes, which would hang this rank and leave its peers waiting in their next collective."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise LoadError(f"{what} {path} is a symbolic link to {os.readlink(path)!r}, which does not exist") from None
+        raise LoadError(f"{what} {path} does not exist") from None
+    except OSError as exc:  # EACCES on a folder above it, ELOOP, ...
+        raise LoadError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or
+                stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise LoadError(f"{what} {path} is {kind}, not a regular file")
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as exc:
+        raise LoadError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
+def list_directory(path: str, what: str = "model directory") -> list[str]:
+    """The names in directory `path`; a LoadError naming the reason when it cannot be listed
+    (a folder without read or search permission reads as empty to `os.path.isfile`, which
+    would report a missing config.json instead)."""
+    try:
+        return os.listdir(path)
+    except OSError as exc:
+        raise LoadError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
 
 
 def _dtype_name(dtype) -> str:
@@ -90,30 +132,38 @@ class SafetensorsSource:
 
         if not os.path.isdir(self.path):
             raise LoadError(f"{self.path} is not a directory (a Hugging Face model directory holds config.json and *.safetensors)")
+        listing = list_directory(self.path)
         index_path = os.path.join(self.path, INDEX_FILE)
         weight_map = None
         # from_pretrained's order: one model.safetensors, else the index of shards, else any.
-        if os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
+        # A name in the listing that is no readable regular file (a dangling link, a FIFO, no
+        # permission) is named as such by check_regular_file, never skipped.
+        if SINGLE_FILE in listing:
             files = [SINGLE_FILE]
-        elif os.path.isfile(index_path):
+        elif INDEX_FILE in listing:
+            check_regular_file(index_path, "the index")
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f).get("weight_map")
-            except (OSError, ValueError, AttributeError) as exc:
+            except OSError as exc:
+                raise LoadError(f"cannot read the index {index_path}: {exc.strerror or exc}") from exc
+            except (ValueError, AttributeError) as exc:
                 raise LoadError(f"{index_path} is not a valid index: {exc}") from exc
             if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise LoadError(f"{index_path} has no 'weight_map' object {{tensor name: file}}")
             files = sorted(set(weight_map.values()))
             for name in files:
-                if os.path.basename(name) != name or not os.path.isfile(os.path.join(self.path, name)):
+                if os.path.basename(name) != name or name not in listing:
                     raise LoadError(f"{index_path} lists {name!r}, which is not a file in {self.path}")
         else:
-            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors") and f not in _NOT_THE_MODEL)
+            files = sorted(f for f in listing if f.endswith(".safetensors") and f not in _NOT_THE_MODEL)
             if not files:
                 raise LoadError(f"{self.path} has no *.safetensors weights")
         entries: dict[str, _Entry] = {}
         for name in files:
             full = os.path.join(self.path, name)
+            # safetensors reports an unreadable file as "No such file or directory": ask first.
+            check_regular_file(full, "the weights file")
             try:
                 with safe_open(full, framework="pt") as f:
                     for key in f.keys():
@@ -225,13 +275,21 @@ class SafetensorsSource:
                         g[4].append((module, kind, local))
         return list(groups.values())
 
+    def _present_keys(self, names: list[str]) -> list[str]:
+        """The distinct keys under which the files hold a tensor's (tied) names, in name order."""
+        keys = []
+        for n in names:
+            k = self.resolve(n, self.prefix)
+            if k is not None and k not in keys:
+                keys.append(k)
+        return keys
+
     def _problems(self, model: nn.Module) -> list[str]:
-        prefix = self.prefix
         problems = []
         for t, names, is_param, persistent, _ in self._expected(model):
-            key = self._key(names, prefix) if persistent else None
+            keys = self._present_keys(names) if persistent else []
             what = "parameter" if is_param else "buffer"
-            if key is None:
+            if not keys:
                 if is_param:
                     problems.append(
                         f"{names[0]} ({what}, shape {tuple(t.shape)}, {_dtype_name(t.dtype)}) is in none of the files "
@@ -241,27 +299,56 @@ class SafetensorsSource:
                         f"{names[0]} (buffer) is on the meta device and in none of the files: build the model with "
                         f"python_api.loading.empty_model (parameters on meta, buffers real)")
                 continue
-            entry = self.entries[key]
-            where = f"{key!r} in {entry.file}"
-            if entry.shape != tuple(t.shape):
-                problems.append(f"{where} has shape {entry.shape}, the model's {names[0]} expects {tuple(t.shape)}")
-                continue
-            if entry.dtype is None:
-                problems.append(f"{where} has dtype {entry.dtype_name}, which torch cannot hold")
-            elif entry.dtype != t.dtype:
-                castable = self.allow_cast and entry.dtype.is_floating_point and t.dtype.is_floating_point
-                if not castable:
-                    hint = "" if self.allow_cast else " (pass dtype= to load_elastic to cast floating weights on load)"
-                    problems.append(
-                        f"{where} has dtype {_dtype_name(entry.dtype)}, the model's {names[0]} expects "
-                        f"{_dtype_name(t.dtype)}{hint}")
+            # Tied names held under several keys: each must fit (untie_differing may load it).
+            for key in keys:
+                entry = self.entries[key]
+                where = f"{key!r} in {entry.file}"
+                if entry.shape != tuple(t.shape):
+                    problems.append(f"{where} has shape {entry.shape}, the model's {names[0]} expects {tuple(t.shape)}")
+                    continue
+                if entry.dtype is None:
+                    problems.append(f"{where} has dtype {entry.dtype_name}, which torch cannot hold")
+                elif entry.dtype != t.dtype:
+                    castable = self.allow_cast and entry.dtype.is_floating_point and t.dtype.is_floating_point
+                    if not castable:
+                        hint = "" if self.allow_cast else " (pass dtype= to load_elastic to cast floating weights on load)"
+                        problems.append(
+                            f"{where} has dtype {_dtype_name(entry.dtype)}, the model's {names[0]} expects "
+                            f"{_dtype_name(t.dtype)}{hint}")
         return problems
+
+    def unused_keys(self, model: nn.Module) -> list[str]:
+        """The files' tensors that no parameter or buffer of `model` takes (what from_pretrained
+        reports as unexpected keys), less those the model declares it ignores
+        (`_keys_to_ignore_on_load_unexpected`). A config with fewer layers than its files, or of
+        another architecture's naming, leaves them."""
+        if self.prefix is None:
+            self.prefix = getattr(model, "base_model_prefix", None) or None
+        used = set()
+        for _, names, _, _, _ in self._expected(model):
+            used.update(self._present_keys(names))
+        ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+        return sorted(k for k in self.entries if k not in used and not any(p.search(k) for p in ignore))
+
+    def unused_message(self, model: nn.Module) -> str | None:
+        """One line naming the unused tensors (`unused_keys`), or None when every tensor is used."""
+        unused = self.unused_keys(model)
+        if not unused:
+            return None
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        hint = (f"; its config has num_hidden_layers={layers}: does it describe fewer layers than the files?"
+                if layers is not None else "")
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        return (f"{len(unused)} tensor(s) in the files of {self.path} are not used by the model "
+                f"({type(model).__name__}) and are not loaded: {shown}{hint}")
 
     def check(self, model: nn.Module, group=None) -> None:
         """Before anything is read: every parameter of `model` (and every persistent buffer the
         files hold) is in the files with the model's shape and dtype ([Note: loading from
         files]); a LoadError naming the tensor, the file, expected and found otherwise. With a
-        process group, a collective: every rank raises if any rank's check failed."""
+        process group, a collective: every rank raises if any rank's check failed. Tensors of
+        the files that the model does not take are named in a LoadWarning (from_pretrained's
+        "unexpected keys"), on every rank: they are not loaded."""
         self.prefix = getattr(model, "base_model_prefix", None) or None
         problems = self._problems(model)
         error = None
@@ -269,13 +356,81 @@ class SafetensorsSource:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             error = f"the files of {self.path} do not fit the model: " + "; ".join(problems[:5]) + more
         agree(error, group, error_type=LoadError)
+        message = self.unused_message(model)
+        if message is not None:
+            warnings.warn(message, LoadWarning, stacklevel=2)
+
+    def same_values(self, key_a: str, key_b: str) -> bool:
+        """Whether the files' tensors `key_a` and `key_b` hold the same shape, dtype and values,
+        compared in blocks of rows (neither is held whole)."""
+        a, b = self.entries[key_a], self.entries[key_b]
+        if a.shape != b.shape or a.dtype != b.dtype or a.dtype is None:
+            return False
+        if len(a.shape) == 0 or math.prod(a.shape) == 0:
+            return torch.equal(self.tensor(key_a), self.tensor(key_b))
+        ra, rb = self.rows(key_a), self.rows(key_b)
+        row_bytes = max(1, math.prod(a.shape[1:]) * torch.empty((), dtype=a.dtype).element_size())
+        step = max(1, READ_BLOCK_BYTES // row_bytes)
+        return all(torch.equal(ra(i, min(i + step, a.shape[0])), rb(i, min(i + step, a.shape[0])))
+                   for i in range(0, a.shape[0], step))
+
+    def untie_differing(self, model: nn.Module) -> list[tuple[str, str]]:
+        """Tied parameters (one tensor under several names, e.g. `tie_word_embeddings`) whose
+        names the files hold as *different* tensors are untied in `model`: each such name gets a
+        parameter of its own (on the parameter's device, meta included), loaded from its own
+        key. This is transformers' `from_pretrained` (5.x: "both are present in the checkpoints
+        with different values, so we will NOT tie them"): tying would silently replace the
+        files' head by the embeddings. Warns (LoadWarning) once per untied pair; returns the
+        (kept name, untied name) pairs. Call after `check` (it reads the two tensors, in blocks,
+        to compare them)."""
+        if self.prefix is None:
+            self.prefix = getattr(model, "base_model_prefix", None) or None
+        untied = []
+        for t, names, is_param, _, owners in self._expected(model):
+            if not is_param or len(names) < 2:
+                continue
+            keys = [self.resolve(n, self.prefix) for n in names]
+            first = next((k for k in keys if k is not None), None)
+            differing = {k for k in keys if k is not None and k != first and not self.same_values(first, k)}
+            if not differing:
+                continue
+            kept = names[keys.index(first)]
+            fresh: dict[str, nn.Parameter] = {}
+            for name, key, (module, _, local) in zip(names, keys, owners):
+                if key not in differing:
+                    continue
+                if key not in fresh:
+                    p = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=t.device), requires_grad=t.requires_grad)
+                    p.__dict__.update(t.__dict__)
+                    fresh[key] = p
+                    untied.append((kept, name))
+                    warnings.warn(
+                        f"the model's config ties {name} to {kept} (tie_word_embeddings or the model's tied weights), "
+                        f"but the files of {self.path} hold them as different tensors ({key!r} and {first!r}): they "
+                        f"are loaded untied, each from its own tensor, as transformers' from_pretrained does; set "
+                        f"tie_word_embeddings to false in config.json to silence this", LoadWarning, stacklevel=2)
+                module._parameters[local] = fresh[key]
+        # transformers 5 keeps the tied pairs it will re-tie in `all_tied_weights_keys`
+        # (target -> source); from_pretrained drops an untied pair from it, and so does this.
+        tied_keys = getattr(model, "all_tied_weights_keys", None)
+        if untied and isinstance(tied_keys, dict):
+            pairs = {frozenset(p) for p in untied}
+            for target, source in list(tied_keys.items()):
+                if frozenset((target, source)) in pairs or any(target == u for _, u in untied):
+                    tied_keys.pop(target, None)
+        return untied
 
     def materialize(self, model: nn.Module, skip_modules=()) -> None:
         """Read every parameter of `model` except the weights of the modules named in
         `skip_modules` (those become elastic: read by rows) onto `self.device`, and every
         persistent buffer the files hold; move every other buffer to `self.device`. Tied
-        parameters get one tensor for all their names. Call `check` first."""
-        prefix = getattr(model, "base_model_prefix", None) or None
+        parameters get one tensor for all their names, unless the files hold them as different
+        tensors (`untie_differing`, which runs first). Call `check` first.
+
+        No `tie_weights()` afterwards: a tie is one tensor under several names, and every name
+        of it gets the same tensor here; re-tying by the config would undo `untie_differing`."""
+        self.untie_differing(model)
+        prefix = self.prefix
         skip = {f"{m}.weight" for m in skip_modules}
         for t, names, is_param, persistent, owners in self._expected(model):
             if is_param and skip.intersection(names):
@@ -291,5 +446,3 @@ class SafetensorsSource:
                 value = nn.Parameter(value, requires_grad=False)
             for module, kind, local in owners:
                 (module._parameters if kind == "param" else module._buffers)[local] = value
-        if hasattr(model, "tie_weights") and hasattr(model, "config"):
-            model.tie_weights()  # Hugging Face: re-tie what its config says is tied

@@ -20,6 +20,7 @@ left as they are. A process group is needed only for world size > 1.
 from __future__ import annotations
 
 import contextlib
+import os
 from contextlib import contextmanager
 
 import torch
@@ -33,6 +34,31 @@ from python_api.runtime._order import _Order, in_backward
 from python_api.runtime._registration import _Registration
 from python_api.runtime._residency import _Residency
 from python_api.runtime.tensor import ElasticTensor, Phase, Residency
+
+
+def check_nccl_device(device: torch.device, current: int, device_count: int, local_rank: str | None) -> None:
+    """NCCL issues each collective on the *current* CUDA device (the runtime's gathers, and the
+    exchanges of python_api/distributed/agree.py, which put their tensors there): a runtime
+    whose weights live on another device, or a process whose current device is not its
+    LOCAL_RANK's, hangs or fails deep inside NCCL (several ranks on one GPU). Library users
+    must call `torch.cuda.set_device(local_rank)` before building the model (the CLI does).
+    `current`/`device_count`: torch.cuda's; `local_rank`: the LOCAL_RANK variable (None
+    without torchrun). With one visible device per process (CUDA_VISIBLE_DEVICES set per
+    rank) device 0 is right whatever LOCAL_RANK says."""
+    if device.index is not None and device.index != current:
+        raise RuntimeError(
+            f"ElasticRuntime: the weights are on {device}, but the current CUDA device is cuda:{current}; NCCL runs "
+            f"every collective on the current device: call torch.cuda.set_device({device.index}) first")
+    if local_rank is not None and device_count > 1:
+        try:
+            local = int(local_rank)
+        except ValueError:
+            return
+        if 0 <= local < device_count and current != local:
+            raise RuntimeError(
+                f"ElasticRuntime: LOCAL_RANK is {local} but the current CUDA device is cuda:{current}: with NCCL each "
+                f"local rank needs its own GPU; call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before "
+                f"init_process_group and before building the model")
 
 
 class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction):
@@ -66,6 +92,9 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if distributed and self.device.type == "cuda" and dist.get_backend(self.group) == "nccl":
+            check_nccl_device(self.device, torch.cuda.current_device(), torch.cuda.device_count(),
+                              os.environ.get("LOCAL_RANK"))
         self.tensors: list[ElasticTensor] = []
         self.pool: PagePool | None = None
         self._cache_budget = policy.pool_budget_bytes

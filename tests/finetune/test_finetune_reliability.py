@@ -86,7 +86,7 @@ def _assert_clean_error(rc, err, *patterns):
 
 
 FAULTS = r'''
-import errno, os, sys
+import errno, os
 
 import python_api.finetune as ft
 
@@ -122,7 +122,9 @@ elif fault == "readonly-rank1" and rank == 1:  # the folder is read-only for ran
         return real_mkdtemp(*a, **k)
 
     tempfile.mkdtemp = mkdtemp
-sys.exit(ft.main())
+from python_api.finetune.cli import entry
+
+entry()  # main(), then the CLI's own exit (process group destroyed, no interpreter teardown)
 '''
 
 
@@ -237,6 +239,17 @@ def test_failed_checkpoint_write_stops_every_rank(tmp_path, fault, pattern):
                                  r"of step 1: ", pattern)
     with open(os.path.join(out, "checkpoint", "trainer_state.json")) as f:
         assert json.load(f)["step"] == 1
+    # The two steps trained are not lost: losses.csv and summary.json (marked as failed) are written
+    # ([Note: a run that fails after training steps]).
+    summary = summary_of(out)
+    assert summary["status"] == "failed" and "the checkpoint of step 2 was not written" in summary["error"], summary
+    [run] = summary["runs"]
+    assert run["status"] == "failed" and run["steps_run"] == 2 and len(run["losses"]) == 2, run
+    with open(os.path.join(out, "losses.csv")) as f:
+        rows = f.read().strip().splitlines()
+    assert len(rows) == 3 and [float(r.split(",")[1]) for r in rows[1:]] == run["losses"], rows
+    with open(os.path.join(out, "results.md")) as f:
+        assert "**FAILED**" in f.read()
     from python_api.finetune import LOCK_FILE
 
     with open(os.path.join(out, LOCK_FILE), "r+") as f:
@@ -277,6 +290,56 @@ def test_stopped_rank_ends_its_peers_with_a_clear_error(tmp_path):
     line = next((ln for ln in err.splitlines() if ln.startswith("elastic-finetune: error: rank 0:")), None)
     assert line is not None and "a collective did not complete" in line and "--timeout-s (10 s)" in line, err[-4000:]
     assert not re.search(r"\[rank0\]: Traceback", err), err[-4000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in out]
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie (a dead child that its re-parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_end_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL the torchrun agent of a 2-rank run: its workers used to keep training (holding the
+    host store and the save-dir lock) until killed by hand. Each worker asks the kernel for
+    SIGKILL when its parent dies ([Note: workers end with their launcher]): both are gone
+    within seconds."""
+    import time
+
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "python_api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--save-dir", out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    workers = []
+    try:
+        deadline = time.monotonic() + ERROR_TIMEOUT_S
+        while not os.path.exists(os.path.join(out, "checkpoint", "trainer_state.json")):  # training
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 1"
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(proc.pid, signal.SIGKILL)  # the agent alone
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [w for w in workers if _alive(w)]
+        assert not alive, f"workers {alive} still run 10 s after their launcher was killed"
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # ------------------------------------------------------------------------------- 9. lock
@@ -446,9 +509,29 @@ def _damage(ckpt):
     ]
 
 
+def _rehash(ckpt) -> None:
+    """Rewrite the checkpoint's manifest.json with the digests of the files as they are now (a
+    damage made consistently, manifest included), so that the checks behind the checksums are
+    what a test reaches. No manifest (a version that wrote none): nothing to rewrite."""
+    import hashlib
+
+    path = os.path.join(ckpt, "manifest.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        manifest = json.load(f)
+    for name, entry in manifest["files"].items():
+        with open(os.path.join(ckpt, name), "rb") as f:
+            data = f.read()
+        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
 def test_damaged_checkpoint_is_refused_before_training(checkpointed, tmp_path):
     """Every damaged or edited checkpoint file is refused by prepare() (before the process
-    group and the model) with the file named; the checkpoint is not touched."""
+    group and the model) with the file named; the checkpoint is not touched. The manifest is
+    rewritten to match each damage (`_rehash`): these are the checks behind the checksums."""
     from python_api.finetune import FinetuneError
 
     base = os.path.join(checkpointed, "checkpoint")
@@ -456,11 +539,107 @@ def test_damaged_checkpoint_is_refused_before_training(checkpointed, tmp_path):
         c = str(tmp_path / what.replace(" ", "_"))
         shutil.copytree(base, c)
         damage(c)
+        _rehash(c)
         before = _tree_digest(c)
         with pytest.raises(FinetuneError, match=pattern):
             _prepare(TINY + ["--steps", str(STEPS + 1), "--resume", c, "--save-dir", str(tmp_path / "out")])
         assert _tree_digest(c) == before, what
     assert not os.path.exists(tmp_path / "out")
+
+
+def _tamper_adapters(kind):
+    """Well-formed damage of a checkpoint's adapter file that every structural check passes: one
+    data byte flipped, one exponent bit set (x256), another run's adapters of the same shapes,
+    all-zero adapters (which never train: both gradients are zero)."""
+    def do(c):
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        p = os.path.join(c, "adapter_model.safetensors")
+        if kind == "flipped byte":
+            with open(p, "r+b") as f:
+                header = int.from_bytes(f.read(8), "little")
+                f.seek(8 + header + 1001)
+                b = f.read(1)
+                f.seek(8 + header + 1001)
+                f.write(bytes([b[0] ^ 0x10]))
+            return
+        with safe_open(p, framework="pt") as f:
+            meta = f.metadata()
+        state = load_file(p)
+        key = sorted(state)[0]
+        if kind == "exponent bit":
+            bits = state[key].view(torch.int32).view(-1)
+            i = int(((bits >> 26) & 1 == 0).nonzero()[0])
+            bits[i] |= 1 << 26  # 2**8 times the value: 0.0012 becomes 0.307
+        elif kind == "another run's":
+            gen = torch.Generator().manual_seed(12345)
+            state = {k: torch.randn(v.shape, generator=gen) * v.std() for k, v in state.items()}
+        elif kind == "all zero":
+            state = {k: torch.zeros_like(v) for k, v in state.items()}
+        save_file(state, p, metadata=meta)
+    return do
+
+
+TAMPERED = ("flipped byte", "exponent bit", "another run's", "all zero")
+
+
+def test_tampered_checkpoint_fails_its_checksum(checkpointed, tmp_path):
+    """Damaged but well-formed adapters resumed with exit 0 (a flipped data byte, an exponent bit
+    set, another run's adapters, all-zero ones). The checkpoint's manifest.json holds the sha256
+    of every file (and the run's identity): each damage is refused by prepare(), naming the
+    file; so is a checkpoint without a manifest, and a manifest of another run."""
+    from python_api.finetune import FinetuneError
+
+    base = os.path.join(checkpointed, "checkpoint")
+    resume = TINY + ["--steps", str(STEPS + 1), "--save-dir", str(tmp_path / "out"), "--resume"]
+    _prepare(resume + [base])  # the intact checkpoint resumes
+    for kind in TAMPERED:
+        c = str(tmp_path / kind.replace(" ", "_").replace("'", ""))
+        shutil.copytree(base, c)
+        _tamper_adapters(kind)(c)
+        with pytest.raises(FinetuneError, match=r"adapter_model\.safetensors does not match the sha256 in its "
+                                                r"manifest\.json"):
+            _prepare(resume + [c])
+    c = str(tmp_path / "rng")
+    shutil.copytree(base, c)
+    with open(os.path.join(c, "rng_rank0.pt"), "r+b") as f:
+        f.seek(-7, os.SEEK_END)
+        f.write(b"\x00" * 7)
+    with pytest.raises(FinetuneError, match=r"rng_rank0\.pt does not match the sha256"):
+        _prepare(resume + [c])
+    c = str(tmp_path / "no-manifest")
+    shutil.copytree(base, c)
+    os.unlink(os.path.join(c, "manifest.json"))
+    with pytest.raises(FinetuneError, match=r"has no manifest\.json"):
+        _prepare(resume + [c])
+    c = str(tmp_path / "other-run")
+    shutil.copytree(base, c)
+    with open(os.path.join(c, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["run_id"] = "0" * 32
+    with open(os.path.join(c, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(FinetuneError, match=r"belongs to run 0{32}, its config\.json to run [0-9a-f]{32}"):
+        _prepare(resume + [c])
+    # A rank the checkpoint has no RNG file for (4 ranks resuming 2): the world size is named, not the file.
+    with pytest.raises(FinetuneError, match="world_size: checkpoint has 2, this run 4"):
+        _prepare(resume + [base], world_size=4, rank=3)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_all_zero_adapters_are_refused_even_with_a_matching_manifest(checkpointed, tmp_path):
+    """Behind the checksums: all-zero adapters (lora_A and lora_B of a module both zero) can never
+    train (both gradients are zero), so they are refused even when the manifest was rewritten
+    to match them."""
+    from python_api.finetune import FinetuneError
+
+    c = str(tmp_path / "zero")
+    shutil.copytree(os.path.join(checkpointed, "checkpoint"), c)
+    _tamper_adapters("all zero")(c)
+    _rehash(c)
+    with pytest.raises(FinetuneError, match=r"lora_A and lora_B of .* are both all zero: they would never train"):
+        _prepare(TINY + ["--steps", str(STEPS + 1), "--save-dir", str(tmp_path / "out"), "--resume", c])
 
 
 # ------------------------------------------------------------------------------- 9. files and folders
@@ -514,6 +693,12 @@ def test_losses_csv_labels_each_budget(checkpointed, tmp_path):
     assert summary_of(d)["runs"][0]["segments"] == [
         {"first_step": 1, "last_step": STEPS, "pool_budget": "all"},
         {"first_step": STEPS + 1, "last_step": STEPS + 1, "pool_budget": "0"}]
+    # The resumed run is the same run: its identity goes on, in the summary and the new checkpoint.
+    with open(os.path.join(checkpointed, "checkpoint", "manifest.json")) as f:
+        run_id = json.load(f)["run_id"]
+    with open(os.path.join(d, "checkpoint", "manifest.json")) as f:
+        assert json.load(f)["run_id"] == run_id
+    assert summary_of(d)["run_id"] == summary_of(checkpointed)["run_id"] == run_id
 
 
 # ------------------------------------------------------------------------------- 6. option ranges

@@ -86,3 +86,23 @@ def test_planned_run_refuses_an_impossible_cap(tmp_path):
     text = out + err
     assert "no plan" in text and "exceeds capacity_bytes (1024)" in text, text[-3000:]
     assert not os.path.exists(tmp_path / "x" / "summary.json")
+
+
+def test_an_impossible_cap_change_is_refused_before_step_1(tmp_path):
+    """`--memory-cap-change 2:1` (1 byte from step 2): found only at step 2, it stopped the run
+    there and the step trained was lost. The whole schedule is checked against the profile
+    before step 1 (nothing trained, nothing written); a change after the last step is a
+    warning, once, on rank 0."""
+    out = tmp_path / "x"
+    rc, stdout, err = torchrun(TINY + ["--steps", "3", "--plan", "auto", "--memory-cap", "1GiB", "--memory-cap-change",
+                                       "2:1", "--memory-cap-change", "9:1GiB", "--save-dir", str(out)],
+                               expect_ok=False)
+    assert rc != 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("elastic-finetune: error:")]
+    assert len(lines) == 2, err[-4000:]  # one per rank
+    for line in lines:
+        assert "--memory-cap-change 2:1B: the planner finds no plan for 1B per rank" in line, line
+        assert "the least memory it plans this model in is" in line and "checked before step 1" in line, line
+    assert err.count("elastic-finetune: warning: --memory-cap-change at step 9 is ignored: after the last step "
+                     "(--steps 3)") == 1, err[-4000:]
+    assert not (out / "checkpoint").exists() and not (out / "summary.json").exists()
