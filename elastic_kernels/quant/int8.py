@@ -9,12 +9,14 @@ multiply: ``fl32(q * d)``, then rounded to the compute dtype (round to nearest e
 ``INT8_DEFAULT_BLOCK = 256``. The block trades bytes on the wire (4 bytes of step per block,
 4 / block_size bytes per weight) against round-trip error (a larger block has a larger absmax,
 so a coarser step). Measured on a Llama-like 1024 x 4096 weight (Student-t(5) values times 0.02,
-columns scaled by exp(N(0, 0.3)); `python bench/bench_quant.py --error-sweep`), relative RMS
-error by block: 64: 0.87%, 128: 1.04%, 256: 1.23%, 512: 1.44%, 1024: 1.68%, 4096: 2.26%: each
-doubling costs ~17% more error. At 256 the steps are 1.6% of the codes' bytes (8.125 bits per
-weight); going to 512 would save only 0.8% of the bytes for 17% more error, going to 128 would
-cost 1.6% more bytes for 15% less error. 256 is the smallest block whose steps cost under 2% of
-the bytes; the kernels' throughput is flat across 64-4096 (bench/results/quant.csv).
+columns scaled by exp(N(0, 0.3)); `python bench/bench_quant.py --threads 1 --error-sweep`,
+bench/results/quant_int8_blocks.csv), relative RMS error by block: 32: 0.73%, 64: 0.88%,
+128: 1.05%, 256: 1.24%, 512: 1.45%, 1024: 1.70%, 4096: 2.29%: each doubling costs ~17% more
+error. At 256 the steps are 1.6% of the codes' bytes (8.125 bits per weight); going to 512
+would save only 0.8% of the bytes for 17% more error, going to 128 would cost 1.6% more bytes
+for 15% less error. 256 is the smallest block whose steps cost under 2% of the bytes. The C++
+kernel's speed showed no trend with the block (1.2-3.8 GB/s single-threaded across 32-4096 on
+the 2-core VM, non-monotonic: its noise), so throughput does not weigh in.
 """
 
 from __future__ import annotations
