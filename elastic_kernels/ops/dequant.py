@@ -34,6 +34,11 @@ the interpreter for "triton"), never falling back silently.
   LoRA ops ([Note: the ops are opaque to tracing] in paged_linear.py), only blobs[0] is a
   kernel argument, so each op registers a FunctionalTensorMode rule that keeps it one opaque
   node instead of letting AOTDispatcher trace into its kernel.
+- Alignment: blobs are pool pages, 16-byte aligned in practice; the launch then passes
+  BASE_ALIGN=16 (``tl.multiple_of`` on the page offsets), so the code bytes load 16 at a time
+  (compiled for sm_90a: one ld.global.v4 per thread per tile instead of 16 byte loads, 40
+  registers instead of 68 for nested NF4), and ALIGNED when every fp32 section is 4-byte
+  aligned too. Unaligned blobs (any view of a byte buffer) take the byte-wise paths: same bits.
 - Nested scales: ``fl(fl(code * absmax2) + offset)`` must not become one FMA (bitsandbytes
   rounds twice), and Triton fuses a multiply and an add by default: the NF4 launch passes
   ``enable_fp_fusion=False`` (the fp32 multiplies of the plain path have no add to fuse with).
@@ -116,17 +121,18 @@ def _launch(blobs: list[torch.Tensor], formats: list[ChunkFormat], rows: int, ro
     pages, _ = page_table(blobs, 1)
     extra = {} if INTERPRETED else {"num_warps": _GPU_WARPS}
     aligned = _aligned(blobs, formats)
+    base_align = 16 if all(b.data_ptr() % 16 == 0 for b in blobs) else 1
     if isinstance(full, NF4ChunkFormat):
         wrap_triton(_dequant_nf4_kernel)[grid](
             blobs[0], pages, table("nf4", dest.device), table("dynamic", dest.device), dest,
             rows, full.cols, rows_per_chunk, tiles_per_chunk,
-            BLOCK=full.block_size, GROUP=group, NESTED=full.nested, ALIGNED=aligned,
+            BLOCK=full.block_size, GROUP=group, NESTED=full.nested, ALIGNED=aligned, BASE_ALIGN=base_align,
             enable_fp_fusion=False, **extra,
         )  # fmt: skip
     else:
         wrap_triton(_dequant_int8_kernel)[grid](
             blobs[0], pages, dest, rows, full.cols, rows_per_chunk, tiles_per_chunk,
-            BLOCK=full.block_size, GROUP=group, ALIGNED=aligned, **extra,
+            BLOCK=full.block_size, GROUP=group, ALIGNED=aligned, BASE_ALIGN=base_align, **extra,
         )  # fmt: skip
 
 

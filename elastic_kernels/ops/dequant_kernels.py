@@ -34,6 +34,16 @@ def _load_f32(ptr, mask, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _blob(blob_ptr, page_ptr, c, BASE_ALIGN: tl.constexpr):
+    """Chunk c's blob: blob_ptr + page[c]. BASE_ALIGN: every blob starts at a multiple of it
+    (checked by the launcher), so the code loads vectorise (16-byte loads instead of bytes)."""
+    page = tl.load(page_ptr + c)
+    if BASE_ALIGN > 1:
+        page = tl.multiple_of(page, BASE_ALIGN)
+    return blob_ptr + page
+
+
+@triton.jit
 def _tile(pid, rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """(chunk c, its weights n, block indices [GROUP] of this program inside the chunk, their mask)."""
     c = (pid // tiles_per_chunk).to(tl.int64)
@@ -59,9 +69,10 @@ def _dequant_nf4_kernel(
     GROUP: tl.constexpr,  # blocks per program
     NESTED: tl.constexpr,  # scales double-quantized (uint8 codes, nested fp32 scales, offset)
     ALIGNED: tl.constexpr,  # every blob's fp32 sections start at a multiple of 4 bytes
+    BASE_ALIGN: tl.constexpr,  # every blob starts at a multiple of this many bytes (16 or 1)
 ):
     c, n, blk, bmask = _tile(tl.program_id(0), rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK, GROUP)
-    base = blob_ptr + tl.load(page_ptr + c)
+    base = _blob(blob_ptr, page_ptr, c, BASE_ALIGN)
     scales_at = n // 2  # codes take n / 2 bytes
     if NESTED:
         nblocks = n // BLOCK
@@ -96,9 +107,10 @@ def _dequant_int8_kernel(
     BLOCK: tl.constexpr,  # weights per quantization block (power of two)
     GROUP: tl.constexpr,  # blocks per program
     ALIGNED: tl.constexpr,  # every blob's step section starts at a multiple of 4 bytes
+    BASE_ALIGN: tl.constexpr,  # every blob starts at a multiple of this many bytes (16 or 1)
 ):
     c, n, blk, bmask = _tile(tl.program_id(0), rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK, GROUP)
-    base = blob_ptr + tl.load(page_ptr + c)
+    base = _blob(blob_ptr, page_ptr, c, BASE_ALIGN)
     step = _load_f32(base + n + 4 * blk, bmask, ALIGNED)  # codes take n bytes
     j = tl.arange(0, BLOCK)
     codes = tl.load(base + blk[:, None] * BLOCK + j[None, :], mask=bmask[:, None], other=0)

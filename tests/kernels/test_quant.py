@@ -684,7 +684,7 @@ for name, kernel, extra_ptrs, block, group, nested, aligned, out in [
     types.update({p: "*fp32" for p in extra_ptrs})
     types["out_ptr"] = "*" + out
     types.update(ints)
-    meta = dict(BLOCK=block, GROUP=group, ALIGNED=aligned)
+    meta = dict(BLOCK=block, GROUP=group, ALIGNED=aligned, BASE_ALIGN=16 if aligned else 1)
     if nested is not None:
         meta["NESTED"] = nested
     sig = dict(types, **{m: "constexpr" for m in meta})
@@ -697,6 +697,8 @@ for name, kernel, extra_ptrs, block, group, nested, aligned, out in [
     row = {"kernel": name, **aot._ptxas_stats(ptx, 90)}
     row["fma_f32"] = ptx.count("fma.rn.f32")
     row["st_v4"] = ptx.count("st.global.v4")
+    row["ld_v4"] = ptx.count("ld.global.v4")
+    row["aligned"] = aligned
     rows.append(row)
 print(json.dumps(rows))
 """
@@ -704,8 +706,10 @@ print(json.dumps(rows))
 
 def test_dequant_kernels_compile_for_sm90():
     """Compile the kernels for sm_90a with Triton's own ptxas in a process without
-    TRITON_INTERPRET: no register spills, vectorised 16-byte stores of the output, and no fp32
-    FMA anywhere (enable_fp_fusion=False keeps the nested scale's multiply and add apart)."""
+    TRITON_INTERPRET: no register spills, vectorised 16-byte stores of the output, 16-byte code
+    loads when the blobs are 16-byte aligned (BASE_ALIGN), and no fp32 FMA anywhere
+    (enable_fp_fusion=False keeps the nested scale's multiply and add apart; with fusion on,
+    the nested NF4 kernel has 16 fma.rn.f32)."""
     import json
     import os
     import subprocess
@@ -723,6 +727,8 @@ def test_dequant_kernels_compile_for_sm90():
         assert r["spill_bytes"] == 0, r
         assert r["fma_f32"] == 0, r
         assert r["st_v4"] > 0, r
+        if r["aligned"]:
+            assert r["ld_v4"] > 0, r
 
 
 # ---------------------------------------------------------------------------------------------
