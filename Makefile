@@ -1,5 +1,5 @@
 # elastic-kernels: every target does its own set-up on a fresh machine.
-#   make test       .venv + pinned deps + extension build, then the whole test suite
+#   make test       .venv + pinned deps + extension build, `ruff check`, then the whole test suite
 #   make demo       .venv + pinned deps + extension build, then the main fine-tuning job
 #   make bench      the CPU benchmarks (rows appended to bench/results/)
 #   make gpu-check  on a GPU machine, with the torch already installed there (no internet):
@@ -11,7 +11,7 @@ VPY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup build test test-noext demo bench gpu-check clean
+.PHONY: setup build lint test test-noext demo bench gpu-check clean
 
 $(DEPS_STAMP): requirements.txt
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,10 @@ build: setup
 	ELASTIC_SKIP_EXT=1 $(VPY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
 	$(VPY) setup.py -q build_ext --inplace
 
-test: build
+lint: setup
+	$(VPY) -m ruff check .
+
+test: build lint
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # The suite as a user who installed with ELASTIC_SKIP_EXT=1 sees it: references only.

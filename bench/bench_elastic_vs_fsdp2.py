@@ -16,7 +16,7 @@ all-gather wrapped and counted, FSDP2's too), and rank 0's peak resident memory 
 above its baseline before any model was built (freed heap returned with malloc_trim, then
 VmHWM reset through /proc/self/clear_refs before each step): shards, cached or unsharded
 weights, activations and optimizer state. The counter and the memory probes live in
-python_api/measure.py, shared with the fine-tuning CLI. Rows go to
+python_api/finetune/measure.py, shared with the fine-tuning CLI. Rows go to
 bench/results/elastic_vs_fsdp2.csv.
 """
 
@@ -35,7 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
-from python_api.measure import AllGatherCounter, reset_rss_peak, rss_peak_bytes  # noqa: E402
+from python_api.finetune.measure import AllGatherCounter, reset_rss_peak, rss_peak_bytes  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
 CONFIGS = ["fsdp2-reshard", "fsdp2-no-reshard", "elastic-0%", "elastic-50%", "elastic-100%"]
@@ -107,7 +107,7 @@ def _worker(rank, world_size, args):
             gathered.append(counter.bytes - before)
             peaks.append(rss_peak_bytes() - baseline)
         out[kind] = (statistics.median(times), statistics.median(gathered), max(peaks))
-        del model, opt
+        model = opt = None  # free them before the next configuration (not del: step() closes over them)
     return out
 
 

@@ -110,7 +110,7 @@ def _run(args, device, dtype, repeats, ElasticLoRALinear, ElasticPolicy, LoRACon
                 "vs_peft": round(timings["peft"] / t, 3), "dense_ceiling_tflops": round(dense_tflops, 3),
                 "vs_dense_ceiling": round(flops / t / 1e12 / dense_tflops, 3),
             })
-        del elastic, peft, linear, x, dy
+        elastic = peft = linear = x = dy = None  # freed before the next shape (step() closes over x, dy)
     return rows
 
 

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from elastic_kernels import HostStore, PagePool  # noqa: E402
-from python_api.measure import device_name  # noqa: E402
+from python_api.finetune.measure import device_name  # noqa: E402
 
 TARGET_RATIO = 0.9  # store copies vs the pinned copy, and copy time hidden in the layer loop (H200)
 
@@ -120,7 +120,7 @@ def bench_copies(device: torch.device, total: int, chunk: int, repeats: int, cop
     rows.append(row("reference_copy", t_ref, 1, ref))
     t = harness.measure(on_stream(lambda: flat_dst.copy_(pageable_src, non_blocking=nb)), device, repeats=repeats)
     rows.append(row("pageable_copy", t, 1, ref))
-    del flat_dst, reference_src, pageable_src
+    flat_dst = reference_src = pageable_src = None  # freed (not del: the lambdas close over them)
 
     with PagePool(chunk, nbytes, device) as pool:
         slots = pool.allocate_many(list(range(n_chunks)))

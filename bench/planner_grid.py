@@ -49,8 +49,8 @@ def _batches(vocab: int, rank: int, steps: int) -> list[torch.Tensor]:
 def _train(plan, steps: int, world_size: int) -> dict:
     """A fresh model under `plan` for `steps` steps: tokens/s, bytes per step, peak RSS."""
     from python_api import no_sync, reset_stats, stats
-    from python_api.measure import PeakMemory
-    from python_api.planner.apply import apply_plan
+    from python_api.finetune.measure import PeakMemory
+    from python_api.planning.apply import apply_plan
 
     mem = PeakMemory("cpu")
     mem.set_baseline()
@@ -110,9 +110,9 @@ def _caps(profile, global_batch: int) -> list[int]:
 
 
 def grid_worker(rank: int, world_size: int, steps: int) -> list[dict]:
-    from python_api.planner.measure import measure_profile
     from python_api.planner.memory import Choices
     from python_api.planner.search import plan_from_profile, plan_of
+    from python_api.planning.measure import measure_profile
 
     torch.set_num_threads(1)
     global_batch = world_size * PER_RANK

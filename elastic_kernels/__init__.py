@@ -11,7 +11,6 @@ _ext.load()
 
 from elastic_kernels.host_store import HostStore, HostStoreError  # noqa: E402 - shared host segment (csrc/host/)
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
-from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
 
 # The ops (elastic_kernels/ops/): the pack ops' fakes register after _ext.load(); the paged
 # LoRA linear's Triton ops register on import; impl="auto" picks per device.
@@ -23,6 +22,7 @@ from elastic_kernels.ops import (  # noqa: E402
     paged_lora_linear_fwd,
     unpack_gathered,
 )
+from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
 
 # Ops of the `elastic` namespace that must carry a CUDA kernel when the CUDA part is built.
 CUDA_OPS = ("pack_shards", "unpack_gathered")

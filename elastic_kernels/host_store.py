@@ -5,7 +5,7 @@ A :class:`HostStore` is one segment of ``nbytes`` bytes that every local process
 string) to the other local processes, which :meth:`HostStore.attach` it, and once all of them
 have, calls :meth:`close_fd`: from then on the memory lives exactly as long as some process maps
 it and nothing can be left behind, whatever way the processes end. Who creates, the exchange of
-handles and the parallel fill are the node handshake in ``python_api/host_store.py``
+handles and the parallel fill are the node handshake in ``python_api/host/store.py``
 (``node_host_store``); this module is the mechanism only.
 
 The design notes are ``[Note: ...]`` blocks in ``csrc/host/host_store.cpp``:

@@ -1,33 +1,34 @@
-"""Policy and user API of elastic-kernels (config, elastic runtime, LoRA layers, CLI).
+"""elastic-kernels: LoRA fine-tuning across ranks with frozen base weights as a cache.
 
-Imports flow one way: ``python_api`` -> ``elastic_kernels`` -> ``_C``.
+The public API (every name below). The library's rooms, each one concern (README's Layout):
+config (ElasticPolicy), distributed/, runtime/, host/, nn/, hf/, loading/, planner/ (pure
+Python), planning/ (the planner meets a model), finetune/ (the application). Imports flow one
+way: finetune -> the rooms -> elastic_kernels -> _C.
 """
 
+from python_api import hf  # noqa: F401 - registers the transformers integration's conversion hook
 from python_api.config import ElasticPolicy
-from python_api.elastic_linear import (
+from python_api.loading import load_elastic
+from python_api.nn import (
     ElasticLinear,
     ElasticLinearFunction,
-    elasticize,
-    no_sync,
-    reset_stats,
-    runtime_of,
-    set_pool_budget,
-    stats,
-)
-from python_api.lora import (
     ElasticLoRAFunction,
     ElasticLoRALinear,
     LoRAConfig,
     convert_to_elastic,
+    elasticize,
     load_adapter,
     merge_adapters,
+    no_sync,
+    reset_stats,
+    runtime_of,
     save_adapter,
+    set_pool_budget,
+    stats,
 )
-from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
-from python_api.loading import load_elastic
 from python_api.planner import Plan, Profile
-from python_api.planner.apply import apply_plan, plan
-from python_api.planner.measure import measure_peak_bytes, measure_profile
+from python_api.planning import apply_plan, measure_peak_bytes, measure_profile, plan
+from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
 
 __all__ = [
     "Plan",

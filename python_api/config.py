@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-_PAGE_ALIGN = 512  # PagePool pages are multiples of 512 bytes
+# PagePool pages are multiples of 512 bytes (kPageAlign, csrc/pool/page_pool.cpp, checks it).
+# The one Python definition: the policy checks, the runtime's page size, the host store's layout
+# and the planner's models all read it here.
+PAGE_ALIGN = 512
+# The activation offload's smallest host buffer (and smallest non-zero host budget): one page
+# alignment ([Note: activation offload] in python_api/host/offload.py).
+MIN_HOST_BUFFER_BYTES = PAGE_ALIGN
 # The longest collective timeout accepted: 30 days. datetime.timedelta (what the process group
 # takes) overflows near 1e14 s, and a timeout of months is a hang in all but name.
 _MAX_TIMEOUT_S = 30 * 24 * 3600.0
@@ -22,6 +28,17 @@ def _check_ratio(name: str, value: float) -> None:
         raise ValueError(f"ElasticPolicy.{name} must be in [0, 1], got {value}")
 
 
+def check_host_budget(host_budget_bytes) -> None:
+    """A host budget must be None (no cap), 0 (nothing offloaded) or at least one buffer of the
+    smallest class; anything in between cannot hold a single activation and is refused."""
+    if host_budget_bytes is not None and 0 < host_budget_bytes < MIN_HOST_BUFFER_BYTES:
+        raise ValueError(
+            f"ElasticPolicy.host_budget_bytes={host_budget_bytes} is smaller than one host buffer "
+            f"({MIN_HOST_BUFFER_BYTES} bytes): no activation could ever be offloaded; use 0 to offload "
+            f"nothing, None for no cap, or at least {MIN_HOST_BUFFER_BYTES}"
+        )
+
+
 @dataclass(frozen=True)
 class ElasticPolicy:
     """The knobs of the elastic frozen-weight runtime.
@@ -32,7 +49,7 @@ class ElasticPolicy:
                        PERSISTENT); the rest are TRANSIENT: gathered for each use.
     persist_ratio      fraction of each weight's chunks kept across iterations (PERSISTENT);
                        persist_ratio <= keep_ratio. See [Note: residency classes] in
-                       python_api/elastic_tensor.py for which chunks get which class.
+                       python_api/runtime/tensor.py for which chunks get which class.
     pool_budget_bytes  device bytes for chunks kept beyond their use (the cache); None means
                        enough for every frozen chunk. The runtime adds its working set (the
                        layers in flight) on top; see [Note: pool budget and working set].
@@ -47,7 +64,7 @@ class ElasticPolicy:
                        error naming the layer (a peer that died must not hang the job);
                        None uses the process group's timeout. Host-waited (gloo) gathers
                        only: on NCCL the process group's timeout bounds a hang (see
-                       python_api/collectives.py).
+                       python_api/distributed/collectives.py).
     all_reduce_grads   average the gradients of trainable (replicated) parameters across the
                        group at the end of each backward.
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears smaller than
@@ -56,13 +73,13 @@ class ElasticPolicy:
                        rank keeps its shard on the device) or "host" (one whole copy per node in
                        shared host memory, the host store; no device shard at all: every chunk
                        the pool misses is copied host -> page). See [Note: chunk sources] in
-                       python_api/runtime.py.
+                       python_api/host/sources.py.
     host_fraction      the share of missing chunks filled from the host store rather than from
                        peers (both in flight together); None: 0 with weights_on="device", 1 with
                        "host" (the only value allowed there). Any value > 0 builds the host store.
     offload_activations  move the tensors the elastic LoRA layers save for backward to host
                        memory after their forward and bring them back one layer ahead of their
-                       backward (python_api/activation_offload.py).
+                       backward (python_api/host/offload.py).
     host_budget_bytes  host bytes the host tier may take beyond the store (the recycled
                        activation buffers); past it activations stay on the device. None: no cap.
     """
@@ -97,9 +114,9 @@ class ElasticPolicy:
         if not _is_int(self.prefetch_depth) or self.prefetch_depth < 0:
             raise ValueError(f"ElasticPolicy.prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.page_bytes is not None:
-            if not _is_int(self.page_bytes) or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGN:
+            if not _is_int(self.page_bytes) or self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGN:
                 raise ValueError(
-                    f"ElasticPolicy.page_bytes must be a positive multiple of {_PAGE_ALIGN}, got {self.page_bytes!r}"
+                    f"ElasticPolicy.page_bytes must be a positive multiple of {PAGE_ALIGN}, got {self.page_bytes!r}"
                 )
             if self.chunk_bytes > self.page_bytes:
                 raise ValueError(
@@ -133,6 +150,8 @@ class ElasticPolicy:
             raise ValueError(f"ElasticPolicy.offload_activations must be True or False, got {self.offload_activations!r}")
         if self.host_budget_bytes is not None and (not _is_int(self.host_budget_bytes) or self.host_budget_bytes < 0):
             raise ValueError(f"ElasticPolicy.host_budget_bytes must be None or an int >= 0, got {self.host_budget_bytes!r}")
+        if self.offload_activations:
+            check_host_budget(self.host_budget_bytes)
 
     @property
     def source_fraction(self) -> float:

@@ -26,7 +26,7 @@
 // SIGKILL of the creator (or of the whole job) leaves the name in /dev/shm with its memory;
 // it is then removed by hand (`rm /dev/shm/elastic-hs-*`, after checking that the pid in the
 // name is gone). An exception or SIGTERM does not leave it when the caller closes the store in
-// its error path, as python_api/host_store.py does. The window lasts one exchange of handles
+// its error path, as python_api/host/store.py does. The window lasts one exchange of handles
 // and one barrier (milliseconds to a few seconds), not the fill.
 //
 // [Note: reserving the pages]

@@ -1,7 +1,7 @@
 // HostStore: one shared host-memory segment per node, mapped by every local rank
 // (ARCHITECTURE.md, "Sources and the plan": the host store). The mechanism only: create,
 // attach, pin; the per-node handshake (who creates, when the creator lets go of its fd) is
-// policy and lives in python_api/host_store.py. The design notes are in host_store.cpp
+// policy and lives in python_api/host/store.py. The design notes are in host_store.cpp
 // ([Note: a segment that cannot leak], [Note: the shm fallback and its window],
 // [Note: reserving the pages], [Note: pinning a shared mapping]); the Python face is
 // elastic_kernels/host_store.py and the binding host_store_py.cpp.

@@ -96,7 +96,7 @@ _GEMM_CONFIGS = [
 # Triton's pipeliner gives the table load a stage of its own and the W / dy tiles a shorter
 # prefetch distance: compiled for sm_90a, num_stages=3 yields 2 shared-memory buffers and a full
 # wait (`async_wait num=0`) every iteration, num_stages=5 yields 3 buffers with 3 copies in
-# flight, the depth the forward gets from num_stages=3 (Triton 3.8, `tests/_aot_compile.py`
+# flight, the depth the forward gets from num_stages=3 (Triton 3.8, `tests/kernels/_aot_compile.py`
 # shows the shared memory of each). Hence two more stages here.
 _DGRAD_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=5),

@@ -328,7 +328,7 @@ def _lora_grad_kernel(
 # product needs a second fp32 tile beside the accumulator: for a 128×256 tile with 8 warps,
 # ptxas (sm_90a) then used 255 registers and spilled 1552 bytes per thread; computed first, the
 # forward uses 186 registers and no spill (the plain kernel: 182). Measured by compiling for
-# sm_90a without a GPU: `python tests/_aot_compile.py` (TRITON_INTERPRET unset), Triton 3.8.
+# sm_90a without a GPU: `python tests/kernels/_aot_compile.py` (TRITON_INTERPRET unset), Triton 3.8.
 # The math is the same up to the order of fp32 additions; the bias is still added at the store.
 
 # [Note: adapter dtype in the kernels]
@@ -354,7 +354,7 @@ def _lora_grad_kernel(
 #   matmul), so on CPU these products are plain fp32: the tf32x3 numerics run only on a GPU.
 # The base GEMM (x·Wᵀ, dy·W) is untouched: 16-bit operands, tensor cores. Same-dtype calls take
 # the same dots at the same precisions as before fp32 adapters existed: compiled for sm_90a,
-# every variant of `tests/_aot_compile.py` gave the same PTX (debug info aside), and under the
+# every variant of `tests/kernels/_aot_compile.py` gave the same PTX (debug info aside), and under the
 # interpreter the same operations run (fp32/bf16/fp16 results compared with torch.equal against
 # the previous commit), so their results are bit for bit unchanged. Cost on a
 # GPU: not measured (no GPU here); each LoRA product is r/K or r/N of its base GEMM's work

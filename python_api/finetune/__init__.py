@@ -15,7 +15,7 @@ it has one, else the byte-level tokenizer when the vocabulary has >= 256 ids), o
 the embedded model: a Llama configuration built here (sizes from --hidden-size etc., vocabulary
 257 = bytes + end-of-document) with random weights drawn from --seed. Data: `--data FILE`
 (.txt or .jsonl with a "text" field), or by default the Python language reference shipped
-with CPython (see python_api/data.py). Both are read without network access.
+with CPython (see python_api/finetune/data.py). Both are read without network access.
 
 Writes into --save-dir (default out/finetune): results.md / results.csv (the table),
 finetune.png (loss curves; throughput, traffic and memory bars), losses.csv, summary.json,
@@ -26,6 +26,7 @@ Layout (one concern per file; `python -m python_api.finetune` runs cli.main):
   constants.py    the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
   errors.py       FinetuneError and OutputError: what is reported as one line
   options.py      the command line: option types and ranges, build_parser, parse_args, the elastic policy
+  data.py         tokenizers, the embedded and file corpora, the (seed, step)-determined batches
   models.py       the base model (embedded or a directory), tokenizer, data and LoRA targets
   agreement.py    what ranks and checkpoints must agree on, and the collectives that check it
   files.py        output files: atomic writes, writes agreed across ranks, the adapter's save
@@ -34,6 +35,8 @@ Layout (one concern per file; `python -m python_api.finetune` runs cli.main):
   job.py          Job and prepare(): everything checked before the first collective
   engines.py      ElasticEngine, FSDP2Engine and the collective model build
   loop.py         train(): the training loop, learning rate, RNG, non-finite loss messages
+  measure.py      what a run measures: all-gathered bytes (a wrapper), peak memory, RSS, device name
+  report.py       the results table (markdown, text, CSV) and the picture
   runner.py       run(): the runs of a job, the summary and the report
   cli.py          main(): process group, rank agreement, lock, error reporting
 
@@ -48,7 +51,12 @@ checked when the model is built; overflow in the forward pass; divergence). Outp
 the permissions a plain open() gives (0666 minus the umask).
 """
 
-from python_api.finetune.agreement import agreed_configuration, configuration_differences, rank_differences, run_configuration
+from python_api.finetune.agreement import (
+    agreed_configuration,
+    configuration_differences,
+    rank_differences,
+    run_configuration,
+)
 from python_api.finetune.checkpoints import CKPT, Resume, read_checkpoint, write_checkpoint
 from python_api.finetune.cli import main
 from python_api.finetune.constants import (

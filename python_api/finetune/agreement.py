@@ -1,6 +1,6 @@
 """What must agree: a checkpoint with the run resuming it (run_configuration), every rank
 with every other (agreed_configuration, before step 1), and an error on one rank with all
-(_agree, a collective)."""
+(agree_error, a collective)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import hashlib
 import json
 import os
 
-import torch.distributed as dist
-
+from python_api.distributed.agree import agree, exchange
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.models import ModelSpec
-from python_api.finetune.options import _budget_label, _policy
-
+from python_api.finetune.options import budget_label, policy_of
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
@@ -43,7 +41,7 @@ def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str]
         "seed": args.seed,
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "targets": targets},
         "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
-                   "replicate_below_bytes": _policy(args, None).replicate_below_bytes},
+                   "replicate_below_bytes": policy_of(args, None).replicate_below_bytes},
     }
 
 
@@ -111,10 +109,10 @@ def agreed_configuration(job) -> dict:
         **job.config,
         "steps": a.steps,
         "save_every": a.save_every,
-        "residency": {"pool_budget": _budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
+        "residency": {"pool_budget": budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
                       "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
                       "collective_bytes": a.collective_kib << 10},
-        "runs": {"baseline": a.baseline, "compare_budgets": [_budget_label(b) for b in a.compare_budgets]},
+        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets]},
         "resume": None if r is None else {"step": r.step, "adapters_sha256": _file_sha256(
             os.path.join(r.path, "adapter_model.safetensors")), "optimizer_sha256": _file_sha256(
             os.path.join(r.path, "optimizer.pt"))},
@@ -141,10 +139,9 @@ def rank_differences(configs: list[dict]) -> list[str]:
     return out
 
 
-def _agree_configuration(job) -> None:
+def agree_configuration(job) -> None:
     """Collective: refuse the run on every rank if the ranks' configurations differ."""
-    configs = [None] * job.world_size
-    dist.all_gather_object(configs, agreed_configuration(job))
+    configs = exchange(agreed_configuration(job), what="the ranks' configurations", error_type=FinetuneError)
     diffs = rank_differences(configs)
     if diffs:
         raise FinetuneError(
@@ -154,16 +151,6 @@ def _agree_configuration(job) -> None:
         )
 
 
-def _agree(error: str | None, world_size: int) -> None:
+def agree_error(error: str | None, world_size: int) -> None:
     """Collective: raise FinetuneError on every rank if any rank has an error."""
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if not bad:
-        return
-    if len({e for _, e in bad}) == 1:
-        msg = bad[0][1]
-        if len(bad) < world_size:
-            msg += f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(str(r) for r, _ in bad)})"
-        raise FinetuneError(msg)
-    raise FinetuneError("; ".join(f"rank {r}: {e}" for r, e in bad))
+    agree(error, error_type=FinetuneError)

@@ -12,7 +12,7 @@ after a barrier rank 0 swaps the folder in by rename (the previous checkpoint is
 DIR/.checkpoint-old until the swap is done), so a checkpoint is never seen half-written.
 The folder is assumed to be on a file system every rank sees (as the output folder is).
 `--resume DIR` (DIR or DIR/checkpoint) restores all of it and continues to --steps. Batches
-depend on (seed, step) only (python_api/data.py), the adapters and optimizer state are
+depend on (seed, step) only (python_api/finetune/data.py), the adapters and optimizer state are
 restored bit for bit, and every RNG draw after the checkpoint (LoRA dropout) continues from the
 saved states, so on CPU a resumed run reproduces the losses of an uninterrupted one bit for
 bit (a test checks it). The elastic policy's residency knobs (--pool-budget, --keep-ratio,
@@ -44,9 +44,8 @@ import torch
 from python_api.finetune.agreement import configuration_differences
 from python_api.finetune.constants import CHECKPOINT_FORMAT, PROG
 from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import _collective, _now, _save_adapter_agreed, _torch_save_atomic, _write_json
-from python_api.finetune.options import _budget_label, _policy
-
+from python_api.finetune.files import agreed_write, local_now, save_adapter_agreed, torch_save_atomic, write_json
+from python_api.finetune.options import budget_label, policy_of
 
 CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"
@@ -69,7 +68,7 @@ class Resume:
     segments: list[dict] = field(default_factory=list)  # see [Note: segments of a run]
 
 
-def _find_checkpoint(path: str) -> str:
+def find_checkpoint(path: str) -> str:
     if not os.path.exists(path):
         raise FinetuneError(f"--resume {path}: no such directory")
     if not os.path.isdir(path):
@@ -106,7 +105,7 @@ def _torch_load(path: str, what: str):
         raise FinetuneError(f"checkpoint {what} {path} cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
-def _nonfinite(t: torch.Tensor) -> bool:
+def nonfinite(t: torch.Tensor) -> bool:
     return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
@@ -152,7 +151,7 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
     optimizer state's structure and values, this rank's RNG state. A damaged or edited file is
     refused here, before the process group exists, never by a traceback during the run.
     `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare()."""
-    ckpt = _find_checkpoint(path)
+    ckpt = find_checkpoint(path)
     cfile = os.path.join(ckpt, "config.json")
     config = _read_json(cfile, "configuration")
     if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT or not isinstance(config.get("run"), dict):
@@ -210,7 +209,7 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
     for key, t in adapters.items():
         if not t.is_floating_point():
             raise FinetuneError(f"checkpoint adapters {wfile}: {key} is {t.dtype}, not a floating-point tensor")
-        if _nonfinite(t):
+        if nonfinite(t):
             raise FinetuneError(f"checkpoint adapters {wfile}: {key} holds NaN or Inf values (training never saves "
                                 "them: the file was damaged or edited)")
     opt = _torch_load(os.path.join(ckpt, "optimizer.pt"), "optimizer state")
@@ -245,7 +244,7 @@ def _check_optimizer_state(opt: dict, adapters: dict, ckpt: str) -> None:
             if key != "step" and adapter is not None and t.shape != adapter.shape:
                 raise FinetuneError(f"{where}: {key} of {names[index]} has shape {tuple(t.shape)}, "
                                     f"the adapter {tuple(adapter.shape)}")
-            if _nonfinite(t):
+            if nonfinite(t):
                 raise FinetuneError(f"{where}: {key} of {names[index]} holds NaN or Inf values (the file was damaged or edited)")
 
 
@@ -257,7 +256,7 @@ def _check_rng_state(rng, path: str) -> None:
     if rng["torch"].dtype != want.dtype or rng["torch"].shape != want.shape:
         raise FinetuneError(f"checkpoint {path}: the torch RNG state has the wrong size (damaged or edited file)")
     try:
-        random.Random().setstate(_to_tuple(rng.get("python")))
+        random.Random().setstate(to_tuple(rng.get("python")))
     except (TypeError, ValueError) as exc:
         raise FinetuneError(f"checkpoint {path}: the Python RNG state is invalid: {exc}") from exc
 
@@ -281,18 +280,18 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
     def files():
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
-        _torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
+        torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
         if rank == 0:
-            _torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names},
+            torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names},
                                os.path.join(tmp, "optimizer.pt"))
-            _write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments})
-            _write_json(os.path.join(tmp, "config.json"), {
+            write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments})
+            write_json(os.path.join(tmp, "config.json"), {
                 "format": CHECKPOINT_FORMAT, "run": job.config,
-                "info": {"step": step, "steps_planned": job.args.steps, "written": _now(),
+                "info": {"step": step, "steps_planned": job.args.steps, "written": local_now(),
                          "model_source": job.spec.source, "data_source": job.data_info["source"],
-                         "policy": {k: getattr(_policy(job.args, job.args.pool_budget), k) for k in (
+                         "policy": {k: getattr(policy_of(job.args, job.args.pool_budget), k) for k in (
                              "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes")},
-                         "pool_budget": _budget_label(job.args.pool_budget)},
+                         "pool_budget": budget_label(job.args.pool_budget)},
             })
 
     def swap():
@@ -309,12 +308,12 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
 
-    _collective(job, fresh_folder, what)
-    _collective(job, files, what)
-    _save_adapter_agreed(job, model, tmp, what)
-    _collective(job, swap, what)
+    agreed_write(job, fresh_folder, what)
+    agreed_write(job, files, what)
+    save_adapter_agreed(job, model, tmp, what)
+    agreed_write(job, swap, what)
     job.checkpoint_step = step
 
 
-def _to_tuple(x):
-    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+def to_tuple(x):
+    return tuple(to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -12,11 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.agreement import _agree, _agree_configuration
+from python_api.finetune.agreement import agree_configuration, agree_error
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
 from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import _device, prepare
+from python_api.finetune.job import job_device, prepare
 from python_api.finetune.options import parse_args
 from python_api.finetune.runner import run
 from python_api.finetune.save_dir import lock_save_dir
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     except FinetuneError as exc:
         error = str(exc)
     try:
-        device = job.device if job is not None else _device(args, local_rank)
+        device = job.device if job is not None else job_device(args, local_rank)
     except FinetuneError:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -85,15 +85,15 @@ def main(argv=None) -> int:
                             device_id=device if device.type == "cuda" else None)
     lock = None
     try:
-        _agree(error, world_size)
-        _agree_configuration(job)
+        agree_error(error, world_size)
+        agree_configuration(job)
         error = None
         if rank == 0:
             try:
                 lock = lock_save_dir(job.save_dir)
             except FinetuneError as exc:
                 error = str(exc)
-        _agree(error, world_size)
+        agree_error(error, world_size)
         run(job)
     except FinetuneError as exc:
         # One write per message: several ranks share the terminal or pipe.

@@ -10,7 +10,7 @@ computation; in fp32 they differ only in summation order (the elastic GEMMs run 
 chunk, gradients are averaged by all-reduce instead of reduce-scatter, PEFT adds the LoRA term
 after the base GEMM). Those differences start at fp32 rounding (~1e-7 relative) and grow only
 as far as training amplifies them; the test bounds the loss curves' difference by 1e-5
-absolute over its short run (measured: 1.2e-7; see tests/test_finetune.py for the
+absolute over its short run (measured: 1.2e-7; see tests/finetune/test_finetune.py for the
 number). With `--lora-dropout` > 0 the runs draw different masks and are not comparable step
 by step.
 """
@@ -23,12 +23,15 @@ import math
 import torch
 import torch.nn as nn
 
-from python_api.finetune.agreement import _agree
-from python_api.finetune.checkpoints import _nonfinite
+from python_api.finetune.agreement import agree_error
+from python_api.finetune.checkpoints import nonfinite
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.job import Job
-from python_api.finetune.models import ModelSpec, _lora_config, _target_list
-from python_api.finetune.options import _budget_label, _policy
+from python_api.finetune.models import ModelSpec, lora_config_of, target_list
+from python_api.finetune.options import budget_label, policy_of
+from python_api.finetune.planning import JobPlanner
+from python_api.loading import LoadError, SafetensorsSource, empty_model
+from python_api.nn import convert_to_elastic, runtime_of
 
 
 class ElasticEngine:
@@ -37,19 +40,15 @@ class ElasticEngine:
     kind = "elastic"
 
     def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False):
-        from python_api.elastic_linear import runtime_of
-        from python_api.loading import LoadError
-        from python_api.lora import convert_to_elastic
-
         model, source = _collective_build_on_meta(job)
         try:
-            self.model = convert_to_elastic(model, _lora_config(job.args), _policy(job.args, budget, weights_on),
+            self.model = convert_to_elastic(model, lora_config_of(job.args), policy_of(job.args, budget, weights_on),
                                             source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
             raise FinetuneError(str(exc)) from exc
         self.runtime = runtime_of(self.model)
         if source is not None:
-            _agree(_nonfinite_loaded(self.model, self.runtime, job.spec), job.world_size)
+            agree_error(_nonfinite_loaded(self.model, self.runtime, job.spec), job.world_size)
         frozen = sum(math.prod(et.shape) * et.element_size for et in self.runtime.tensors)
         self.frozen_bytes = frozen
         if isinstance(budget, tuple):
@@ -63,13 +62,11 @@ class ElasticEngine:
             where = ", weights on host"
         elif policy.source_fraction > 0:
             where = f", {policy.source_fraction:g} from host"
-        self.name = f"elastic, budget {_budget_label(budget)}{where}"
+        self.name = f"elastic, budget {budget_label(budget)}{where}"
         # The micro-batch split of each step: the job's, or the plan's (python_api/finetune/planning.py).
         self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
         self.planner = None
         if planned:
-            from python_api.finetune.planning import JobPlanner
-
             self.kind = "planned"
             self.planner = JobPlanner(job, self)
             self.name = f"planned, cap {self.planner.cap_label()}{where}"
@@ -109,7 +106,7 @@ class FSDP2Engine:
         base = _collective_build(job)
         self.model = get_peft_model(base, LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-            target_modules=_target_list(args), use_rslora=False,
+            target_modules=target_list(args), use_rslora=False,
         ))
         _adapters_into_peft(self.model, job.initial_adapters)
         layer_types = set(getattr(base, "_no_split_modules", None) or [])
@@ -170,7 +167,7 @@ def _collective_build(job: Job) -> nn.Module:
         model = model.to(job.device)
     except FinetuneError as exc:
         err = str(exc)
-    _agree(err, job.world_size)
+    agree_error(err, job.world_size)
     return model
 
 
@@ -178,19 +175,17 @@ def _collective_build_on_meta(job: Job):
     """The elastic engine's base model and where its weights come from: for a model directory,
     the model with its parameters on the meta device and a `SafetensorsSource` from which
     convert_to_elastic reads each rank's share ([Note: loading from files] in
-    python_api/loading.py), so no rank holds the whole model; the embedded model is built in
+    python_api/loading/), so no rank holds the whole model; the embedded model is built in
     memory (`_collective_build`, source None). A failure anywhere is an error everywhere."""
     if job.spec.embedded:
         return _collective_build(job), None
-    from python_api.loading import LoadError, SafetensorsSource, empty_model
-
     model, source, err = None, None, None
     try:  # --dtype casts floating weights on load, as from_pretrained(dtype=...) does
         source = SafetensorsSource(job.spec.source, device=job.device, allow_cast=True)
         model = empty_model(job.spec.config, job.spec.dtype).train()
     except LoadError as exc:
         err = str(exc)
-    _agree(err, job.world_size)
+    agree_error(err, job.world_size)
     return model, source
 
 
@@ -224,5 +219,5 @@ def _check_finite_weights(model: nn.Module, spec: ModelSpec) -> None:
     """NaN or Inf in the base weights makes every loss NaN from step 1, whatever the learning
     rate: say so before training (one pass over the weights, on the CPU copy)."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if _nonfinite(t):
+        if nonfinite(t):
             raise FinetuneError(_nonfinite_message(name, int((~torch.isfinite(t)).sum()), t.numel(), spec))

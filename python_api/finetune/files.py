@@ -13,8 +13,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.agreement import _agree
+from python_api.finetune.agreement import agree_error
 from python_api.finetune.errors import FinetuneError, OutputError
+from python_api.nn import ADAPTER_WEIGHTS, runtime_of, save_adapter
 
 
 def _file_mode() -> int:
@@ -30,7 +31,7 @@ def _remove_quietly(path: str | None) -> None:
             os.unlink(path)
 
 
-def _write_bytes_atomic(path: str, write) -> None:
+def write_bytes_atomic(path: str, write) -> None:
     """`write(tmp)` into a temporary file next to `path`, then rename it over `path` (a reader
     never sees half a file). The mode is set on the *written* file, just before the rename:
     safetensors' save_file replaces the file it is given, so a mode set before writing would be
@@ -52,17 +53,17 @@ def _write_bytes_atomic(path: str, write) -> None:
         raise
 
 
-def _torch_save_atomic(obj, path: str) -> None:
+def torch_save_atomic(obj, path: str) -> None:
     # Through a file object: torch.save(obj, name) derives its archive name from the file
     # name, and the temporary ".tmp-*" names are not valid archive names.
     def write(p):
         with open(p, "wb") as f:
             torch.save(obj, f)
 
-    _write_bytes_atomic(path, write)
+    write_bytes_atomic(path, write)
 
 
-def _collective(job, fn, what: str) -> None:
+def agreed_write(job, fn, what: str) -> None:
     """Collective: run `fn()` on this rank (it may do nothing on some), then agree. An output
     error on any rank stops every rank with one message naming the path: alone, the failing
     rank would die with a traceback while the others wait in their next collective until the
@@ -74,10 +75,10 @@ def _collective(job, fn, what: str) -> None:
         err = f"{what}: {exc}"
     except OSError as exc:  # makedirs, rename: the path is in the exception
         err = f"{what}: {OutputError(exc.filename or job.save_dir, exc)}"
-    _agree(err, job.world_size)
+    agree_error(err, job.world_size)
 
 
-def _save_adapter_agreed(job, model, folder: str, what: str) -> None:
+def save_adapter_agreed(job, model, folder: str, what: str) -> None:
     """lora.save_adapter into `folder`, its write failures stopping every rank with one
     message, and the permissions a plain open() gives on the weights file.
 
@@ -86,9 +87,6 @@ def _save_adapter_agreed(job, model, folder: str, what: str) -> None:
     as is. Where it ends with a barrier instead, a write failure escapes on rank 0 before that
     barrier while the others wait in it: rank 0 joins the barrier, then the error is agreed."""
     from safetensors import SafetensorError
-
-    from python_api.elastic_linear import runtime_of
-    from python_api.lora import ADAPTER_WEIGHTS, save_adapter
 
     err = None
     try:
@@ -103,32 +101,32 @@ def _save_adapter_agreed(job, model, folder: str, what: str) -> None:
         err = f"{what}: {exc}"
     else:
         # save_adapter's mode is lost to safetensors (it replaces the file it was given; see
-        # _write_bytes_atomic): set it here.
+        # write_bytes_atomic): set it here.
         if job.rank == 0:
             weights = os.path.join(folder, ADAPTER_WEIGHTS)
             try:
                 os.chmod(weights, _file_mode())
             except OSError as exc:
                 err = f"{what}: {OutputError(weights, exc)}"
-    _agree(err, job.world_size)
+    agree_error(err, job.world_size)
 
 
-def _write_json(path: str, obj) -> None:
+def write_json(path: str, obj) -> None:
     def write(p):
         with open(p, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")
 
-    _write_bytes_atomic(path, write)
+    write_bytes_atomic(path, write)
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str) -> None:
     def write(p):
         with open(p, "w") as f:
             f.write(text)
 
-    _write_bytes_atomic(path, write)
+    write_bytes_atomic(path, write)
 
 
-def _now() -> str:
+def local_now() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from python_api.data import TokenWindows
 from python_api.finetune.agreement import run_configuration
-from python_api.finetune.checkpoints import Resume, _find_checkpoint, read_checkpoint
+from python_api.finetune.checkpoints import Resume, find_checkpoint, read_checkpoint
+from python_api.finetune.data import TokenWindows
 from python_api.finetune.errors import FinetuneError
-from python_api.finetune.models import ModelSpec, _resolve_data, _resolve_model, _resolved_targets
-from python_api.finetune.save_dir import _check_save_dir
+from python_api.finetune.models import ModelSpec, resolve_data, resolve_model, resolved_targets
+from python_api.finetune.save_dir import check_save_dir
 
 
 @dataclass
@@ -31,11 +31,11 @@ class Job:
     save_dir: str
     resume: Resume | None
     initial_adapters: dict = field(default_factory=dict)  # the elastic run's, copied into the baseline
-    memory: object = None  # python_api.measure.PeakMemory, set by run()
+    memory: object = None  # python_api.finetune.measure.PeakMemory, set by run()
     checkpoint_step: int | None = None  # the step of the last complete checkpoint in save_dir/checkpoint
 
 
-def _device(args, local_rank: int) -> torch.device:
+def job_device(args, local_rank: int) -> torch.device:
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -53,14 +53,14 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
             "--resume continues the elastic run only; --baseline and --compare-budgets train from scratch "
             "(run them without --resume)"
         )
-    device = _device(args, local_rank)
-    spec = _resolve_model(args)
-    windows, data_info = _resolve_data(args, spec)
-    targets, adapter_shapes = _resolved_targets(spec, args)
+    device = job_device(args, local_rank)
+    spec = resolve_model(args)
+    windows, data_info = resolve_data(args, spec)
+    targets, adapter_shapes = resolved_targets(spec, args)
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None
-    resume_ckpt = _find_checkpoint(args.resume) if args.resume is not None else None
-    save_dir = _check_save_dir(args, resume_ckpt)
+    resume_ckpt = find_checkpoint(args.resume) if args.resume is not None else None
+    save_dir = check_save_dir(args, resume_ckpt)
     if args.resume is not None:
         resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
     return Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)

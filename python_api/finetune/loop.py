@@ -13,11 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.checkpoints import _nonfinite, _to_tuple, write_checkpoint
+from python_api.finetune.checkpoints import nonfinite, to_tuple, write_checkpoint
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.job import Job
-from python_api.finetune.options import _budget_label
+from python_api.finetune.options import budget_label
+from python_api.nn import load_adapter
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
@@ -30,7 +31,7 @@ def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
 
 def _restore_rng(rng: dict, device: torch.device) -> None:
     torch.set_rng_state(rng["torch"])
-    random.setstate(_to_tuple(rng["python"]))
+    random.setstate(to_tuple(rng["python"]))
     if device.type == "cuda" and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
@@ -67,7 +68,7 @@ def _segments_label(segments: list[dict]) -> str | None:
     return "elastic, budget " + ", ".join(parts)
 
 
-def _nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> str:
+def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> str:
     """Tell apart what a non-finite loss can come from. The base weights were checked when
     the model was built, and a resumed checkpoint's adapters and optimizer state when it was
     read, so: a non-finite loss on the first step of this process, before any update, is the
@@ -75,7 +76,7 @@ def _nan_message(job: Job, engine, loss: float, step: int, start: int, named) ->
     in float16, an update that overflowed)."""
     args = job.args
     dtype = args.dtype
-    broken = [n for n, p in named if _nonfinite(p.detach())]
+    broken = [n for n, p in named if nonfinite(p.detach())]
     head = f"{engine.name}: the loss is {loss} at step {step + 1}"
     if step == start:
         origin = "the initial adapters" if job.resume is None else f"the adapters of checkpoint {job.resume.path}"
@@ -101,8 +102,6 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     opt = torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
     start, losses, segments = 0, [], []
     if primary and job.resume is not None:
-        from python_api.lora import load_adapter
-
         r = job.resume
         if r.param_names != names:
             raise FinetuneError(f"checkpoint {r.path}: its optimizer state belongs to other parameters than this model's adapters")
@@ -123,7 +122,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     times, gathered, counted, h2d, splits = [], [], [], [], []
 
     def segment(peak) -> dict:
-        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": _budget_label(args.pool_budget),
+        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": budget_label(args.pool_budget),
                 "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
                 "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
 
@@ -160,7 +159,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         h2d.append(engine.h2d_bytes() - h0)
         if not math.isfinite(loss):
             # The loss is all-reduced and the adapters replicated: every rank raises alike.
-            raise FinetuneError(_nan_message(job, engine, loss, step, start, named))
+            raise FinetuneError(nan_message(job, engine, loss, step, start, named))
         losses.append(loss)
         steady = _tokens_per_s(times, tokens_per_step)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")

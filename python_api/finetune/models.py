@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from python_api.data import (
+from python_api.finetune.constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
+from python_api.finetune.data import (
     ByteTokenizer,
     DataError,
     HFTokenizer,
@@ -20,8 +21,8 @@ from python_api.data import (
     token_digest,
     tokenize,
 )
-from python_api.finetune.constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
 from python_api.finetune.errors import FinetuneError
+from python_api.nn import LoRAConfig, target_names
 
 
 @dataclass
@@ -95,7 +96,7 @@ def embedded_model(config, seed: int, dtype: torch.dtype = torch.float32) -> nn.
     return model
 
 
-def _resolve_model(args) -> ModelSpec:
+def resolve_model(args) -> ModelSpec:
     dtype = getattr(torch, args.dtype)
     dims = {k: getattr(args, k) for k in EMBEDDED}
     if args.model is None:
@@ -163,7 +164,7 @@ def _resolve_tokenizer(path: str, shown: str, config):
     return ByteTokenizer(eos=vocab > 256)
 
 
-def _resolve_data(args, spec: ModelSpec):
+def resolve_data(args, spec: ModelSpec):
     try:
         if args.data is None:
             docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
@@ -186,26 +187,22 @@ def _resolve_data(args, spec: ModelSpec):
     return windows, info
 
 
-def _target_list(args) -> list[str] | str:
+def target_list(args) -> list[str] | str:
     return "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
 
 
-def _lora_config(args):
-    from python_api.lora import LoRAConfig
-
-    t = _target_list(args)
+def lora_config_of(args):
+    t = target_list(args)
     return LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                       target_modules=t if isinstance(t, str) else tuple(t), seed=args.seed)
 
 
-def _resolved_targets(spec: ModelSpec, args) -> tuple[list[str], dict]:
+def resolved_targets(spec: ModelSpec, args) -> tuple[list[str], dict]:
     """The adapted module names, and the adapter tensors they get: PEFT key -> shape (None
     where the module is not an nn.Linear and the shape is not derived here)."""
-    from python_api.lora import _target_names
-
     meta = spec.meta_model()
     try:
-        targets = _target_names(meta, _lora_config(args))
+        targets = target_names(meta, lora_config_of(args))
     except ValueError as exc:
         raise FinetuneError(f"--lora-targets {args.lora_targets}: {exc}") from exc
     shapes = {}

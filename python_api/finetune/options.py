@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from python_api.config import ElasticPolicy
 from python_api.finetune.constants import (
     DEFAULT_GRAD_ACCUM,
     DEFAULT_MICRO_BATCH,
@@ -73,15 +74,15 @@ def _cap_change(text: str) -> tuple[int, int]:
     return n, _size(size)
 
 
-def _budget_label(spec) -> str:
+def budget_label(spec) -> str:
     if spec is None:
         return "all"
     if isinstance(spec, tuple):
         return f"{spec[1] * 100:g}%"
-    return _fmt_bytes(spec)
+    return fmt_bytes(spec)
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     if n == 0:
         return "0"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -284,9 +285,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _policy(args, budget, weights_on: str | None = None):
-    from python_api.config import ElasticPolicy
-
+def policy_of(args, budget, weights_on: str | None = None):
     weights_on = weights_on or args.weights_on
     return ElasticPolicy(
         chunk_bytes=args.chunk_kib << 10, keep_ratio=args.keep_ratio, persist_ratio=args.persist_ratio,

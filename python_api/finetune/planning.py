@@ -11,7 +11,7 @@ one all-reduce. A departure of more than 5% from the memory the current plan was
 re-plans from the same profile (deterministic: every rank computes the same plan from the same
 numbers); a plan that differs is applied on every rank at that step (residency, pool budget,
 recompute, and the micro-batch split of the step's batch). The windows of a step are the same
-set whatever the split (python_api/data.py draws world_size x micro_batch x grad_accum starts
+set whatever the split (python_api/finetune/data.py draws world_size x micro_batch x grad_accum starts
 per step and deals them out), so the loss and the averaged gradient are the same sums in
 another order: equal to a fixed-split run within fp32 summation-order rounding.
 """
@@ -27,8 +27,12 @@ import torch.distributed as dist
 
 from python_api.finetune.constants import PROG
 from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import _collective, _write_json
-from python_api.finetune.options import _fmt_bytes
+from python_api.finetune.files import agreed_write, write_json
+from python_api.finetune.options import fmt_bytes
+from python_api.planner.profile import ProfileError
+from python_api.planner.search import PlanningError
+from python_api.planning.apply import apply_plan, plan
+from python_api.planning.measure import measure_profile
 
 _REPLAN_TOLERANCE = 0.05
 
@@ -50,11 +54,6 @@ class JobPlanner:
     """Profile, plan and adapt one planned elastic run (see the module docstring)."""
 
     def __init__(self, job, engine):
-        from python_api.planner.profile import ProfileError
-        from python_api.planner.search import PlanningError
-        from python_api.planner.apply import apply_plan
-        from python_api.planner.measure import measure_profile
-
         args = job.args
         self.job, self.engine = job, engine
         # With --weights-on host, --host-fraction > 0 or --offload-activations the profile has the
@@ -88,14 +87,14 @@ class JobPlanner:
         self.events = [self._event(1, None)]
         if job.rank == 0:
             print(f"{PROG}: profiled in {self.profile_seconds:.1f} s, planned in {self.plan.planning_seconds:.3f} s "
-                  f"for {_fmt_bytes(self.cap)} per rank:", flush=True)
+                  f"for {fmt_bytes(self.cap)} per rank:", flush=True)
             print(self.plan.table(), flush=True)
         self._write()
 
     # ------------------------------------------------------------ memory
 
     def cap_label(self) -> str:
-        return "auto" if self.base_cap is None else _fmt_bytes(self.base_cap)
+        return "auto" if self.base_cap is None else fmt_bytes(self.base_cap)
 
     def _cap_at(self, step: int) -> int:
         """The cap in force at optimizer step `step` (0-based) on this rank."""
@@ -118,12 +117,10 @@ class JobPlanner:
         return int(mine.item())
 
     def _plan(self, cap: int, step: int):
-        from python_api.planner.apply import plan
-
         try:
             return plan(self.engine.model, self.profile, min(cap, self.profile.capacity_bytes), self.global_batch)
         except self.PlanningError as exc:
-            raise FinetuneError(f"the planner found no plan for {_fmt_bytes(cap)} per rank at step {step}: {exc}") from exc
+            raise FinetuneError(f"the planner found no plan for {fmt_bytes(cap)} per rank at step {step}: {exc}") from exc
 
     # ------------------------------------------------------------ adapting
 
@@ -142,9 +139,9 @@ class JobPlanner:
         self.engine.micro_batch, self.engine.grad_accum = new.micro_batch, new.accumulation
         self.events.append(self._event(step + 1, old))
         if self.job.rank == 0:
-            print(f"{PROG}: step {step + 1}: memory {_fmt_bytes(cap)} per rank: micro-batch x accumulation "
+            print(f"{PROG}: step {step + 1}: memory {fmt_bytes(cap)} per rank: micro-batch x accumulation "
                   f"{old.micro_batch}x{old.accumulation} -> {new.micro_batch}x{new.accumulation}, pool budget "
-                  f"{_fmt_bytes(old.pool_budget_bytes)} -> {_fmt_bytes(new.pool_budget_bytes)}, recomputed layers "
+                  f"{fmt_bytes(old.pool_budget_bytes)} -> {fmt_bytes(new.pool_budget_bytes)}, recomputed layers "
                   f"{sum(lp.recompute for lp in old.layers)} -> {sum(lp.recompute for lp in new.layers)}", flush=True)
         self._write()
 
@@ -165,10 +162,10 @@ class JobPlanner:
                 doc = self.plan.to_dict()
                 doc["adaptations"] = self.events
                 doc["profile_seconds"] = self.profile_seconds
-                _write_json(os.path.join(job.save_dir, "plan.json"), doc)
-                _write_json(os.path.join(job.save_dir, "profile.json"), self.profile.to_dict())
+                write_json(os.path.join(job.save_dir, "plan.json"), doc)
+                write_json(os.path.join(job.save_dir, "profile.json"), self.profile.to_dict())
 
-        _collective(job, write, "plan.json was not written")
+        agreed_write(job, write, "plan.json was not written")
 
     def report(self) -> dict:
         """What the run's entry in summary.json carries about its plan."""

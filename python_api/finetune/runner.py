@@ -10,19 +10,26 @@ import sys
 import torch
 import torch.distributed as dist
 
+from python_api.finetune import report
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
 from python_api.finetune.engines import ElasticEngine, FSDP2Engine
-from python_api.finetune.files import _collective, _now, _save_adapter_agreed, _write_bytes_atomic, _write_json, _write_text
+from python_api.finetune.files import (
+    agreed_write,
+    local_now,
+    save_adapter_agreed,
+    write_bytes_atomic,
+    write_json,
+    write_text_atomic,
+)
 from python_api.finetune.job import Job
 from python_api.finetune.loop import train
+from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
+from python_api.nn import adapter_state_dict
 
 
 def run(job: Job) -> dict:
     """The whole job on every rank; rank 0 writes the report. Returns the summary."""
-    from python_api.lora import adapter_state_dict
-    from python_api.measure import AllGatherCounter, PeakMemory
-
     args = job.args
     job.memory = PeakMemory(job.device)
     runs = []
@@ -41,17 +48,17 @@ def run(job: Job) -> dict:
         # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
         job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
         result = train(job, engine, counter, primary=True)
-        _save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+        save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
         probe_logits = result.pop("probe_logits")
 
         def probe():
             if job.rank == 0:
                 from safetensors.torch import save_file
 
-                _write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
+                write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
                     {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
 
-        _collective(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
+        agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
         runs.append(result)
         del engine
         gc.collect()
@@ -72,14 +79,12 @@ def run(job: Job) -> dict:
             gc.collect()
             dist.barrier()
     summary = _summary(job, runs)
-    _collective(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
+    agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
 
 
 def _summary(job: Job, runs: list[dict]) -> dict:
-    from python_api.measure import device_name
-
     base = next((r for r in runs if r["kind"] == "fsdp2"), None)
     for r in runs:
         if base is not None and r is not base:
@@ -88,7 +93,7 @@ def _summary(job: Job, runs: list[dict]) -> dict:
             r["steps_compared_with_fsdp2"] = n
     return {
         "command": " ".join([PROG] + sys.argv[1:]) if job.args._argv is None else " ".join([PROG] + job.args._argv),
-        "date": _now(),
+        "date": local_now(),
         "machine": device_name(job.device),
         "world_size": job.world_size,
         "backend": dist.get_backend(),
@@ -103,8 +108,6 @@ def _summary(job: Job, runs: list[dict]) -> dict:
 
 
 def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
-    from python_api import report
-
     d = job.save_dir
     rows = report.table_rows(runs)
     args = job.args
@@ -121,12 +124,12 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
             md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
                    f"{r['max_abs_loss_diff_vs_fsdp2']:.3g}  ")
     md += "\n"
-    _write_text(os.path.join(d, "results.md"), md)
-    _write_text(os.path.join(d, "results.csv"), report.csv_text(rows))
-    _write_text(os.path.join(d, "losses.csv"), report.losses_csv(runs))
-    _write_json(os.path.join(d, "summary.json"), summary)
+    write_text_atomic(os.path.join(d, "results.md"), md)
+    write_text_atomic(os.path.join(d, "results.csv"), report.csv_text(rows))
+    write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
+    write_json(os.path.join(d, "summary.json"), summary)
     png = os.path.join(d, "finetune.png")
-    _write_bytes_atomic(png, lambda p: report.plot(runs, p, caption))
+    write_bytes_atomic(png, lambda p: report.plot(runs, p, caption))
     print()
     print(report.text_table(rows), end="")
     for r in runs:

@@ -13,7 +13,6 @@ from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
 from python_api.finetune.errors import FinetuneError, OutputError
 
-
 LOCK_FILE = ".elastic-finetune.lock"
 
 # [Note: the save-dir lock]
@@ -109,7 +108,7 @@ def _check_writable(save_dir: str) -> None:
         raise FinetuneError(f"--save-dir {save_dir} is not writable{where}: {exc.strerror or exc}") from exc
 
 
-def _check_save_dir(args, resume_ckpt: str | None) -> str:
+def check_save_dir(args, resume_ckpt: str | None) -> str:
     save_dir = args.save_dir
     if save_dir is None:
         save_dir = os.path.dirname(resume_ckpt) if resume_ckpt and os.path.basename(resume_ckpt) == CKPT else (

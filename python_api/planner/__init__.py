@@ -8,8 +8,9 @@ profile.py  the input (per-rank times, bytes, chunk layouts, links), JSON
 shapes.py   synthetic profiles of Llama-2 shapes on named devices
 memory.py   the memory model (bytes at each point of an iteration)
 cost.py     the cost model (exact all-gather bytes, predicted step time)
-search.py   the search and the `Plan` (JSON, table)
-Pure Python: nothing here imports torch or needs a model.
+plan.py     the `Plan` (JSON, table) and plan_of (a plan for given choices, predicted)
+search.py   the search: plan_from_profile, least_memory, plan_with_residency
+Pure Python: nothing here imports torch or needs a model (python_api/planning/ is the torch side).
 """
 
 from python_api.planner.cost import (
@@ -21,6 +22,7 @@ from python_api.planner.cost import (
     step_cost,
 )
 from python_api.planner.memory import Choices, MemoryCurve, memory_curve, pool_budget_bytes, pool_pages, timeline
+from python_api.planner.plan import LayerPlan, Plan, PlanningError, WeightPlan, plan_of
 from python_api.planner.profile import (
     LayerProfile,
     Link,
@@ -29,16 +31,7 @@ from python_api.planner.profile import (
     ProfileError,
     WeightProfile,
 )
-from python_api.planner.search import (
-    LayerPlan,
-    Plan,
-    PlanningError,
-    WeightPlan,
-    least_memory,
-    plan_from_profile,
-    plan_of,
-    plan_with_residency,
-)
+from python_api.planner.search import least_memory, plan_from_profile, plan_with_residency
 from python_api.planner.shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, synthetic_profile
 
 __all__ = [

@@ -30,7 +30,7 @@ link are not serialised. It is an estimate, checked against measured step times 
 [Note: chunk sources and the host link]
 With a host fraction f (`Choices.host_fraction`; 1 in effect with weights_on="host", 0 at
 world size 1 with the weights on the device) the missing chunks of a use split, per weight,
-by the runtime's own rule ([Note: chunk sources] in python_api/host_tier.py): chunk c is a
+by the runtime's own rule ([Note: chunk sources] in python_api/host/sources.py): chunk c is a
 host chunk iff int((c + 1) f) > int(c f). The missing chunks are the last ones (kept chunks
 are the first), so a use missing m of n chunks has host_chunk_count(n, n - m, f) =
 int(n f) - int((n - m) f) host chunks (memory.py, integer-exact, the runtime's float
@@ -45,7 +45,7 @@ backward-phase use just before its backward: max(0, h(M) - that compute) each (t
 link both ways; contention with the weights' H2D copies is not modelled). Exact bytes per
 micro-batch: all-gather = sum of the uses' received bytes; H2D = the uses' host-chunk bytes
 + the activations moved (each comes back once), what the runtime's `h2d_bytes` counts
-(tests/test_plan_host.py).
+(tests/planner/test_plan_host.py).
 """
 
 from __future__ import annotations

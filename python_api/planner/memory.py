@@ -5,7 +5,7 @@ An iteration of one micro-batch is a sequence of *uses* of the units (the profil
 forward uses in layer order, then the backward phase in reverse layer order, where a
 recomputed layer contributes two uses, its recompute (a forward run inside backward, by
 non-reentrant activation checkpointing) followed by its backward ([Note: recompute inside
-backward] in python_api/runtime.py; the recompute and the backward of one layer are separate
+backward] in python_api/runtime/; the recompute and the backward of one layer are separate
 segments of the learned order because a weight repeats, so each is prefetched like any use).
 A use of weight w (n chunks, keep k, persist p, 0 <= p <= k <= n) misses, in steady state:
     forward     n - p     (only PERSISTENT chunks survive the previous iteration)
@@ -38,19 +38,19 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
     send buffer and the all-gather output, alive until the output is unpacked into pages),
     plus on CPU (gloo) world_size x slice_bytes more: gloo's all-gather fills a flat scratch
     tensor of the output's size and copies it into the output (measured on the demo model:
-    tests/test_memory_model.py; it counts for every gather in the window, an upper bound
+    tests/planner/test_memory_model.py; it counts for every gather in the window, an upper bound
     since the scratch lives only while its collective runs)
 and at the end of forward: every saved activation + outside act + outside peak (logits and
 loss). With the host tier, only the *peer* chunks of a use have gather buffers: a host chunk
 is copied from the host store straight into its page ([Note: chunk sources] in
-python_api/host_tier.py), so a use's buffers are (world_size + 1) x slice_bytes per missing
+python_api/host/sources.py), so a use's buffers are (world_size + 1) x slice_bytes per missing
 peer chunk (+ gloo's scratch). With weights_on="host" static_bytes holds no shard (the
 profile measures static as it is). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
 The peak is the maximum over the points.
 
 [Note: activation offload in the memory model]
-With `Choices.offload` the activation offload (python_api/activation_offload.py) copies the
+With `Choices.offload` the activation offload (python_api/host/offload.py) copies the
 activations of every elastic LoRA linear of a layer to host buffers after that layer's
 forward, unless the layer is recomputed (its forward runs under checkpointing's saved-tensor
 hooks, and the recompute inside backward offloads nothing). Which tensors the bounded pool
@@ -78,6 +78,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from python_api.config import MIN_HOST_BUFFER_BYTES
 from python_api.planner.profile import Profile, ProfileError
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
@@ -159,7 +160,7 @@ class Use(NamedTuple):
 def effective_host_fraction(profile: Profile, host_fraction: float) -> float:
     """The fraction the runtime's source split uses: 1 with weights_on="host"; 0 at world size
     1 with the weights on the device (chunks are views of the local weight, nothing is
-    fetched: [Note: single process] in python_api/runtime.py)."""
+    fetched: [Note: single process] in python_api/runtime/)."""
     if profile.weights_on == "host":
         return 1.0
     if profile.world_size == 1:
@@ -169,10 +170,10 @@ def effective_host_fraction(profile: Profile, host_fraction: float) -> float:
 
 def host_chunk_count(n: int, x: int, f: float) -> int:
     """How many of chunks x..n-1 of a weight with n chunks are host chunks under fraction f:
-    exactly `sum(host_chunks(n, f)[x:])` (python_api/host_tier.py), in O(1). The runtime's
+    exactly `sum(host_chunks(n, f)[x:])` (python_api/host/sources.py), in O(1). The runtime's
     test for chunk c is int((c + 1) * f) > int(c * f); for 0 < f < 1 consecutive values of
     int(c * f) differ by 0 or 1, so the count telescopes to int(n * f) - int(x * f), with the
-    very same float products (tests/test_planner.py checks it against the runtime's list)."""
+    very same float products (tests/planner/test_planner.py checks it against the runtime's list)."""
     if f >= 1.0:
         return n - x
     if f <= 0.0:
@@ -189,7 +190,7 @@ def is_host_chunk(c: int, f: float) -> bool:
     return int((c + 1) * f) > int(c * f)
 
 
-def _use(profile: Profile, i: int, kind: str, missing: tuple[int, ...], host_fraction: float = 0.0) -> Use:
+def use_at(profile: Profile, i: int, kind: str, missing: tuple[int, ...], host_fraction: float = 0.0) -> Use:
     W = profile.world_size
     f = effective_host_fraction(profile, host_fraction)
     if W == 1 and profile.weights_on == "device":  # [Note: single process]: views of the local weight
@@ -215,26 +216,22 @@ def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:
     forward, backward = [], []
     for i, layer in enumerate(profile.layers):
         ks, ps = choices.keep[i], choices.persist[i]
-        forward.append(_use(profile, i, FORWARD, tuple(w.chunks - p for w, p in zip(layer.weights, ps)), f))
+        forward.append(use_at(profile, i, FORWARD, tuple(w.chunks - p for w, p in zip(layer.weights, ps)), f))
     for i in reversed(range(len(profile.layers))):
         layer = profile.layers[i]
         ks, ps = choices.keep[i], choices.persist[i]
         if choices.recompute[i]:
-            backward.append(_use(profile, i, RECOMPUTE, tuple(
+            backward.append(use_at(profile, i, RECOMPUTE, tuple(
                 w.chunks - (k if w.backward else p) for w, k, p in zip(layer.weights, ks, ps)), f))
-        backward.append(_use(profile, i, BACKWARD, tuple(
+        backward.append(use_at(profile, i, BACKWARD, tuple(
             (w.chunks - k) if w.backward else 0 for w, k in zip(layer.weights, ks)), f))
     return forward, backward
 
 
-# The offloader's smallest buffer: python_api.activation_offload.MIN_HOST_BUFFER_BYTES (one
-# PagePool page alignment, 512 bytes); repeated here because the planner does not import torch
-# (tests/test_planner.py checks both against each other).
-MIN_HOST_BUFFER_BYTES = 512
 
 
 def offload_size_class(nbytes: int) -> int:
-    """python_api.activation_offload.size_class: the next power of two, at least the minimum."""
+    """python_api.host.offload.size_class: the next power of two, at least the minimum."""
     return max(MIN_HOST_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
@@ -285,7 +282,7 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
 
 def pool_pages(profile: Profile, choices: Choices) -> int:
     """Pages the runtime's pool reaches: the plan's budget (every kept chunk) plus the working
-    set, at most every chunk ([Note: pool budget and working set] in python_api/runtime.py)."""
+    set, at most every chunk ([Note: pool budget and working set] in python_api/runtime/)."""
     kept = sum(sum(ks) for ks in choices.keep)
     return min(profile.total_chunks, kept + profile.working_set_pages(choices.prefetch_depth))
 

@@ -8,7 +8,7 @@ machine (`"hand"`). It is a small JSON document:
     profile.save("profile.json"); Profile.load("profile.json")
 
 Every quantity is *per rank*, in bytes and seconds. `layers` are the runtime's units in
-forward order ([Note: units and coalesced gathers] in python_api/runtime.py): a decoder layer,
+forward order ([Note: units and coalesced gathers] in python_api/runtime/): a decoder layer,
 or a weight that is its own unit (e.g. an elastic `lm_head`). Each weight is described by its
 chunk layout exactly as the runtime lays it out (`ChunkLayout`): `chunks` (n), `chunk_bytes`
 (bytes of one full chunk: rows_per_chunk x row bytes) and `slice_bytes` (bytes of one
@@ -248,7 +248,7 @@ class OutsideProfile:
     workspace_bytes_per_token  the transient of a layer's backward beyond its saved
                           activations (gradient buffers); measured by the profiler as what the
                           measured peak of a step without gathers exceeds the model by
-                          (python_api/planner/measure.py), 0 when unknown
+                          (python_api/planning/measure.py), 0 when unknown
     recompute_workspace_bytes_per_token  what the backward of a recomputed layer takes
                           beyond that (the recompute's own transients), measured the same way
                           on a step that recomputes every layer

@@ -53,11 +53,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from python_api.config import PAGE_ALIGN
 from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
 
 BF16 = 2  # bytes per element of the frozen weights and activations
 DEFAULT_CHUNK_BYTES = 4 << 20  # ElasticPolicy.chunk_bytes default
-_PAGE_ALIGN = 512
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         act_bytes_per_token=0.0, input_bytes_per_token=0.0, weights=(head,),
     ))
     largest_chunk = max(w.chunk_bytes for layer in layers for w in layer.weights)
-    page = -(-largest_chunk // _PAGE_ALIGN) * _PAGE_ALIGN
+    page = -(-largest_chunk // PAGE_ALIGN) * PAGE_ALIGN
     shards = sum(w.chunks * w.slice_bytes for layer in layers for w in layer.weights)
     replicated = BF16 * (m.vocab * h + (2 * m.layers + 1) * h)  # embedding + norms
     adapters = m.layers * lora_params

@@ -1,0 +1,202 @@
+"""Chunked all-gathers of frozen-weight shards into pool pages.
+
+One `GatherWork` is one collective: the slices of several chunk runs (of one or several
+weights) packed into one send buffer with `elastic::pack_shards`, all-gathered rank-major,
+and copied out into pool pages with `elastic::unpack_gathered`.
+
+[Note: where a gather runs and how its end is awaited]
+- gloo (CPU): the collective is issued with async_op=True; gloo's worker thread moves the
+  bytes while the main thread computes on chunks that are already resident. `wait()` blocks
+  on the work handle (with the policy's timeout), checks the headers ([Note: collective
+  headers]) and then unpacks on the main thread.
+- NCCL (GPU): everything (pack, collective, unpack) is issued on the runtime's communication
+  stream, which first waits for the runtime device's compute stream (so the shard and the
+  pages are ready); an event recorded after the unpack is what the compute stream waits on in
+  `wait()`: the host never blocks. The receive buffer is dropped as soon as the unpack is
+  enqueued: it was allocated on the communication stream, so the caching allocator reuses it
+  only after that stream's unpack (stream order), and it never outlives the gather as memory
+  outside the pool's budget. The pages are `record_stream`-ed on the compute stream by the
+  runtime so the pool hands them out again only after the kernels that read them are done.
+  `collective_timeout_s` does not apply on this path (the host never waits on the
+  collective): a hang on NCCL is bounded by the process group's own timeout
+  (`init_process_group(timeout=...)`, enforced by NCCL's watchdog, which aborts the
+  communicator and the process).
+
+[Note: a failed gather fails once]
+A collective that failed or timed out stores its error: every later `wait()` on it (one per
+chunk of the use, the `finally` of `ElasticRuntime.use`, prefetch release) re-raises the same
+error at once instead of waiting the full timeout again, so a rank whose peer died ends after
+one `collective_timeout_s`. Pages of a failed gather never received data; the runtime frees
+them (`GatherWork.failed`), so a caller that catches the error and retries gathers again.
+
+[Note: collective headers]
+On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
+all-gathers 4 int64 (magic, sequence number of the collective on this runtime, crc32 of the
+runs it carries (weight ids and chunk ranges), payload elements), waits for it (bounded by
+`collective_timeout_s`) and compares all ranks' headers before the data collective is issued.
+Ranks that diverge (one rank evaluating alone, `generate()` stopping at different lengths, a
+budget changed on one rank) then fail at once, on every rank, with a message that names the
+rule, whatever the sizes of their gathers: a data all-gather whose sizes differ across ranks
+is what gloo cannot survive (its worker thread aborts the process, "Received data size doesn't
+match expected size"). The header is a fixed 32 bytes per rank, so the exchange itself cannot
+mismatch in size against another gather's header; it can against a *different* collective on
+the peer (an all-reduce of gradients), which the rule forbids too. Cost: one small collective
+round trip per data collective, on the host; measured in NOTES.md (make demo). It uses
+`dist.all_gather` (not the all-gather the data uses), and the traffic stats count payload
+bytes only. On NCCL no header is exchanged (the host never waits there: the check would cost
+a device sync per gather).
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from elastic_kernels import pack_shards, unpack_gathered
+
+# torch 2.14 deprecates all_gather_into_tensor in favour of all_gather_single; torch 2.11 (the
+# GPU machine) has only the former. Looked up at call time so tests can wrap it.
+ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+_HEADER_MAGIC = 0x454C4153  # "ELAS"
+
+SYMMETRY_RULE = (
+    "every rank must run the same forward and backward passes through the elastic layers, in "
+    "the same order (no evaluation or generation on some ranks only, the same number of "
+    "micro-batches everywhere), and change the pool budget at the same point on every rank"
+)
+
+
+def all_gather_into(output: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+    return getattr(dist, ALL_GATHER_NAME)(output, send, group=group, async_op=async_op)
+
+
+class ChunkRun(NamedTuple):
+    """Chunks [begin, end) of one elastic tensor, landing in `pages` (chunk-shaped views)."""
+
+    tensor: object  # python_api.runtime.ElasticTensor
+    begin: int
+    end: int
+    pages: list
+
+
+def _runs_digest(runs: list[ChunkRun]) -> int:
+    text = ";".join(f"{r.tensor.wid}:{r.begin}-{r.end}" for r in runs)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _describe(runs: list[ChunkRun]) -> str:
+    return ", ".join(f"{r.tensor.name} chunks {r.begin}..{r.end - 1}" for r in runs)
+
+
+class GatherWork:
+    """One all-gather in flight. `wait()` makes its pages hold the gathered chunks."""
+
+    def __init__(self, runs: list[ChunkRun], group, world_size: int, comm_stream=None, timeout_s=None,
+                 seq: int = 0, device: torch.device | None = None):
+        self.runs = runs
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.done = False
+        self.error: RuntimeError | None = None
+        shards = [r.tensor.shard for r in runs]
+        slices = [r.tensor.layout.slice_numel for r in runs]
+        self._slices = slices
+        self._counts = [r.end - r.begin for r in runs]
+        self.payload_numel = sum(c * s for c, s in zip(self._counts, slices))
+        self.send_bytes = self.payload_numel * shards[0].element_size()
+        self.seq = seq
+        self.device = device
+        self.event = None
+        self.work = None
+        with record_function("elastic::gather"):
+            if comm_stream is not None:
+                compute = torch.cuda.current_stream(device)
+                comm_stream.wait_stream(compute)
+                with torch.cuda.stream(comm_stream):
+                    send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
+                    self.output = send.new_empty(world_size * send.numel())
+                    all_gather_into(self.output, send, group, async_op=False)
+                    self._unpack()
+                    self.event = torch.cuda.Event()
+                    self.event.record(comm_stream)
+                # See [Note: where a gather runs ...]: stream-ordered, safe to drop now.
+                self.output = None
+            else:
+                self._check_headers(runs, group, seq, shards[0].device)
+                send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
+                self.output = send.new_empty(world_size * send.numel())
+                self.work = all_gather_into(self.output, send, group, async_op=True)
+
+    @property
+    def received_bytes(self) -> int:
+        """Payload bytes this rank receives from its peers in this collective."""
+        return (self.world_size - 1) * self.send_bytes
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def _unpack(self) -> None:
+        dests = [p for r in self.runs for p in r.pages]
+        unpack_gathered(self.output, self.world_size, self._slices, self._counts, dests)
+
+    def _check_headers(self, runs: list[ChunkRun], group, seq: int, device) -> None:
+        """[Note: collective headers]: exchange and compare before the data collective."""
+        mine = torch.tensor([_HEADER_MAGIC, seq, _runs_digest(runs), self.payload_numel], dtype=torch.int64,
+                            device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(every, mine, group=group, async_op=True)
+        try:
+            if self.timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise RuntimeError(
+                f"elastic: the all-gather of {_describe(runs)} failed or timed out before it started "
+                f"(timeout {self.timeout_s} s); a peer rank probably failed: {exc}"
+            ) from exc
+        bad = [r for r in range(self.world_size) if not torch.equal(every[r], mine)]
+        if bad:
+            other = every[bad[0]].tolist()
+            what = "no elastic all-gather header" if other[0] != _HEADER_MAGIC else (
+                f"all-gather #{other[1]} (runs digest {other[2]:#x}, {other[3]} elements)"
+            )
+            raise RuntimeError(
+                f"elastic: ranks diverged: this rank's all-gather #{seq} carries {_describe(runs)} "
+                f"(runs digest {int(mine[2]):#x}, {self.payload_numel} elements), rank(s) {bad} "
+                f"issued {what}. Rule: {SYMMETRY_RULE}."
+            )
+
+    def wait(self, what: str) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.done:
+            return
+        with record_function("elastic::gather_wait"):
+            if self.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.event)
+            else:
+                try:
+                    if self.timeout_s is None:
+                        self.work.wait()
+                    else:
+                        self.work.wait(datetime.timedelta(seconds=self.timeout_s))
+                except Exception as exc:  # noqa: BLE001 - re-raised with context, once
+                    self.error = RuntimeError(
+                        f"elastic: the all-gather of {what} failed or timed out "
+                        f"(timeout {self.timeout_s} s); a peer rank probably failed: {exc}"
+                    )
+                    self.error.__cause__ = exc
+                    self.output = None
+                    raise self.error from exc
+                self._unpack()
+        self.output = None  # the pages hold the data now
+        self.work = None  # it holds the send buffer: drop both now, not when the use ends
+        self.done = True

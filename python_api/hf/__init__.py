@@ -1,0 +1,25 @@
+"""The transformers integration, on top of python_api.nn (nothing in nn/ imports it):
+
+  pretrained.py  the class swap of a converted `PreTrainedModel`: save_pretrained(merged=...),
+                 num_parameters (registered below as a conversion hook, so every conversion
+                 of an HF model gets it)
+  trainer.py     ElasticTrainerMixin and ElasticTrainer (the Trainer saving and resuming on
+                 several ranks)
+
+`ElasticTrainer` is built on first use, so importing this package does not import transformers.
+"""
+
+from python_api.hf import trainer
+from python_api.hf.pretrained import ElasticPreTrainedMixin, swap_class_of_hf_model
+from python_api.hf.trainer import ElasticTrainerMixin
+from python_api.nn.convert import register_conversion_hook
+
+register_conversion_hook(swap_class_of_hf_model)
+
+__all__ = ["ElasticPreTrainedMixin", "ElasticTrainer", "ElasticTrainerMixin"]
+
+
+def __getattr__(name):
+    if name == "ElasticTrainer":  # built by trainer.py on first use
+        return trainer.ElasticTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

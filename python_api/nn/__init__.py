@@ -1,0 +1,43 @@
+"""The layers of the library and putting a model under the runtime:
+
+  linear.py      ElasticLinear (a frozen linear on an elastic tensor) and what every elastic
+                 layer shares: the op dtype under autocast, per-use casts, refusing .to()
+  lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets
+  units.py       which frozen weights are gathered together (decoder layers)
+  convert.py     convert_to_elastic, elasticize, runtime_of, stats, set_pool_budget, no_sync
+  adapters.py    PEFT-format adapters: save_adapter, load_adapter, merge_adapters
+  state_dict.py  full state dicts (a collective) and load_state_dict into the shards
+  ddp.py         running inside DistributedDataParallel
+"""
+
+from python_api.nn.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    adapter_state_dict,
+    load_adapter,
+    lora_layers,
+    merge_adapters,
+    save_adapter,
+)
+from python_api.nn.convert import (
+    convert_to_elastic,
+    elasticize,
+    no_sync,
+    register_conversion_hook,
+    reset_stats,
+    runtime_of,
+    set_pool_budget,
+    stats,
+)
+from python_api.nn.linear import ElasticLinear, ElasticLinearFunction
+from python_api.nn.lora import ElasticLoRAFunction, ElasticLoRALinear, LoRAConfig, target_names
+from python_api.nn.state_dict import gather_only, load_full_weight
+
+__all__ = [
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticLinear", "ElasticLinearFunction",
+    "ElasticLoRAFunction", "ElasticLoRALinear", "LoRAConfig", "adapter_state_dict", "convert_to_elastic",
+    "elasticize", "gather_only", "load_adapter", "load_full_weight", "lora_layers", "merge_adapters",
+    "no_sync", "register_conversion_hook", "reset_stats", "runtime_of", "save_adapter", "set_pool_budget",
+    "stats", "target_names",
+]

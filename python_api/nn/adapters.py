@@ -1,0 +1,270 @@
+"""Adapters in PEFT's format: `save_adapter` / `load_adapter` (adapter_model.safetensors +
+adapter_config.json), `adapter_state_dict`, and folding them into the frozen weights
+(`merge_adapters`, `merge_into`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+import torch
+import torch.nn as nn
+
+from python_api.distributed.agree import rank0_then_agree
+from python_api.nn.convert import runtime_of
+from python_api.nn.linear import RUNTIME_ATTR, ElasticLinear
+from python_api.nn.lora import (
+    ElasticLoRALinear,
+    LoRAConfig,
+    conv1d_class,
+    is_positive_finite,
+    is_positive_int,
+    normalize_pattern,
+)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, ElasticLoRALinear]]:
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, ElasticLoRALinear)]
+    if not layers:
+        raise ValueError("the model has no ElasticLoRALinear layers (call convert_to_elastic first)")
+    return layers
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Replace every elastic layer by a plain `nn.Linear` holding W + s·B·A (or W), in place,
+    and detach the runtime. A collective: call it on every rank. Returns the model."""
+    rt = runtime_of(model)
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, (ElasticLoRALinear, ElasticLinear))]:
+        weight = rt.full_weight(module.et)
+        if isinstance(module, ElasticLoRALinear):
+            with torch.no_grad():
+                delta = (module.lora_B.weight.double() @ module.lora_A.weight.double()) * module.scaling
+                weight = (weight.double() + delta).to(weight.dtype)
+        if module.fan_in_fan_out:  # [Note: Conv1D]: back to the layout the model came with
+            plain = conv1d_class()(module.out_features, module.in_features).to(device=weight.device, dtype=weight.dtype)
+            weight = weight.t()
+        else:
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            plain.weight.copy_(weight)
+            if module.bias is not None:
+                plain.bias.copy_(module.bias)
+            elif module.fan_in_fan_out:
+                plain.bias.zero_()
+        plain.requires_grad_(False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+    object.__setattr__(model, RUNTIME_ATTR, None)
+    return model
+
+
+def peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = False) -> dict:
+    target = lora.target_modules if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear" \
+        else sorted({t.rpartition(".")[2] for t in targets})
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": target,
+        "use_rslora": lora.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": fan_in_fan_out,  # [Note: Conv1D]
+        "rank_pattern": dict(lora.rank_pattern),
+        "alpha_pattern": dict(lora.alpha_pattern),
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's saved key names."""
+    out = {}
+    for name, layer in lora_layers(model):
+        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach().cpu().contiguous()
+        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach().cpu().contiguous()
+    return out
+
+
+def atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        # mkstemp creates the file 0600, and a writer may replace the file (safetensors does):
+        # give the finished file the permissions a plain open() would, right before the rename.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_adapter(model: nn.Module, path: str) -> None:
+    """Write `adapter_model.safetensors` and `adapter_config.json` in PEFT's format under
+    `path` (rank 0 writes, each file to a temporary name then renamed; every rank returns
+    after the files exist)."""
+    from safetensors.torch import save_file
+
+    lora = getattr(model, "_elastic_lora", None)
+    if lora is None:
+        raise ValueError("save_adapter: the model was not converted with convert_to_elastic")
+    layers = lora_layers(model)
+    rt = runtime_of(model)
+
+    def write():
+        os.makedirs(path, exist_ok=True)
+        state = adapter_state_dict(model)
+        atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(state, p, metadata={"format": "pt"}))
+        config = peft_config(lora, [n for n, _ in layers], any(m.fan_in_fan_out for _, m in layers))
+        atomic_write(
+            os.path.join(path, ADAPTER_CONFIG),
+            lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+        )
+
+    rank0_then_agree(write, rt.group, what=f"save_adapter({path!r})")  # every rank raises rank 0's error
+
+
+def _check_adapter_config(config, cfile: str) -> None:
+    """Every field load_adapter reads, checked before the model is touched."""
+    if not isinstance(config, dict):
+        raise ValueError(f"load_adapter: {cfile} must hold a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"load_adapter: {cfile} has peft_type={config.get('peft_type')!r}, expected 'LORA'")
+    if "r" not in config:
+        raise ValueError(f"load_adapter: {cfile} has no 'r' (the LoRA rank)")
+    if not is_positive_int(config["r"]):
+        raise ValueError(f"load_adapter: {cfile} has r={config['r']!r}; it must be a positive int")
+    if not is_positive_finite(config.get("lora_alpha")):
+        raise ValueError(f"load_adapter: {cfile} has lora_alpha={config.get('lora_alpha')!r}; it must be a finite positive number")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"load_adapter: {cfile} has use_rslora={config.get('use_rslora')!r}; it must be a bool")
+    if not isinstance(config.get("fan_in_fan_out", False), bool):
+        raise ValueError(f"load_adapter: {cfile} has fan_in_fan_out={config.get('fan_in_fan_out')!r}; it must be a bool")
+    for key, check, kind in (("rank_pattern", is_positive_int, "a positive int"),
+                             ("alpha_pattern", is_positive_finite, "a finite positive number")):
+        value = config.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"load_adapter: {cfile} has {key}={value!r}; it must be an object {{pattern: value}}")
+        normalize_pattern(value, f"load_adapter: {cfile}: {key}", check, kind)
+
+
+def load_adapter(model: nn.Module, path: str) -> None:
+    """Load a PEFT LoRA adapter (these key names, these shapes) into an elastic model. Every
+    adapter of the model must be in the file and every tensor of the file must fit one; every
+    module's rank and scaling, by the file's r, lora_alpha, use_rslora, rank_pattern and
+    alpha_pattern ([Note: per-module rank and alpha]), must be the layer's. Everything is
+    checked before any adapter changes."""
+    from safetensors.torch import load_file
+
+    lora = getattr(model, "_elastic_lora", None)
+    if lora is None:
+        raise ValueError("load_adapter: the model was not converted with convert_to_elastic")
+    wfile, cfile = os.path.join(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_CONFIG)
+    for f in (wfile, cfile):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"load_adapter: {f} does not exist")
+    with open(cfile) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"load_adapter: {cfile} is not valid JSON: {exc}") from exc
+    _check_adapter_config(config, cfile)
+    file_cfg = LoRAConfig(
+        r=config["r"], alpha=config["lora_alpha"], use_rslora=config.get("use_rslora", False),
+        rank_pattern=config.get("rank_pattern") or {}, alpha_pattern=config.get("alpha_pattern") or {},
+    )
+    layers = lora_layers(model)
+    for name, layer in layers:
+        r, scaling = file_cfg.r_of(name), file_cfg.scaling_of(name)
+        if r != layer.r or not math.isclose(scaling, layer.scaling, rel_tol=1e-12):
+            raise ValueError(
+                f"load_adapter: for {name} the adapter in {cfile} has r={r}, scaling={scaling:g} "
+                f"(lora_alpha={file_cfg.alpha_of(name)}, from r, lora_alpha, use_rslora, rank_pattern, "
+                f"alpha_pattern); the model's layer has r={layer.r}, scaling={layer.scaling:g}. Convert the model "
+                f"with a LoRAConfig giving the same values (LoRAConfig.rank_pattern / alpha_pattern for per-module ones)"
+            )
+    state = load_file(wfile)
+    expected = {}
+    for name, layer in layers:
+        expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
+        expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
+    for key in state:
+        if key not in expected:
+            raise KeyError(f"load_adapter: {wfile} has {key!r}, which no adapter of this model matches")
+    for key, param in expected.items():
+        if key not in state:
+            raise KeyError(f"load_adapter: {wfile} lacks {key!r}")
+        if tuple(state[key].shape) != tuple(param.shape):
+            raise ValueError(
+                f"load_adapter: {key!r} has shape {tuple(state[key].shape)} in {wfile}, the model expects {tuple(param.shape)}"
+            )
+        if not state[key].is_floating_point() or not torch.isfinite(state[key]).all():
+            raise ValueError(f"load_adapter: {key!r} in {wfile} has non-finite values (NaN or inf) or is not floating point")
+    with torch.no_grad():
+        for key, param in expected.items():
+            param.copy_(state[key].to(device=param.device, dtype=param.dtype))
+
+
+def split_state_dict(model: nn.Module, state_dict: dict) -> tuple[dict, dict]:
+    """(base, adapters): the base weights under their original names, and the LoRA adapters
+    under PEFT's saved names (`base_model.model.<layer>.lora_A.weight`)."""
+    lora_names = {n for n, m in model.named_modules() if isinstance(m, ElasticLoRALinear)}
+    base, adapters = {}, {}
+    for key, value in state_dict.items():
+        layer, _, rest = key.rpartition(".lora_")
+        if layer in lora_names and rest in ("A.weight", "B.weight"):
+            adapters[f"{PEFT_PREFIX}{key}"] = value
+        else:
+            base[key] = value
+    return base, adapters
+
+
+def merge_into(model: nn.Module, base: dict, adapters: dict) -> dict:
+    """base with W + s·B·A for every LoRA layer (computed in float64, stored in W's dtype)."""
+    out = dict(base)
+    for name, layer in model.named_modules():
+        if isinstance(layer, ElasticLoRALinear):
+            a = adapters[f"{PEFT_PREFIX}{name}.lora_A.weight"].double().cpu()
+            b = adapters[f"{PEFT_PREFIX}{name}.lora_B.weight"].double().cpu()
+            w = out[f"{name}.weight"]
+            delta = (b @ a) * layer.scaling
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.t()  # Conv1D layout [in, out]
+            out[f"{name}.weight"] = (w.double().cpu() + delta).to(w.dtype)
+    return out
+
+
+def write_adapter(model: nn.Module, path: str, adapters: dict) -> None:
+    """Write adapter_model.safetensors + adapter_config.json (PEFT's format) under `path`
+    (on the calling process only; each file to a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
+    atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    layers = lora_layers(model)
+    fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for _, m in layers)  # Conv1D layers
+    config = peft_config(model._elastic_lora, [n for n, _ in layers], *([True] if fan_in_fan_out else []))
+    atomic_write(
+        os.path.join(path, ADAPTER_CONFIG),
+        lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+    )

@@ -1,0 +1,196 @@
+"""Putting a model under the elastic runtime, and reaching its runtime: `convert_to_elastic`
+(LoRA on the targets, the other large frozen linears elastic), `elasticize` (frozen linears
+only), `runtime_of`, `stats`, `reset_stats`, `set_pool_budget`, `no_sync`.
+
+Both conversions end in `attach(model)`: the state-dict hooks (state_dict.py), the forward
+pre-hook that hands gradient averaging to DDP (ddp.py), and every hook registered with
+`register_conversion_hook` (the transformers integration registers its class swap:
+python_api/hf/).
+
+[Note: what convert_to_elastic does with each parameter]
+- Linear layers matched by `target_modules` become `ElasticLoRALinear`: frozen weight elastic
+  (sharded, gathered into pool pages), trainable adapters A [r, in] and B [out, r] replicated.
+- Other frozen `nn.Linear` layers (lm_head, say) become `ElasticLinear` when their weight has
+  at least `ElasticPolicy.replicate_below_bytes` bytes, else stay plain and replicated. A
+  linear whose weight is shared with another module (tied lm_head/embeddings) stays replicated:
+  sharding one user of a tensor that another keeps whole saves nothing.
+- Embeddings, norms and every other parameter stay replicated and frozen: an embedding lookup
+  reads arbitrary rows, which the chunked GEMM path does not serve.
+Everything but the adapters is frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from python_api.config import ElasticPolicy
+from python_api.nn import ddp, state_dict  # submodules (hooks installed by attach)
+from python_api.nn.linear import RUNTIME_ATTR, ElasticLinear
+from python_api.nn.lora import (
+    ElasticLoRALinear,
+    LoRAConfig,
+    frozen_weight,
+    is_conv1d,
+    is_linear,
+    target_names,
+)
+from python_api.nn.units import assign_units
+from python_api.runtime import ElasticRuntime
+
+_ATTACHED_ATTR = "_elastic_attached"  # (runtime, forward pre-hook handle) of the last attach
+_CONVERSION_HOOKS: list = []
+
+
+def register_conversion_hook(fn) -> None:
+    """`fn(model)` runs at the end of every conversion (after the runtime is attached), e.g. the
+    transformers integration's class swap (python_api/hf/). Registering twice is a no-op."""
+    if fn not in _CONVERSION_HOOKS:
+        _CONVERSION_HOOKS.append(fn)
+
+
+def _shared_params(model: nn.Module) -> set[int]:
+    """ids of parameters registered under more than one module (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None,
+                       unit_modules=None, source=None) -> nn.Module:
+    """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
+    with each parameter]); call on every rank of `group` with the same model. `unit_modules`
+    groups the weights gathered in one collective (default: the HF decoder layers,
+    `_no_split_modules`; see `python_api.nn.units.assign_units`). `source` (a
+    `python_api.loading.SafetensorsSource`): the weights come from its files, not from `model`,
+    whose parameters may be on the meta device; each rank reads only its shard of each elastic
+    weight and the replicated tensors, on `source.device` ([Note: loading from files] in
+    python_api/loading/). Returns `model`."""
+    if not isinstance(lora, LoRAConfig):
+        raise TypeError(f"lora must be a LoRAConfig, got {type(lora).__name__}")
+    if getattr(model, RUNTIME_ATTR, None) is not None:
+        raise RuntimeError("convert_to_elastic: this model is already under an elastic runtime")
+    targets = target_names(model, lora)
+    shared = _shared_params(model)
+    others = [
+        n for n, m in model.named_modules()
+        if n and is_linear(m) and n not in targets and id(m.weight) not in shared
+        and m.weight.numel() * m.weight.element_size() >= policy.replicate_below_bytes
+    ]
+    tied = [n for n in targets if id(model.get_submodule(n).weight) in shared]
+    if tied:
+        raise ValueError(f"convert_to_elastic: target linears {tied} share their weight with another module (tied)")
+    if source is not None:
+        source.check(model, group=group)  # every rank, before anything is read
+        device = source.device
+    else:
+        device = model.get_submodule(targets[0]).weight.device
+    runtime = ElasticRuntime(policy, group=group, device=device)
+    model.requires_grad_(False)
+    replacements = []
+    chosen = set(targets) | set(others)
+    units = assign_units(model, sorted(chosen), unit_modules)
+    if source is not None:
+        source.materialize(model, skip_modules=chosen)  # biases and every replicated tensor
+    for name, module in [(n, m) for n, m in model.named_modules() if n in chosen]:
+        rows = None if source is None else source.rows(f"{name}.weight", transpose=is_conv1d(module))
+        et = runtime.register(frozen_weight(module), name, units[name], rows=rows)
+        conv = is_conv1d(module)
+        new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
+               else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
+        replacements.append((name, new))
+    runtime.finish_registration()
+    for name, new in replacements:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    runtime.set_trainable([p for p in model.parameters() if p.requires_grad])
+    object.__setattr__(model, RUNTIME_ATTR, runtime)
+    object.__setattr__(model, "_elastic_lora", lora)
+    return attach(model)
+
+
+def _default_filter(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and not module.weight.requires_grad
+
+
+def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=None, device=None,
+               unit_modules=None) -> nn.Module:
+    """Put the frozen `nn.Linear` layers of `model` under one elastic runtime, in place.
+
+    `should_wrap(name, module)` picks the layers (default: every `nn.Linear` whose weight does
+    not require grad). `unit_modules` groups the weights gathered together (default: HF
+    decoder layers; see `python_api.nn.units.assign_units`). Call it on every rank of `group`
+    with the same model and policy.
+    Returns the model; `stats(model)`, `reset_stats(model)`, `set_pool_budget(model, b)` reach
+    its runtime.
+    """
+    if getattr(model, RUNTIME_ATTR, None) is not None:
+        raise RuntimeError("elasticize: this model is already under an elastic runtime")
+    should_wrap = should_wrap or _default_filter
+    targets = [(n, m) for n, m in model.named_modules() if n and should_wrap(n, m)]
+    if device is None:
+        first = next((m.weight.device for _, m in targets), None)
+        device = first if first is not None else torch.device("cpu")
+    for name, module in targets:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"elasticize: {name} is a {type(module).__name__}, only nn.Linear can be wrapped here")
+    # Build everything (and agree across ranks) before touching the model, so a failure
+    # leaves it as it was.
+    runtime = ElasticRuntime(policy, group=group, device=device)
+    units = assign_units(model, [n for n, _ in targets], unit_modules)
+    replacements = [(name, ElasticLinear.from_linear(module, runtime, name, units[name])) for name, module in targets]
+    runtime.finish_registration()
+    for name, new in replacements:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+    runtime.set_trainable([p for p in model.parameters() if p.requires_grad])
+    object.__setattr__(model, RUNTIME_ATTR, runtime)
+    return attach(model)
+
+
+def runtime_of(model: nn.Module) -> ElasticRuntime:
+    rt = getattr(model, RUNTIME_ATTR, None)
+    if rt is None:
+        raise ValueError("this model is not under an elastic runtime (call elasticize / convert_to_elastic first)")
+    return rt
+
+
+def stats(model: nn.Module) -> dict:
+    """Cumulative per-rank stats: allgather_bytes, allgather_calls, pool_hits, pool_misses, pool_peak_bytes."""
+    return runtime_of(model).stats()
+
+
+def reset_stats(model: nn.Module) -> None:
+    runtime_of(model).reset_stats()
+
+
+def set_pool_budget(model: nn.Module, budget_bytes: int | None) -> None:
+    runtime_of(model).set_pool_budget(budget_bytes)
+
+
+def no_sync(model: nn.Module):
+    """Context manager: backward passes inside it do not average adapter gradients across
+    ranks (gradient accumulation; see [Note: gradient accumulation] in python_api/runtime/_grads.py)."""
+    return runtime_of(model).no_sync()
+
+
+def attach(model: nn.Module) -> nn.Module:
+    """Install the hooks of a model just put under an elastic runtime (see the module's
+    docstring); converting again after `merge_adapters` replaces the previous ones."""
+    rt = getattr(model, RUNTIME_ATTR, None)
+    if rt is None:
+        raise ValueError("attach: the model is not under an elastic runtime")
+    previous = getattr(model, _ATTACHED_ATTR, None)
+    if previous is not None:
+        if previous[0] is rt:
+            return model
+        previous[1].remove()  # converted again after merge_adapters: a new runtime
+    state_dict.install_hooks(model)
+    handle = model.register_forward_pre_hook(ddp.pre_forward)
+    object.__setattr__(model, _ATTACHED_ATTR, (rt, handle))
+    for fn in _CONVERSION_HOOKS:
+        fn(model)
+    return model

@@ -1,0 +1,166 @@
+"""Full state dicts of converted models: `model.state_dict()` holds every frozen weight whole
+under its original name (gathered on demand), `load_state_dict` puts each rank's shard back.
+
+[Note: the full state dict is a collective]
+Every rank holds 1/W of each frozen weight, so `model.state_dict()` all-gathers each weight in
+turn (like FSDP's FULL_STATE_DICT) and must be called on every rank of the runtime's group, in
+the same order. Gathered weights are moved to the CPU one by one (FSDP's offload_to_cpu), so
+the device never holds more than one extra weight. Before each gather the ranks meet in the
+process group's store, not in a collective: a rank that calls `state_dict()` alone (rank 0 of
+a Trainer on several ranks, say) fails with a clear message after
+`ElasticPolicy.collective_timeout_s` instead of hanging, and no collective is left half-issued.
+Exports meet by their order number (a rank's n-th weight export pairs with the others' n-th;
+a rank that gave up takes its arrival back), so they must be made alike on every rank, as
+collectives must.
+`load_state_dict` of a full state dict is local: every rank cuts its shard out of the full
+weight with the tensor's layout and drops the pool's cached chunks of it (they would be stale).
+"""
+
+from __future__ import annotations
+
+import datetime
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from python_api.runtime import ElasticRuntime, ElasticTensor
+
+
+def _is_elastic_layer(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "et", None), ElasticTensor)
+
+
+_rendezvous_counts: dict[tuple, int] = {}
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _rendezvous(rt: ElasticRuntime, what: str) -> None:
+    """Wait until every rank of the runtime's group has reached this point (the n-th export
+    call of this process on this group), or raise after `collective_timeout_s`. Uses the
+    store only: a rank that is alone never leaves a collective half-issued.
+    See [Note: the full state dict is a collective]."""
+    if rt.world_size == 1:
+        return
+    store = _store()
+    if store is None:  # no store to meet in: the collective itself will have to do
+        return
+    ranks = tuple(dist.get_process_group_ranks(rt.group))
+    n = _rendezvous_counts.get(ranks, 0)
+    _rendezvous_counts[ranks] = n + 1
+    prefix = f"elastic_kernels/export/{'-'.join(map(str, ranks))}/{n}"
+    mine = f"{prefix}/{rt.rank}"
+    store.set(mine, b"1")
+    keys = [f"{prefix}/{r}" for r in range(rt.world_size)]
+    timeout = rt.policy.collective_timeout_s
+    try:
+        if timeout is None:
+            store.wait(keys)
+        else:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        # Undo this arrival so that the ranks' counts stay equal: the next export on every
+        # rank meets at this same n again.
+        _rendezvous_counts[ranks] = n
+        try:
+            store.delete_key(mine)
+        except RuntimeError:
+            pass
+        raise RuntimeError(
+            f"elastic: {what} is a collective (every frozen weight is sharded across the "
+            f"{rt.world_size} ranks), but ranks {missing} did not call it within "
+            f"{timeout} s (ElasticPolicy.collective_timeout_s). Call state_dict()/save_pretrained() "
+            "on every rank. With transformers.Trainer on several ranks only rank 0 saves: use "
+            "python_api.hf.ElasticTrainer (or ElasticTrainerMixin), which gathers on every rank first."
+        ) from exc
+
+
+_gather_only = False  # set by gather_only(): take part in the gathers, keep nothing
+
+
+@contextmanager
+def gather_only():
+    """`state_dict()` inside this context joins every gather but keeps no gathered weight (they
+    are left out of the returned dict): for the ranks that do not write, so that only the
+    writer ever holds the whole model in host memory."""
+    global _gather_only
+    previous, _gather_only = _gather_only, True
+    try:
+        yield
+    finally:
+        _gather_only = previous
+
+
+def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    et: ElasticTensor = module.et
+    rt = et.runtime
+    _rendezvous(rt, f"state_dict() ({et.name})")
+    weight = rt.full_weight(et)
+    if _gather_only:
+        return
+    if getattr(module, "fan_in_fan_out", False):
+        weight = weight.t().contiguous()  # Conv1D stores [in, out]; the runtime holds [out, in]
+    if weight.device.type != "cpu":
+        weight = weight.cpu()  # one weight at a time on the device: see [Note: the full state dict is a collective]
+    # This module's keys are the last ones (its subtree was just saved): re-add them after the
+    # weight so the order is nn.Linear's (weight, bias, then the adapters).
+    own = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    state_dict[prefix + "weight"] = weight
+    state_dict.update(own)
+
+
+def _load_state_dict_pre_hook(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
+    key = prefix + "weight"
+    if key not in state_dict:
+        if strict:
+            missing_keys.append(key)
+        return
+    full = state_dict.pop(key)  # not a Parameter of this module: it would count as unexpected
+    et: ElasticTensor = module.et
+    conv1d = getattr(module, "fan_in_fan_out", False)  # Conv1D saves [in, out]; the runtime holds [out, in]
+    expected = et.shape[::-1] if conv1d else et.shape
+    if tuple(full.shape) != expected:
+        error_msgs.append(
+            f"size mismatch for {key}: copying a param with shape {tuple(full.shape)} from checkpoint, "
+            f"the shape in current model is {torch.Size(expected)}."
+        )
+        return
+    load_full_weight(et, full.t() if conv1d else full)
+
+
+def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
+    """Replace the frozen weight of `et` by `full` (its whole value, on every rank): each rank
+    keeps its own shard; cached chunks of the old value are dropped from the pool. Local (no
+    collective); not while a forward or backward is using the weight."""
+    rt = et.runtime
+    try:
+        rt.drop_cached(et)  # before the copy: a weight in use is refused with nothing changed
+    except RuntimeError as exc:
+        raise RuntimeError(f"load_state_dict: {exc}") from None
+    with torch.no_grad():
+        full = full.detach().to(et.dtype)
+        if et.shard is not None:
+            shard = et.layout.shard(full, rt.rank)  # cut where the source lives
+            et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
+        if et.store_offset is not None:
+            # Every local rank writes the same bytes into the node's store ([Note: chunk sources]).
+            rt.host_store.view(et.store_offset, et.dtype, (et.layout.rows, et.layout.cols)).copy_(
+                full.reshape(et.layout.rows, et.layout.cols))
+
+
+def install_hooks(model: nn.Module) -> None:
+    """The state-dict post-hook and the load pre-hook on every elastic layer of `model`."""
+    for module in model.modules():
+        if _is_elastic_layer(module):
+            module.register_state_dict_post_hook(_state_dict_post_hook)
+            module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)

@@ -1,0 +1,11 @@
+"""The planner meets a model (the torch side of planning; the planner itself is pure Python in
+python_api/planner/):
+
+  measure.py  measure_profile (a Profile from warm-up steps of the real model), measure_peak_bytes
+  apply.py    plan(model, profile, ...) and apply_plan(model, plan): the runtime follows the plan
+"""
+
+from python_api.planning.apply import apply_plan, check_plan_matches, plan, set_recompute
+from python_api.planning.measure import measure_peak_bytes, measure_profile
+
+__all__ = ["apply_plan", "check_plan_matches", "measure_peak_bytes", "measure_profile", "plan", "set_recompute"]

@@ -1,0 +1,208 @@
+"""Uses and gathers: pinning a weight's resident chunks for one use, filling the missing ones
+(all-gathers from peers, copies from the host store), waiting for them chunk by chunk, and
+releasing them per residency (ElasticRuntime's gathers, a mixin of runtime.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from elastic_kernels import unpack_gathered
+from python_api.distributed.collectives import ChunkRun, GatherWork, all_gather_into
+from python_api.host.sources import HostCopyWork
+from python_api.runtime.tensor import ElasticTensor, Residency
+
+
+class _Use:
+    """Chunks of one tensor pinned for one use (a forward or backward of its layer)."""
+
+    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "fresh", "ended")
+
+    def __init__(self, tensor: ElasticTensor):
+        self.tensor = tensor
+        self.chunks: list[torch.Tensor | None] = [None] * tensor.num_chunks
+        self.works: list[GatherWork | None] = [None] * tensor.num_chunks
+        self.keys_pinned: list[int] = []
+        self.fresh: set[int] = set()  # keys whose pages this use allocated for a gather
+        self.ended = False
+
+
+class Resident:
+    """The page table of one use of an elastic tensor (valid inside `ElasticRuntime.use`)."""
+
+    __slots__ = ("_use",)
+
+    def __init__(self, use: _Use):
+        self._use = use
+
+    def _wait(self, c: int) -> torch.Tensor:
+        work = self._use.works[c]
+        if work is not None:
+            work.wait(f"{self._use.tensor.name} chunk {c}")
+        return self._use.chunks[c]
+
+    def execute(self, fn) -> None:
+        """fn(c, chunk) for each chunk in index order, each as soon as it has arrived."""
+        for c in range(self._use.tensor.num_chunks):
+            fn(c, self._wait(c))
+
+    def chunks(self) -> list[torch.Tensor]:
+        """Every chunk, after all gathers of this use completed."""
+        return [self._wait(c) for c in range(self._use.tensor.num_chunks)]
+
+
+class _Gathers:
+    """full_weight, and the start, fill and end of uses."""
+
+    def full_weight(self, et: ElasticTensor) -> torch.Tensor:
+        """The whole weight as one new tensor (for export and merging; a collective: call it
+        on every rank). Bypasses the pool; counted in the all-gather stats."""
+        out = torch.empty(et.shape, dtype=et.dtype, device=self.device)
+        cols = et.layout.cols
+        flat = out.view(-1)
+        dests = []
+        for c in range(et.num_chunks):
+            r0, r1 = et.layout.chunk_rows(c)
+            dests.append(flat[r0 * cols : r1 * cols].view(et.layout.chunk_shape(c)))
+        if self._local_only():
+            for d, src in zip(dests, et._local_chunks):
+                d.copy_(src)
+            return out
+        if et.shard is None:  # weights_on="host": the store holds the whole weight
+            for c, d in enumerate(dests):
+                d.copy_(et.host_chunk(c))
+            return out
+        gathered = et.shard.new_empty(self.world_size * et.shard.numel())
+        with record_function("elastic::gather_full"):
+            all_gather_into(gathered, et.shard, self.group, async_op=False)
+        unpack_gathered(gathered, self.world_size, [et.layout.slice_numel], [et.num_chunks], dests)
+        self._stats["allgather_calls"] += 1
+        self._stats["allgather_bytes"] += (self.world_size - 1) * et.shard.numel() * et.shard.element_size()
+        return out
+
+    def _start_uses(self, tensors: list[ElasticTensor]) -> list[_Use]:
+        """Pin the resident chunks of `tensors` and issue the all-gathers of the missing ones
+        (not waited for); missing chunks of several tensors share collectives up to the cap."""
+        self._ensure_pool()
+        uses, pending = [], []
+        try:
+            for et in tensors:
+                use = _Use(et)
+                uses.append(use)
+                if self._local_only():
+                    use.chunks = list(et._local_chunks)
+                    self._stats["pool_hits"] += et.num_chunks
+                    continue
+                slots = self.pool.lookup_pin(et.keys)
+                missing = []
+                for c, slot in enumerate(slots):
+                    if slot >= 0:
+                        use.chunks[c] = et.chunk_view(self.pool.page(slot), c)
+                        use.keys_pinned.append(et.keys[c])
+                    else:
+                        missing.append(c)
+                self._stats["pool_hits"] += et.num_chunks - len(missing)
+                self._stats["pool_misses"] += len(missing)
+                from_host = [c for c in missing if et.from_host[c]]
+                if from_host:
+                    self._copy_from_host(use, from_host)
+                pending.extend(self._runs(use, [c for c in missing if not et.from_host[c]]))
+            self._issue_gathers(pending)
+        except BaseException:
+            # Nothing of a use that failed to start may stay pinned or hold pages without data.
+            for use in uses:
+                self._end_use(use, Residency.PERSISTENT, failed=True)
+            raise
+        return uses
+
+    def _local_only(self) -> bool:
+        return self.world_size == 1 and not self._force_pool and self.policy.weights_on == "device"
+
+    def _copy_from_host(self, use: _Use, chunks: list[int]) -> None:
+        """Fill `chunks` of the use from the host store ([Note: chunk sources])."""
+        et = use.tensor
+        pairs = []
+        for c in chunks:
+            page = self.pool.allocate_pinned(et.keys[c])
+            use.keys_pinned.append(et.keys[c])
+            use.fresh.add(et.keys[c])
+            use.chunks[c] = et.chunk_view(page, c)
+            pairs.append((et.host_chunk(c), use.chunks[c]))
+        work = HostCopyWork(pairs, self.copy_stream, self.device)
+        for c in chunks:
+            use.works[c] = work
+        self._stats["h2d_bytes"] += work.bytes
+
+    def _runs(self, use: _Use, missing: list[int]) -> list[tuple[_Use, list[int]]]:
+        """Missing chunks as runs of consecutive indices of at most `collective_bytes` per rank."""
+        cap = self.policy.collective_bytes
+        per_chunk = use.tensor.slice_bytes
+        runs: list[list[int]] = []
+        for c in missing:
+            if runs and c == runs[-1][-1] + 1 and (cap is None or (len(runs[-1]) + 1) * per_chunk <= cap):
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        return [(use, run) for run in runs]
+
+    def _issue_gathers(self, runs: list[tuple[_Use, list[int]]]) -> None:
+        """Coalesce runs (of one or several tensors) into collectives of at most the cap."""
+        cap = self.policy.collective_bytes
+        batches: list[list[tuple[_Use, list[int]]]] = []
+        size = 0
+        for use, run in runs:
+            b = len(run) * use.tensor.slice_bytes
+            if batches and (cap is None or size + b <= cap) and use.tensor.dtype == batches[-1][0][0].tensor.dtype:
+                batches[-1].append((use, run))
+                size += b
+            else:
+                batches.append([(use, run)])
+                size = b
+        for batch in batches:
+            chunk_runs = []
+            for use, run in batch:
+                et = use.tensor
+                pages = []
+                for c in run:
+                    page = self.pool.allocate_pinned(et.keys[c])
+                    use.keys_pinned.append(et.keys[c])
+                    use.fresh.add(et.keys[c])
+                    pages.append(et.chunk_view(page, c))
+                chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
+            work = GatherWork(
+                chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s,
+                seq=self._seq, device=self.device,
+            )
+            self._seq += 1
+            self._stats["allgather_calls"] += 1
+            self._stats["allgather_bytes"] += work.received_bytes
+            for (use, run), r in zip(batch, chunk_runs):
+                name = use.tensor.name
+                self._weight_bytes[name] = self._weight_bytes.get(name, 0) + \
+                    (self.world_size - 1) * len(run) * use.tensor.slice_bytes
+                for c, page in zip(run, r.pages):
+                    use.works[c] = work
+                    use.chunks[c] = page
+
+    def _end_use(self, use: _Use, keep: Residency, failed: bool = False) -> None:
+        """Unpin the use's chunks; discard those whose residency is below `keep`, and those
+        whose gather failed or never completed (their pages hold no data)."""
+        if use.ended:
+            return
+        use.ended = True
+        if not use.keys_pinned:
+            return
+        et = use.tensor
+        if self.comm_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            for key in use.keys_pinned:
+                self.pool.record_stream(key, compute)
+        self.pool.unpin_many(use.keys_pinned)
+        wid_shift = self._KEY_BITS
+        for key in use.keys_pinned:
+            c = key - (et.wid << wid_shift)
+            work = use.works[c]
+            no_data = key in use.fresh and (failed or work is None or work.failed or not work.done)
+            if (et.residency[c] < keep or no_data) and self.pool.pin_count(key) == 0 and self.pool.contains(key):
+                self.pool.free(key)
+        use.keys_pinned = []

@@ -1,0 +1,152 @@
+"""How much stays resident: per-weight residency, the pool and its budget, the sources and
+the prefetch window, changed between steps (ElasticRuntime's residency, a mixin of
+runtime.py).
+
+[Note: pool budget and working set]
+`ElasticPolicy.pool_budget_bytes` is the memory for chunks kept *beyond their use*. The chunks
+of the layers in flight (the one running plus `prefetch_depth` ahead) are pinned while in use,
+which is the memory FSDP2 spends on unsharded parameters; the runtime sizes the pool as
+budget + that working set (bounded by the pages of the `1 + prefetch_depth` largest units,
+
+[Note: symmetric residency]
+Every rank must issue the same all-gathers in the same order. Hits and misses depend only on
+the sequence of pool calls (the same on every rank: same model, same policy, same budget
+changes), never on timing, so ranks agree; a mismatch shows up as a size mismatch error in
+the collective, not as silent corruption. Budget changes must therefore be made on every
+rank at the same point (the planner and adaptive accumulation do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elastic_kernels import PagePool
+from python_api.config import PAGE_ALIGN
+from python_api.host.sources import host_chunks
+from python_api.runtime.tensor import ElasticTensor, Phase, Residency, residency_of_counts
+
+
+class _Residency:
+    """page size, pool sizing and budget, set_residency / set_host_fraction / set_prefetch_depth /
+    set_offload_activations, drop_cached."""
+
+    @property
+    def cache_budget(self) -> int | None:
+        """The cache budget in force: bytes for chunks kept beyond their use (None: every
+        chunk), as `set_pool_budget` last set it ([Note: pool budget and working set])."""
+        return self._cache_budget
+
+    def page_bytes(self) -> int:
+        """Pool page size: `policy.page_bytes`, else the largest real chunk rounded up to PAGE_ALIGN
+        bytes (never more than `chunk_bytes` asks for: a model smaller than one configured chunk
+        gets pages of its own size)."""
+        if self.policy.page_bytes is not None:
+            largest = max((et.page_bytes for et in self.tensors), default=0)
+            if largest > self.policy.page_bytes:
+                raise ValueError(
+                    f"ElasticPolicy.page_bytes ({self.policy.page_bytes}) is smaller than the largest chunk "
+                    f"({largest} bytes): a chunk must fit in one page"
+                )
+            return self.policy.page_bytes
+        largest = max((et.page_bytes for et in self.tensors), default=1)
+        return -(-largest // PAGE_ALIGN) * PAGE_ALIGN
+
+    def set_residency(self, et: ElasticTensor, keep_chunks: int, persist_chunks: int) -> None:
+        """Residency of one weight by chunk counts (0 <= persist <= keep <= chunks), e.g. from a
+        plan. Between steps and on every rank alike ([Note: symmetric residency]). Resident
+        chunks that are no longer PERSISTENT are released now, so the next step already
+        gathers exactly what the new residency implies."""
+        n = et.num_chunks
+        for what, v in (("keep_chunks", keep_chunks), ("persist_chunks", persist_chunks)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= n:
+                raise ValueError(f"set_residency({et.name}): {what} must be an int in [0, {n}], got {v!r}")
+        if persist_chunks > keep_chunks:
+            raise ValueError(f"set_residency({et.name}): persist_chunks ({persist_chunks}) > keep_chunks ({keep_chunks})")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError(f"set_residency({et.name}): change residency between steps, not inside a forward or backward")
+        et.residency = residency_of_counts(n, keep_chunks, persist_chunks)
+        if self.pool is not None:
+            stale = [k for c, k in enumerate(et.keys) if et.residency[c] is not Residency.PERSISTENT
+                     and self.pool.contains(k) and self.pool.pin_count(k) == 0]
+            if stale:
+                self.pool.free_many(stale)
+
+    def set_host_fraction(self, fraction: float) -> None:
+        """The share of missing chunks filled from the host store ([Note: chunk sources]), e.g.
+        from a plan; between steps and on every rank alike. Needs the host store, which exists
+        when the policy asked for the host tier (weights_on="host" or host_fraction > 0 at
+        wrap time); with weights_on="host" the only value is 1."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"set_host_fraction: expected a number in [0, 1], got {fraction!r}")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError("set_host_fraction: change the sources between steps, not inside a forward or backward")
+        if fraction > 0 and self.host_store is None:
+            raise ValueError("set_host_fraction: this runtime has no host store (wrap with weights_on='host' or "
+                             "host_fraction > 0 to build one)")
+        if self.policy.weights_on == "host" and fraction != 1.0:
+            raise ValueError(f"set_host_fraction({fraction}): with weights_on='host' every chunk comes from the host store")
+        self.policy = dataclasses.replace(self.policy, host_fraction=float(fraction))
+        for et in self.tensors:
+            et.from_host = host_chunks(et.num_chunks, self.policy.source_fraction)
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Segments gathered ahead of the running one ([Note: learned order and prefetch]), e.g.
+        from a plan; between steps, on every rank alike. The pool's working set follows
+        ([Note: pool budget and working set])."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"set_prefetch_depth: expected an int >= 0, got {depth!r}")
+        if self.phase is not Phase.IDLE or self._prefetched:
+            raise RuntimeError("set_prefetch_depth: change the prefetch window between steps, not inside a forward or backward")
+        self.policy = dataclasses.replace(self.policy, prefetch_depth=depth)
+        if self.pool is not None:
+            self.pool.set_budget(self._pool_budget())
+            self.pool.drain_evicted()
+
+    def set_offload_activations(self, enabled: bool) -> None:
+        """Activation offload on or off from the next forward (python_api/host/offload.py),
+        e.g. from a plan; between steps, on every rank alike."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_offload_activations: expected True or False, got {enabled!r}")
+        # The policy checks the host budget when offload is on (a bad one raises here).
+        self.policy = dataclasses.replace(self.policy, offload_activations=enabled)
+
+    def _working_set_pages(self) -> int:
+        units: dict[str, int] = {}
+        for et in self.tensors:
+            units[et.unit] = units.get(et.unit, 0) + et.num_chunks
+        counts = sorted(units.values(), reverse=True)
+        return sum(counts[: 1 + self.policy.prefetch_depth])
+
+    def _total_pages(self) -> int:
+        return sum(et.num_chunks for et in self.tensors)
+
+    def _pool_budget(self) -> int:
+        page = self.page_bytes()
+        total = self._total_pages() * page
+        if self._cache_budget is None:
+            return max(total, page)
+        return max(page, min(total, self._cache_budget + self._working_set_pages() * page))
+
+    def _ensure_pool(self) -> None:
+        if self.pool is None and not self._local_only():
+            self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
+
+    def set_pool_budget(self, budget_bytes: int | None) -> None:
+        """Change the cache budget (bytes beyond the working set) at any moment, on every rank."""
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0):
+            raise ValueError(f"set_pool_budget: expected None or an int >= 0, got {budget_bytes!r}")
+        self._cache_budget = budget_bytes
+        if self.pool is not None:
+            self.pool.set_budget(self._pool_budget())
+            self.pool.drain_evicted()  # see _finish_phase
+
+    def drop_cached(self, et: ElasticTensor) -> None:
+        """Free the pool pages holding chunks of `et` (after its shard changed). Local; not
+        while a use of `et` is running."""
+        if self.pool is None:
+            return
+        cached = [k for k in et.keys if self.pool.contains(k)]
+        if any(self.pool.pin_count(k) > 0 for k in cached):
+            raise RuntimeError(f"{et.name} is in use by a forward or backward; change it between steps")
+        if cached:
+            self.pool.free_many(cached)

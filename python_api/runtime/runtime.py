@@ -1,0 +1,170 @@
+"""`ElasticRuntime`: the state of the elastic frozen-weight runtime of one model, and the
+lifecycle of one use (`use`). Its concerns live in private modules, one mixin each:
+
+  tensor.py         ElasticTensor (a frozen weight: layout, shard, residency), Residency, Phase
+  _registration.py  register, the ranks' agreement on what they wrap, the host store
+  _residency.py     residency per weight, the pool, its budget, sources, prefetch window
+  _gathers.py       uses: pin, gather / copy the missing chunks, wait, release (Resident)
+  _order.py         phases, learned orders and segments, prefetch
+  _grads.py         gradient reduction of the adapters, no_sync
+
+Every attribute is created in ElasticRuntime.__init__ (below); the mixins only read and
+change them.
+
+[Note: single process]
+Without an initialised process group (a plain script), the runtime has world size 1: no
+collective is ever issued, chunks are views of the local weight, and adapter gradients are
+left as they are. A process group is needed only for world size > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from elastic_kernels import PagePool
+from python_api.config import ElasticPolicy
+from python_api.runtime._gathers import Resident, _Gathers, _Use
+from python_api.runtime._grads import _GradReduction
+from python_api.runtime._order import _Order, in_backward
+from python_api.runtime._registration import _Registration
+from python_api.runtime._residency import _Residency
+from python_api.runtime.tensor import ElasticTensor, Phase, Residency
+
+
+class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction):
+    """Owns the pool, the elastic tensors of one model, the learned order and the stats.
+
+    Every rank of `group` must create its runtime with the same policy and register the same
+    weights in the same order. Without an initialised process group the runtime runs alone
+    (world size 1; see [Note: single process]).
+    """
+
+    def __init__(self, policy: ElasticPolicy, group=None, device: torch.device | str | None = None,
+                 force_pool: bool = False):
+        """`force_pool` (for tests and `make gpu-check`): at world size 1, run every use through
+        the pool and the collectives (communication stream, events, record_stream) as at world
+        size > 1, instead of reading the local weight directly. Needs a process group."""
+        if not isinstance(policy, ElasticPolicy):
+            raise TypeError(f"policy must be an ElasticPolicy, got {type(policy).__name__}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not distributed:
+            raise RuntimeError("ElasticRuntime: a process group was given but torch.distributed is not initialised")
+        if force_pool and not distributed:
+            raise RuntimeError("ElasticRuntime(force_pool=True) issues collectives: initialise a process group first")
+        self.policy = policy
+        self._force_pool = bool(force_pool)
+        if distributed:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+        else:
+            self.group, self.rank, self.world_size = None, 0, 1
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tensors: list[ElasticTensor] = []
+        self.pool: PagePool | None = None
+        self._cache_budget = policy.pool_budget_bytes
+        # The communication stream: all-gathers, their pack/unpack copies. Created here only.
+        self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The copy stream: host store -> page copies ([Note: host copies are stream ordered]).
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and policy.uses_host_store else None
+        self.host_store = None  # built by finish_registration when the policy uses the host tier
+        self.activation_offload = None  # python_api/host/offload.py, created on first use
+        self.phase = Phase.IDLE
+        self._order = {Phase.FORWARD: None, Phase.BACKWARD: None}  # learned wid sequences
+        # per phase, per position of the learned order: (first, end) positions of its segment
+        self._segments: dict[Phase, list[tuple[int, int]] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
+        self._seq = 0  # collectives issued (carried in each one's header)
+        self._observed: list[int] = []
+        self._cursor = 0
+        self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
+        self._end_of_backward_queued = False
+        self._grad_params: list[torch.nn.Parameter] = []
+        self._sync_grads = True  # False inside no_sync(): see [Note: gradient accumulation]
+        # Whether the end of backward averages adapter gradients: the policy's setting, turned
+        # off while another wrapper (DDP) reduces them (set_grad_reduction).
+        self._reduce_grads = policy.all_reduce_grads
+        self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0, "h2d_bytes": 0}
+        self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
+
+    def stats(self, per_weight: bool = False) -> dict:
+        """Cumulative per-rank counters; `per_weight` adds "allgather_bytes_per_weight"
+        (name -> bytes received for that weight's chunks, `full_weight` excluded).
+        h2d_bytes: host -> device bytes (host-store chunks and activations brought back);
+        d2h_bytes: activations offloaded; host_store_bytes: the node's host store;
+        host_pinned_bytes: page-locked host bytes (the store when pinned, on CUDA, and the
+        activation offload's buffers)."""
+        out = dict(self._stats)
+        out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
+        out["d2h_bytes"] = 0
+        out["host_store_bytes"] = self.host_store.nbytes if self.host_store is not None else 0
+        out["host_pinned_bytes"] = self.host_store.pinned_bytes if self.host_store is not None else 0
+        if self.activation_offload is not None:
+            act = self.activation_offload.stats()
+            out["h2d_bytes"] += act["h2d_bytes"]
+            out["d2h_bytes"] += act["d2h_bytes"]
+            out["host_pinned_bytes"] += act["host_pinned_bytes"]
+        if per_weight:
+            out["allgather_bytes_per_weight"] = {et.name: self._weight_bytes.get(et.name, 0) for et in self.tensors}
+        return out
+
+    def reset_stats(self) -> None:
+        for k in self._stats:
+            self._stats[k] = 0
+        self._weight_bytes.clear()
+        if self.activation_offload is not None:
+            self.activation_offload.reset_stats()
+        if self.pool is not None:
+            self.pool.reset_peak()
+
+    def _device_guard(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @contextmanager
+    def use(self, et: ElasticTensor, phase: Phase, needs_backward: bool = False):
+        """Gather `et` for one use in `phase`; yields a `Resident` (its page table).
+
+        `resident.execute(fn)` calls fn(c, chunk) for every chunk in index order as soon as
+        that chunk's gather has completed; `resident.chunks()` waits for every gather and
+        returns the page table (one chunk-shaped view per chunk) for kernels that read the
+        whole weight in one launch. On exit the chunks are unpinned and discarded per
+        residency: after forward, TRANSIENT (and PEAK when no backward will come:
+        `needs_backward` False); after backward, everything but PERSISTENT. A forward use
+        inside backward is a recompute ([Note: recompute inside backward]). Pages whose
+        gather failed are freed, so a caller that catches the error can retry.
+        """
+        with self._device_guard():
+            recompute = phase is Phase.FORWARD and in_backward()
+            if recompute:
+                phase = Phase.BACKWARD
+                needs_backward = True
+            elif phase is Phase.BACKWARD:
+                self._queue_end_of_backward()
+            self._enter(phase, et)
+            use = None
+            try:
+                use = self._start_use(et)
+                self._prefetch_next(et)
+                yield Resident(use)
+            finally:
+                if use is not None:
+                    # Gathers issued for this use must finish before their pages are released.
+                    for c, work in enumerate(use.works):
+                        if work is not None and not work.done:
+                            try:
+                                work.wait(f"{et.name} chunk {c}")
+                            except RuntimeError:
+                                pass  # remembered by the work; its pages are freed below
+                    if phase is Phase.FORWARD:
+                        keep = Residency.PEAK if needs_backward else Residency.PERSISTENT
+                    elif recompute:
+                        keep = Residency.PEAK
+                    else:
+                        keep = Residency.PERSISTENT
+                    if self.pool is not None:
+                        self._end_use(use, keep)

@@ -1,0 +1,202 @@
+"""One frozen weight under the runtime (`ElasticTensor`: its layout, its shard on this rank,
+the residency of its chunks, where each chunk comes from) and the enums of the runtime.
+
+[Note: residency classes]
+Chunk c of a weight with n chunks is PERSISTENT if c < round(persist_ratio * n), else PEAK if
+c < round(keep_ratio * n), else TRANSIENT (round half up, so keep >= persist carries over to
+chunk counts). A plan sets the counts per weight instead (`ElasticRuntime.set_residency`,
+python_api/planning/apply.py); the ratios are only the default. The kept chunks are the *first* ones because `execute` walks chunks in index
+order, forward and backward: whatever is resident is computed on at once while the missing,
+higher-index chunks are still being gathered.
+- TRANSIENT: gathered for each use, discarded right after it.
+- PEAK: kept from a forward use to the backward use of the same layer, discarded after it (and
+  right after forward when no backward will come: no_grad, or no input needs a gradient).
+- PERSISTENT: kept across iterations; the pool may still evict it under a shrinking budget,
+  which only turns the next use into a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+
+import torch
+
+from elastic_kernels import ChunkLayout, PagePool
+from python_api.host.sources import host_chunks
+
+
+class Residency(enum.IntEnum):
+    TRANSIENT = 0
+    PEAK = 1
+    PERSISTENT = 2
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def _round_half_up(x: float) -> int:
+    return int(x + 0.5)
+
+
+def residency_classes(num_chunks: int, keep_ratio: float, persist_ratio: float) -> list[Residency]:
+    return residency_of_counts(num_chunks, _round_half_up(keep_ratio * num_chunks),
+                               _round_half_up(persist_ratio * num_chunks))
+
+
+def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) -> list[Residency]:
+    """The first `persist_chunks` chunks PERSISTENT, then PEAK up to `keep_chunks`, the rest
+    TRANSIENT ([Note: residency classes])."""
+    return [
+        Residency.PERSISTENT if c < persist_chunks else Residency.PEAK if c < keep_chunks else Residency.TRANSIENT
+        for c in range(num_chunks)
+    ]
+
+
+class ElasticTensor:
+    """One frozen weight: its chunk-major shard on this rank and the residency of its chunks."""
+
+    def __init__(self, runtime, wid: int, name: str, weight: torch.Tensor, unit: str | None = None,
+                 rows=None):
+        """`rows(begin, end)`, if given, reads rows [begin, end) of the weight (e.g. from a
+        memory-mapped file) and `weight` may be a meta tensor giving only shape and dtype: only
+        the rows this rank's shard needs are read ([Note: loading from files])."""
+        policy = runtime.policy
+        self.runtime = runtime
+        self.wid = wid
+        self.name = name
+        self.unit = unit if unit is not None else f"weight:{name}"
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
+        self.layout = ChunkLayout.for_weight(weight.shape, policy.rows_per_chunk(row_bytes, name), runtime.world_size)
+        self.residency = residency_classes(self.layout.num_chunks, policy.keep_ratio, policy.persist_ratio)
+        self.keys = [runtime.key(wid, c) for c in range(self.layout.num_chunks)]
+        # [Note: chunk sources] in python_api/host/sources.py
+        self.from_host = host_chunks(self.layout.num_chunks, policy.source_fraction)
+        self.store_offset: int | None = None  # byte offset in the runtime's host store
+        # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
+        self._reader = None
+        with torch.no_grad():
+            if rows is None:
+                self.fingerprint = _fingerprint(weight)
+                if policy.uses_host_store:
+                    w = weight.detach()
+                    self._reader = lambda b, e: w[b:e]
+            else:
+                self.fingerprint = _fingerprint_rows(rows, self.layout.rows)
+                self._reader = rows
+            # weights_on="host": no device shard at all, every chunk comes from the host store.
+            self.shard = None
+            if policy.weights_on == "device":
+                if rows is None:
+                    self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+                else:
+                    self.shard = self.layout.shard_from_rows(
+                        lambda b, e: rows(b, e).to(device=runtime.device, dtype=self.dtype), runtime.rank,
+                        self.dtype, runtime.device)
+        # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
+        self._local_chunks = None
+        if runtime.world_size == 1 and self.shard is not None:
+            self._local_chunks = [
+                self.shard[c * self.layout.slice_numel : c * self.layout.slice_numel + self.layout.chunk_numel_of(c)].view(
+                    self.layout.chunk_shape(c)
+                )
+                for c in range(self.layout.num_chunks)
+            ]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.layout.num_chunks
+
+    @property
+    def keep_chunks(self) -> int:
+        """Chunks kept from forward to backward (PEAK or PERSISTENT)."""
+        return sum(1 for r in self.residency if r >= Residency.PEAK)
+
+    @property
+    def persist_chunks(self) -> int:
+        """Chunks kept across iterations (PERSISTENT)."""
+        return sum(1 for r in self.residency if r is Residency.PERSISTENT)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole weight."""
+        return self.layout.numel * self.element_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def slice_bytes(self) -> int:
+        """Bytes of this rank's slice of one chunk (what a peer sends for a missing chunk)."""
+        return self.layout.slice_numel * self.element_size
+
+    def chunk_bytes_of(self, c: int) -> int:
+        """Real bytes of chunk c (what a host copy moves)."""
+        return self.layout.chunk_numel_of(c) * self.element_size
+
+    def host_chunk(self, c: int) -> torch.Tensor:
+        """Chunk c as a view of the host store."""
+        rt = self.runtime
+        r0, _ = self.layout.chunk_rows(c)
+        offset = self.store_offset + r0 * self.layout.cols * self.element_size
+        return rt.host_store.view(offset, self.dtype, self.layout.chunk_shape(c))
+
+    def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
+        return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of the largest chunk of this weight (what one pool page must hold)."""
+        return self.layout.chunk_numel * self.element_size
+
+    def signature(self) -> dict:
+        """What must be equal on every rank for this weight (checked at wrap time)."""
+        return {
+            "name": self.name,
+            "shape": self.shape,
+            "dtype": str(self.dtype),
+            "rows_per_chunk": self.layout.rows_per_chunk,
+            "residency": "".join(str(int(r)) for r in self.residency),
+            "unit": self.unit,
+            "content fingerprint": self.fingerprint,
+        }
+
+
+_FINGERPRINT_SAMPLES = 4096
+
+
+def _fingerprint(weight: torch.Tensor) -> int:
+    """crc32 of the bytes of up to 4096 evenly strided elements of `weight` (a cheap check that
+    every rank was given the same frozen weight: another seed or revision differs here)."""
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0
+    idx = torch.linspace(0, n - 1, steps=min(n, _FINGERPRINT_SAMPLES), device=flat.device).round().long()
+    sample = flat[idx].contiguous().cpu()
+    return zlib.crc32(sample.view(torch.uint8).numpy().tobytes())
+
+
+_FINGERPRINT_ROWS = 16
+
+
+def _fingerprint_rows(rows, num_rows: int) -> int:
+    """The fingerprint of a weight read through `rows(begin, end)`: crc32 of up to 16 evenly
+    spaced whole rows (cheap on a memory-mapped file; compared only between ranks that all
+    load the same way)."""
+    picks = sorted({round(i * (num_rows - 1) / max(1, _FINGERPRINT_ROWS - 1)) for i in range(min(num_rows, _FINGERPRINT_ROWS))})
+    crc = 0
+    for r in picks:
+        row = rows(r, r + 1).detach().contiguous().cpu()
+        crc = zlib.crc32(row.view(torch.uint8).numpy().tobytes(), crc)
+    return crc
