@@ -17,6 +17,7 @@ CUDA toolkit is found (CUDA_HOME, or nvcc on PATH), whether or not a GPU is visi
 Layout of the sources (compile time matters, see NOTES.md):
   csrc/*.cpp           schemas (TORCH_LIBRARY) and C++ CPU impls, the pool, the Python module
   csrc/host/*.cpp      the host store (shared host segment; cudaHostRegister in the CUDA build)
+  csrc/quant/*.cpp     C++ CPU impls of the dequant ops (quantized chunk blobs)
   csrc/cuda/*.cu       CUDA kernels; they include only CUDA headers and csrc/include/elastic/*.h
   csrc/cuda/*.cpp      thin bindings: argument checks + TORCH_LIBRARY_IMPL(elastic, CUDA)
 """
@@ -89,12 +90,15 @@ def _extensions():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cpp_sources += sorted(glob.glob(os.path.join("csrc", "pool", "*.cpp")))
     cpp_sources += sorted(glob.glob(os.path.join("csrc", "host", "*.cpp")))
+    cpp_sources += sorted(glob.glob(os.path.join("csrc", "quant", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
 
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     # No -std flag: torch's cpp_extension picks the standard its headers need (C++20 since 2.10).
-    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    # -ffp-contract=off: no multiply-add is fused into an FMA, so the C++ kernels round as the
+    # references and bitsandbytes do (csrc/include/elastic/quant_blob.h nested_absmax).
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
     build_cuda = bool(torch.version.cuda) and cuda_home is not None and not _flag("ELASTIC_SKIP_CUDA")

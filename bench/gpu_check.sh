@@ -23,6 +23,7 @@ BENCHES=(
   bench/bench_lora_linear.py
   bench/bench_pool.py
   bench/bench_offload.py   # host store -> pool pages H2D (pinned store vs pinned/pageable copy_) + layer loop
+  bench/bench_quant.py     # dequant of quantized chunk blobs (NF4 / nested / int8), Triton vs copy_ bandwidth
 )
 
 start=$(date +%s)

@@ -1,6 +1,6 @@
 // Schemas of the elastic:: namespace (the one TORCH_LIBRARY block; later ops add theirs here)
 // and the argument checks shared by the C++ impls. Fake impls live in Python
-// (elastic_kernels/ops/pack.py, named by set_python_module below).
+// (elastic_kernels/ops/pack.py and dequant.py, named by set_python_module below).
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -154,6 +154,121 @@ UnpackPlan check_unpack_args(const at::Tensor& gathered, int64_t world_size,
 
 namespace {
 
+bool dequant_dtype_ok(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// The Python dtype name, so both impls print the same message.
+std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// elastic_kernels/quant/_common.py check_block (the format's name prefixes its messages).
+void check_block(const char* op, const char* fmt, int64_t rows, int64_t cols, int64_t block) {
+  TORCH_CHECK_VALUE(quant::valid_block_size(block), op, ": ", fmt,
+                    ": block_size must be a power of two between ", quant::kMinBlock, " and ",
+                    quant::kMaxBlock, ", got ", block);
+  TORCH_CHECK_VALUE(cols % block == 0, op, ": ", fmt, ": weight shape (", rows, ", ", cols,
+                    "): the row length ", cols, " is not a multiple of the block size ", block,
+                    "; a chunk holds whole rows and whole quantization blocks, so blocks never "
+                    "straddle chunks");
+}
+
+}  // namespace
+
+DequantPlan check_dequant_args(const char* op, at::TensorList blobs, c10::string_view format,
+                               int64_t rows, int64_t cols, int64_t rows_per_chunk,
+                               int64_t block_size, bool nested,
+                               std::optional<at::ScalarType> dtype, const at::Tensor* out) {
+  DequantPlan plan;
+  const int64_t n = static_cast<int64_t>(blobs.size());
+  TORCH_CHECK_VALUE(n > 0, op, ": blobs must not be empty (one blob per chunk)");
+  TORCH_CHECK_VALUE(format == "nf4" || format == "int8", op,
+                    ": format must be one of ('nf4', 'int8'), got '", std::string(format), "'");
+  plan.format = format == "nf4" ? quant::Format::kNF4 : quant::Format::kInt8;
+  const std::pair<const char*, int64_t> ints[] = {
+      {"rows", rows}, {"cols", cols}, {"rows_per_chunk", rows_per_chunk}, {"block_size", block_size}};
+  for (const auto& [name, v] : ints) {
+    TORCH_CHECK_VALUE(v >= 1, op, ": ", name, " must be >= 1, got ", v);
+  }
+  TORCH_CHECK_VALUE((n - 1) * rows_per_chunk < rows && rows <= n * rows_per_chunk, op, ": ", n,
+                    " blobs of rows_per_chunk = ", rows_per_chunk, " rows hold ",
+                    (n - 1) * rows_per_chunk + 1, " to ", n * rows_per_chunk, " rows, but rows = ",
+                    rows, " (every chunk but the last is full)");
+  if (plan.format == quant::Format::kNF4) {
+    check_block(op, "nf4", rows, cols, block_size);
+  } else {
+    TORCH_CHECK_VALUE(!nested, op, ": nested (double quantization of the scales) is an NF4 option; "
+                      "int8 has no nested scales");
+    check_block(op, "int8", rows, cols, block_size);
+  }
+  plan.cols = cols;
+  plan.block = block_size;
+  plan.nested = nested;
+  plan.rows_per_chunk = rows_per_chunk;
+  plan.last_rows = rows - (n - 1) * rows_per_chunk;
+  plan.full = quant::blob_layout(plan.format, std::min(rows_per_chunk, rows), cols, block_size, nested);
+  plan.last = quant::blob_layout(plan.format, plan.last_rows, cols, block_size, nested);
+
+  const at::Tensor& first = blobs[0];
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& b = blobs[i];
+    const std::string name = "blobs[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(b.defined(), op, ": ", name, " is undefined");
+    TORCH_CHECK_TYPE(b.scalar_type() == at::kByte, op, ": ", name, " has dtype ",
+                     py_dtype(b.scalar_type()), "; a blob is bytes (torch.uint8)");
+    TORCH_CHECK_VALUE(b.device() == first.device(), op, ": ", name, " is on device ", b.device(),
+                      " but blobs[0] is on ", first.device(), "; all blobs must be on one device");
+    TORCH_CHECK_VALUE(b.dim() == 1, op, ": ", name, " must be 1-D (one chunk's bytes), got shape ",
+                      b.sizes());
+    TORCH_CHECK_VALUE(b.is_contiguous(), op, ": ", name, " must be contiguous");
+    const bool is_last = i == n - 1;
+    const int64_t want = is_last ? plan.last.total : plan.full.total;
+    TORCH_CHECK_VALUE(b.numel() == want, op, ": ", name, " has ", b.numel(), " bytes but the ",
+                      std::string(format), " blob of its chunk (",
+                      is_last ? plan.last_rows : rows_per_chunk, " x ", cols, " weights, block ",
+                      block_size, nested ? ", nested" : "", ") has ", want);
+  }
+  if (out == nullptr) {
+    TORCH_CHECK_TYPE(dtype.has_value() && dequant_dtype_ok(*dtype), op,
+                     ": dtype must be torch.float32, torch.bfloat16 or torch.float16 (the compute "
+                     "dtype), got ", dtype.has_value() ? py_dtype(*dtype) : std::string("None"));
+    return plan;
+  }
+  const at::Tensor& o = *out;
+  TORCH_CHECK_VALUE(o.defined(), op, ": out is undefined");
+  TORCH_CHECK_TYPE(dequant_dtype_ok(o.scalar_type()), op,
+                   ": out's dtype must be torch.float32, torch.bfloat16 or torch.float16 (the "
+                   "compute dtype), got ", py_dtype(o.scalar_type()));
+  TORCH_CHECK_VALUE(o.device() == first.device(), op, ": out is on device ", o.device(),
+                    " but blobs[0] is on ", first.device());
+  TORCH_CHECK_VALUE(o.dim() == 2 && o.size(0) == rows && o.size(1) == cols, op,
+                    ": out must have shape [rows, cols] = [", rows, ", ", cols, "], got ", o.sizes());
+  TORCH_CHECK_VALUE(o.is_contiguous(), op, ": out must be contiguous");
+  const auto lo = reinterpret_cast<uintptr_t>(o.data_ptr());
+  const auto hi = lo + o.numel() * o.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto b0 = reinterpret_cast<uintptr_t>(blobs[i].data_ptr());
+    TORCH_CHECK_VALUE(!(b0 < hi && lo < b0 + blobs[i].numel()), op, ": out and blobs[", i,
+                      "] overlap in memory; out must have memory of its own");
+  }
+  return plan;
+}
+
+namespace {
+
 // pack_shards([]) has no tensor, so the dispatcher has no device to pick a kernel by: it runs
 // the CompositeExplicitAutograd kernel, which is also what a device without a kernel of its own
 // gets. Either way the arguments are checked first, so the error names the argument at fault.
@@ -162,6 +277,17 @@ at::Tensor pack_shards_no_kernel(at::TensorList shards, c10::IntArrayRef slice_n
   check_pack_args(shards, slice_numels, chunk_begins, chunk_ends);
   TORCH_CHECK_NOT_IMPLEMENTED(false, "elastic::pack_shards has no kernel for device ",
                               shards[0].device());
+}
+
+// dequant_chunks([]) likewise: no tensor, no device.
+at::Tensor dequant_chunks_no_kernel(at::TensorList blobs, c10::string_view format, int64_t rows,
+                                    int64_t cols, int64_t rows_per_chunk, int64_t block_size,
+                                    bool nested, at::ScalarType dtype) {
+  check_dequant_args("elastic::dequant_chunks", blobs, format, rows, cols, rows_per_chunk,
+                     block_size, nested, dtype, nullptr);
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "elastic::dequant_chunks has no kernel for device ",
+                              blobs[0].device(), " (CUDA tensors run the Triton op "
+                              "elastic::dequant_chunks_triton)");
 }
 
 }  // namespace
@@ -181,8 +307,24 @@ TORCH_LIBRARY(elastic, m) {
       "unpack_gathered(Tensor gathered, int world_size, int[] slice_numels, int[] chunk_counts, "
       "Tensor(a!)[] dests) -> ()",
       {at::Tag::pt2_compliant_tag});
+
+  // Fake impls of the dequant ops are registered from their own module.
+  m.set_python_module("elastic_kernels.ops.dequant");
+  // The weight [rows, cols] in `dtype` held by a weight's chunk blobs, one 1-D uint8 blob per
+  // chunk of rows_per_chunk rows (the last may be ragged): elastic_kernels/quant/blob.py
+  // [Note: quantized chunk blob]; format "nf4" (bitsandbytes' NF4, `nested` scales) or "int8".
+  m.def(
+      "dequant_chunks(Tensor[] blobs, str format, int rows, int cols, int rows_per_chunk, "
+      "int block_size, bool nested, ScalarType dtype) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // The same, written into out [rows, cols] (contiguous; its dtype is the compute dtype).
+  m.def(
+      "dequant_chunks_into(Tensor[] blobs, str format, int rows, int cols, int rows_per_chunk, "
+      "int block_size, bool nested, Tensor(a!) out) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(elastic, CompositeExplicitAutograd, m) {
   m.impl("pack_shards", &elastic::pack_shards_no_kernel);
+  m.impl("dequant_chunks", &elastic::dequant_chunks_no_kernel);
 }

@@ -15,6 +15,7 @@ from elastic_kernels.layout import ChunkLayout  # noqa: E402
 # The ops (elastic_kernels/ops/): the pack ops' fakes register after _ext.load(); the paged
 # LoRA linear's Triton ops register on import; impl="auto" picks per device.
 from elastic_kernels.ops import (  # noqa: E402
+    dequantize,
     lora_adapter_grads,
     pack_shards,
     paged_lora_linear_dgrad,
@@ -42,6 +43,7 @@ __all__ = [
     "HostStoreError",
     "PagePool",
     "PoolExhausted",
+    "dequantize",
     "lora_adapter_grads",
     "pack_shards",
     "paged_lora_linear_dgrad",

@@ -8,9 +8,21 @@ reference beside it, its Triton kernels and its fake impls:
   paged_linear.py            paged LoRA linear: launchers, triton_op registration, dispatch
   paged_linear_kernels.py    its @triton.jit kernels
   paged_linear_reference.py  its pure-torch reference and [Note: numerics of the paged LoRA ops]
+  dequant.py                 dequant_chunks(_into) of quantized chunk blobs: Triton launchers,
+                             triton_op registration, dispatch, fakes of the C++ schemas
+  dequant_kernels.py         its @triton.jit kernels
+  dequant_reference.py       its pure-torch reference
 """
 
+from elastic_kernels.ops.dequant import dequantize
 from elastic_kernels.ops.pack import pack_shards, unpack_gathered
 from elastic_kernels.ops.paged_linear import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
 
-__all__ = ["lora_adapter_grads", "pack_shards", "paged_lora_linear_dgrad", "paged_lora_linear_fwd", "unpack_gathered"]
+__all__ = [
+    "dequantize",
+    "lora_adapter_grads",
+    "pack_shards",
+    "paged_lora_linear_dgrad",
+    "paged_lora_linear_fwd",
+    "unpack_gathered",
+]

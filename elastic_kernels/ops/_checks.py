@@ -3,7 +3,8 @@ fake impls). Shape-only where they can be, so they also run under FakeTensorMode
 names the argument at fault. The C++ twin of the pack checks is csrc/ops.cpp (same messages,
 same exception types).
 
-A leaf: it imports torch only.
+Nearly a leaf: it imports torch, and elastic_kernels.quant (the blob formats, torch only) for
+the dequant checks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from elastic_kernels.quant import FORMATS, ChunkFormat, chunk_formats
 
 _ELEM_SIZES = (1, 2, 4, 8)
 
@@ -341,3 +344,81 @@ def check_adapter_grad_args(lora_x, xa, dy, dyb) -> tuple[int, int, int, int]:
     if n < 1:
         raise ValueError("dy has 0 columns (out_features must be positive)")
     return t, k, n, r
+
+
+# ---------------------------------------------------------------------------------------------
+# dequant_chunks / dequant_chunks_into (elastic_kernels/quant/blob.py [Note: quantized chunk
+# blob]); the C++ twin is check_dequant_args in csrc/ops.cpp (same messages, same types)
+# ---------------------------------------------------------------------------------------------
+
+DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = "torch.float32, torch.bfloat16 or torch.float16"
+
+
+def _check_dequant_dtype(op: str, name: str, dtype) -> None:
+    if dtype not in DEQUANT_DTYPES:
+        raise TypeError(f"{op}: {name} must be {_DTYPE_NAMES} (the compute dtype), got {dtype}")
+
+
+def check_dequant_args(
+    blobs, fmt, rows, cols, rows_per_chunk, block_size, nested, dtype, out, *, op: str
+) -> list[ChunkFormat]:
+    """Validate the arguments of a dequant op; return the format of each blob's chunk.
+
+    ``out`` None: the functional op (``dtype`` is the output dtype); else the output tensor
+    (``dtype`` is ignored). Shape-only where it can be, so it runs under FakeTensorMode too.
+    """
+    blobs = tensor_list(op, "blobs", blobs)
+    if not blobs:
+        raise ValueError(f"{op}: blobs must not be empty (one blob per chunk)")
+    if fmt not in FORMATS:
+        raise ValueError(f"{op}: format must be one of {FORMATS}, got {fmt!r}")
+    for name, v in (("rows", rows), ("cols", cols), ("rows_per_chunk", rows_per_chunk), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{op}: {name} must be >= 1, got {v}")
+    n = len(blobs)
+    if not (n - 1) * rows_per_chunk < rows <= n * rows_per_chunk:
+        raise ValueError(
+            f"{op}: {n} blobs of rows_per_chunk = {rows_per_chunk} rows hold {(n - 1) * rows_per_chunk + 1} to "
+            f"{n * rows_per_chunk} rows, but rows = {rows} (every chunk but the last is full)"
+        )
+    try:
+        formats = chunk_formats(fmt, rows, cols, rows_per_chunk, block_size, bool(nested))
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+    first = blobs[0]
+    for i, (b, f) in enumerate(zip(blobs, formats)):
+        name = f"blobs[{i}]"
+        if b.dtype != torch.uint8:
+            raise TypeError(f"{op}: {name} has dtype {b.dtype}; a blob is bytes (torch.uint8)")
+        if b.device != first.device:
+            raise ValueError(f"{op}: {name} is on device {b.device} but blobs[0] is on {first.device}; all blobs must be on one device")
+        if b.dim() != 1:
+            raise ValueError(f"{op}: {name} must be 1-D (one chunk's bytes), got shape {tuple(b.shape)}")
+        if not b.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+        if b.numel() != f.total_bytes:
+            raise ValueError(
+                f"{op}: {name} has {b.numel()} bytes but the {fmt} blob of its chunk ({f.rows} x {cols} weights, "
+                f"block {block_size}{', nested' if f.nested else ''}) has {f.total_bytes}"
+            )
+    if out is None:
+        _check_dequant_dtype(op, "dtype", dtype)
+        return formats
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{op}: out must be a tensor, got {type(out).__name__}")
+    _check_dequant_dtype(op, "out's dtype", out.dtype)
+    if out.device != first.device:
+        raise ValueError(f"{op}: out is on device {out.device} but blobs[0] is on {first.device}")
+    if tuple(out.shape) != (rows, cols):
+        raise ValueError(f"{op}: out must have shape [rows, cols] = [{rows}, {cols}], got {list(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"{op}: out must be contiguous")
+    if has_storage(out) and all(has_storage(b) for b in blobs):
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        for i, b in enumerate(blobs):
+            if b.data_ptr() < hi and lo < b.data_ptr() + b.numel():
+                raise ValueError(f"{op}: out and blobs[{i}] overlap in memory; out must have memory of its own")
+    return formats
