@@ -12,7 +12,7 @@ from python_api.distributed.agree import agree, exchange
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.models import ModelSpec
-from python_api.finetune.options import budget_label, policy_of
+from python_api.finetune.options import DS_OPTIONS, budget_label, policy_of
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
@@ -112,7 +112,8 @@ def agreed_configuration(job) -> dict:
         "residency": {"pool_budget": budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
                       "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
                       "collective_bytes": a.collective_kib << 10},
-        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets]},
+        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets],
+                 "peer_settings": {k: getattr(a, k, None) for k in ("fsdp2_reshard",) + DS_OPTIONS}},
         "resume": None if r is None else {"step": r.step, "adapters_sha256": _file_sha256(
             os.path.join(r.path, "adapter_model.safetensors")), "optimizer_sha256": _file_sha256(
             os.path.join(r.path, "optimizer.pt"))},
