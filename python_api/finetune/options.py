@@ -171,9 +171,9 @@ def _baselines(text: str) -> list[str]:
 def _reshard(text: str):
     """FSDP2's reshard_after_forward: true, false, or N (an int > 1: reshard to groups of N)."""
     t = text.strip().lower()
-    if t in ("true", "yes", "1"):
+    if t in ("true", "yes"):
         return True
-    if t in ("false", "no", "0"):
+    if t in ("false", "no"):
         return False
     try:
         n = int(t)

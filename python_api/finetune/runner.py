@@ -1,4 +1,4 @@
-"""run(): the runs of a job (the elastic run, the extra budgets, the FSDP2 baseline), the
+"""run(): the runs of a job (the elastic run, the extra budgets, the peers of --baseline), the
 summary, and the report rank 0 writes."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from python_api.finetune import report
+from python_api.finetune import peers, report
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
-from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+from python_api.finetune.engines import ElasticEngine
 from python_api.finetune.files import (
     agreed_write,
     local_now,
@@ -41,6 +41,12 @@ def run(job: Job) -> dict:
               flush=True)
         if job.resume is not None:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
+    # Before any run: peer settings no peer can run stop every rank; a peer not installed is
+    # left out on every rank, and said so (python_api/finetune/peers/__init__.py).
+    skipped = peers.check(job) if args.baselines else {}
+    if job.rank == 0:
+        for kind, why in skipped.items():
+            print(f"{PROG}: --baseline {kind} left out: {why}", flush=True)
     with AllGatherCounter() as counter:
         # 1. the elastic run (checkpointed, its adapter exported)
         job.memory.set_baseline()
@@ -63,34 +69,40 @@ def run(job: Job) -> dict:
         del engine
         gc.collect()
         # 2. the comparisons, each from scratch: more elastic budgets, the weights in the host
-        # store, a planned run, the FSDP2 baseline
+        # store, a planned run, the peers (same seed, initial adapters and batches)
         builds = [lambda b=b: ElasticEngine(job, b) for b in args.compare_budgets]
         if args.compare_host:
             builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="host"))
         if args.compare_planned:
             builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True))
-        if args.baseline == "fsdp2":
-            builds.append(lambda: FSDP2Engine(job, counter))
+        for kind in args.baselines:
+            if kind not in skipped:
+                builds.append(lambda kind=kind: peers.build(job, kind, counter))
         for build in builds:
             job.memory.set_baseline()
             engine = build()
             runs.append(train(job, engine, counter, primary=False))
+            if hasattr(engine, "close"):  # DeepSpeed's engine releases its hooks and buffers
+                engine.close()
             del engine
             gc.collect()
             dist.barrier()
-    summary = _summary(job, runs)
+    summary = _summary(job, runs, skipped)
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
 
 
-def _summary(job: Job, runs: list[dict]) -> dict:
+def _summary(job: Job, runs: list[dict], skipped: dict[str, str]) -> dict:
     base = next((r for r in runs if r["kind"] == "fsdp2"), None)
     for r in runs:
         if base is not None and r is not base:
             n = min(len(r["losses"]), len(base["losses"]))
             r["max_abs_loss_diff_vs_fsdp2"] = max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
             r["steps_compared_with_fsdp2"] = n
+        if r is not runs[0] and r["losses"] and runs[0]["losses"]:
+            n = min(len(r["losses"]), len(runs[0]["losses"]))
+            r["max_abs_loss_diff_vs_elastic"] = max(abs(a - b) for a, b in zip(r["losses"][:n], runs[0]["losses"][:n]))
     return {
         "command": " ".join([PROG] + sys.argv[1:]) if job.args._argv is None else " ".join([PROG] + job.args._argv),
         "date": local_now(),
@@ -104,6 +116,7 @@ def _summary(job: Job, runs: list[dict]) -> dict:
         "save_dir": job.save_dir,
         "resumed_from": job.resume.path if job.resume is not None else None,
         "runs": runs,
+        "skipped_baselines": skipped,
     }
 
 
@@ -123,6 +136,7 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
         if "max_abs_loss_diff_vs_fsdp2" in r:
             md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
                    f"{r['max_abs_loss_diff_vs_fsdp2']:.3g}  ")
+    md += report.peer_notes(runs, summary["skipped_baselines"])
     md += "\n"
     write_text_atomic(os.path.join(d, "results.md"), md)
     write_text_atomic(os.path.join(d, "results.csv"), report.csv_text(rows))
@@ -135,6 +149,9 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     for r in runs:
         if "max_abs_loss_diff_vs_fsdp2" in r:
             print(f"{r['name']}: max |loss - FSDP2 loss| = {r['max_abs_loss_diff_vs_fsdp2']:.3g}")
+    notes = report.peer_notes(runs, summary["skipped_baselines"])
+    if notes:
+        print(notes.replace("  \n", "\n").strip())
     print(f"\ntable:   {os.path.join(d, 'results.md')} (and results.csv)")
     print(f"picture: {png}")
     print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format)")
