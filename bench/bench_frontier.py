@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -333,6 +334,7 @@ def main(argv=None) -> int:
     args = parse_args(PRESETS[opts.preset] + rest + ["--steps", str(opts.steps), "--no-progress", "--overwrite",
                                                      "--save-dir", os.path.join(tmp, f"rank{rank}")])
     job = prepare(args, rank, W, local)
+    os.makedirs(job.save_dir, exist_ok=True)  # the planned runs write plan.json there (rank 0)
     device = job.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -389,6 +391,7 @@ def main(argv=None) -> int:
         print(f"rows: {path}\npicture: {png}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
