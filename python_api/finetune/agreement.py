@@ -10,7 +10,7 @@ from python_api.distributed.agree import agree, exchange
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.models import ModelSpec
-from python_api.finetune.options import budget_label, policy_of
+from python_api.finetune.options import DS_OPTIONS, budget_label, policy_of
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
@@ -102,7 +102,8 @@ def agreed_configuration(job) -> dict:
         "residency": {"pool_budget": budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
                       "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
                       "collective_bytes": a.collective_kib << 10},
-        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets]},
+        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets],
+                 "peer_settings": {k: getattr(a, k, None) for k in ("fsdp2_reshard",) + DS_OPTIONS}},
         # The checkpoint resumed from: its run and step, and the digests of its shared files, as
         # its manifest lists them (each rank verified its files against them).
         "resume": None if r is None else {"step": r.step, "run_id": r.run_id, "sha256": r.digests},

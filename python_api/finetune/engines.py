@@ -118,14 +118,13 @@ def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None
 
 class FSDP2Engine:
     """The same base model with PEFT LoRA (same initial adapters), fully_shard per decoder layer
-    (reshard_after_forward=True) and on the root. A model directory is built on the meta device
-    and each rank reads only its shard from the files ([Note: FSDP2 from the files])."""
+    (reshard_after_forward=True by default, or False, or an int: `--fsdp2-reshard`) and on the
+    root. A model directory is built on the meta device and each rank reads only its shard from
+    the files ([Note: FSDP2 from the files])."""
 
     kind = "fsdp2"
-    name = "FSDP2 + PEFT (reshard after forward)"
 
-    def __init__(self, job: Job, counter):
-        from peft import LoraConfig, get_peft_model
+    def __init__(self, job: Job, counter, reshard_after_forward: bool | int = True):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -134,19 +133,23 @@ class FSDP2Engine:
             base, source = _collective_build(job), None
         else:
             base, source = _collective_meta_base(job)
-        self.model = get_peft_model(base, LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-            target_modules=target_list(args), use_rslora=False,
-        ))
-        if source is None:
-            _adapters_into_peft(self.model, job.initial_adapters)
+        # On the meta device the adapters are read with the shards (_load_fsdp2_shards).
+        self.model = peft_with_initial_adapters(job, base, set_adapters=source is None)
         layer_types = set(getattr(base, "_no_split_modules", None) or [])
         layers = [m for m in self.model.modules() if type(m).__name__ in layer_types]
         if not layers:
             raise FinetuneError(f"--baseline fsdp2: cannot find the decoder layers of {type(base).__name__} (_no_split_modules)")
+        reshard = reshard_after_forward
+        error = fsdp2_reshard_error(reshard, job.world_size)
+        if error:
+            raise FinetuneError(error)
+        self.name = ("FSDP2 + PEFT (reshard after forward)" if reshard is True else
+                     "FSDP2 + PEFT (no reshard after forward)" if reshard is False else
+                     f"FSDP2 + PEFT (reshard after forward to {reshard} ranks)")
+        self.reshard_after_forward = reshard
         mesh = init_device_mesh(job.device.type, (job.world_size,))
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh)
         if source is not None:
             _load_fsdp2_shards(self.model, base, source, job)
@@ -170,6 +173,34 @@ class FSDP2Engine:
         return self.counter.bytes
 
 
+def fsdp2_reshard_error(reshard: bool | int, world_size: int) -> str | None:
+    """Why FSDP2 cannot reshard to `reshard` ranks after forward on this mesh, or None: an int
+    must be a divisor of the world size strictly between 1 and it (torch's own rule, where 1
+    means False and the world size True)."""
+    if isinstance(reshard, bool) or (1 < reshard < world_size and world_size % reshard == 0):
+        return None
+    return (f"--fsdp2-reshard {reshard}: on {world_size} ranks FSDP2 can keep the weights sharded after forward "
+            f"over a group size that divides {world_size}, strictly between 1 and {world_size} "
+            f"({', '.join(str(n) for n in range(2, world_size) if world_size % n == 0) or 'none here'}); "
+            "use true or false")
+
+
+def peft_with_initial_adapters(job: Job, base: nn.Module, set_adapters: bool = True):
+    """`base` under PEFT LoRA with the job's r, alpha, dropout and targets (no rsLoRA), its
+    adapters set to the elastic run's initial values (`job.initial_adapters`): what every
+    peer trains ([Note: what is compared with FSDP2, and the tolerance])."""
+    from peft import LoraConfig, get_peft_model
+
+    args = job.args
+    model = get_peft_model(base, LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=target_list(args), use_rslora=False,
+    ))
+    if set_adapters:
+        _adapters_into_peft(model, job.initial_adapters)
+    return model
+
+
 def _adapters_into_peft(peft_model, state: dict) -> None:
     """Copy adapters saved under PEFT's file names (base_model.model.<module>.lora_A.weight)
     into a PEFT model's modules; every LoRA module must get one, and every tensor must land."""
@@ -180,7 +211,7 @@ def _adapters_into_peft(peft_model, state: dict) -> None:
     wanted = {k[len("base_model.model."):].rsplit(".lora_", 1)[0] for k in state}
     if names != wanted:
         raise FinetuneError(
-            f"--baseline fsdp2: PEFT put LoRA on {len(names)} modules, the elastic model on {len(wanted)}; "
+            f"--baseline: PEFT put LoRA on {len(names)} modules, the elastic model on {len(wanted)}; "
             f"differing: {sorted(names ^ wanted)[:4]}"
         )
     with torch.no_grad():

@@ -100,7 +100,9 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     model = engine.model
     named = engine.params()
     names = [n for n, _ in named]
-    opt = torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
+    # An engine that drives its own optimizer (DeepSpeed's, [Note: engines that own their
+    # optimizer step] in python_api/finetune/peers/__init__.py) hands it over; else plain AdamW.
+    opt = getattr(engine, "optimizer", None) or adamw([p for _, p in named], args)
     start, losses, segments = 0, [], []
     if primary and job.resume is not None:
         r = job.resume
@@ -120,7 +122,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     mem = job.memory
     mem.reset_peak()
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
-    times, gathered, counted, h2d, splits = [], [], [], [], []
+    times, gathered, counted, calls, h2d, splits = [], [], [], [], [], []
 
     def segment(peak) -> dict:
         return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": budget_label(args.pool_budget),
@@ -141,7 +143,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
             mb, accum = engine.micro_batch, engine.grad_accum
             splits.append((mb, accum))
             batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
-            g0, c0, h0 = engine.gathered_bytes(), counter.bytes, engine.h2d_bytes()
+            g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
             _sync(device)
             t0 = time.perf_counter()
             total = torch.zeros((), dtype=torch.float64, device=device)
@@ -150,14 +152,18 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
                     out = model(input_ids=batch[a], labels=batch[a])
                     (out.loss / accum).backward()
                 total += out.loss.detach().double()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if hasattr(engine, "optimizer_step"):
+                engine.optimizer_step()
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             dist.all_reduce(total)
             loss = total.item() / (accum * W)
             _sync(device)
             times.append(time.perf_counter() - t0)
             gathered.append(engine.gathered_bytes() - g0)
             counted.append(counter.bytes - c0)
+            calls.append(counter.calls - k0)
             h2d.append(engine.h2d_bytes() - h0)
             if not math.isfinite(loss):
                 # The loss is all-reduced and the adapters replicated: every rank raises alike.
@@ -195,6 +201,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
                        "tokens_per_step": tokens_per_step, "tokens_per_s": _tokens_per_s(times, tokens_per_step),
                        "peak_memory_bytes": mem.peak_above_baseline(), "allgather_bytes_per_step": list(gathered),
                        "allgather_bytes_counted_per_step": list(counted),
+                       "allgather_calls_per_step": list(calls),
                        "allgather_bytes_first_step": gathered[0] if gathered else 0,
                        "allgather_bytes_steady": _steady(gathered), "h2d_bytes_per_step": list(h2d),
                        "h2d_bytes_steady": _steady(h2d), "micro_batch_splits": list(splits),
@@ -218,6 +225,8 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "peak_memory_bytes": peak,
         "allgather_bytes_per_step": gathered,
         "allgather_bytes_counted_per_step": counted,
+        "allgather_calls_per_step": calls,
+        "allgather_calls_steady": statistics.median(calls[1:]) if len(calls) > 1 else (calls[0] if calls else 0),
         "allgather_bytes_first_step": first,
         "allgather_bytes_steady": steady_bytes,
         "h2d_bytes_per_step": h2d,
@@ -249,6 +258,11 @@ def _steady(per_step: list) -> float:
     if len(per_step) > 1:
         return sum(per_step[1:]) / (len(per_step) - 1)
     return float(per_step[0] if per_step else 0)
+
+
+def adamw(params, args) -> torch.optim.AdamW:
+    """The optimizer of every run: AdamW with the job's hyper-parameters."""
+    return torch.optim.AdamW(params, lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
 
 
 def _tokens_per_s(times: list[float], tokens_per_step: int) -> float | None:

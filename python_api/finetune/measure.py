@@ -30,37 +30,49 @@ import threading
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-_GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
+_GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
 
 
 class AllGatherCounter:
     """Counts the bytes each rank *receives* from its peers in every all-gather into a tensor:
     (world_size - 1) x input bytes, the same definition as the elastic runtime's
-    `allgather_bytes`. Installed by replacing `torch.distributed.all_gather_single` /
-    `all_gather_into_tensor` (FSDP2 and the runtime look them up at call time); one may call
-    the other, so only the outermost call counts. Use as a context manager; not re-entrant
-    across instances."""
+    `allgather_bytes`; `calls` counts the all-gathers. Use as a context manager; not
+    re-entrant across instances.
+
+    [Note: what the all-gather counter wraps]
+    It replaces `all_gather_single`, `all_gather_into_tensor` and `_all_gather_base` both in
+    `torch.distributed` (where FSDP2, the runtime and DeepSpeed's TorchBackend look them up)
+    and in `torch.distributed.distributed_c10d` (where torch's own functions call each other:
+    in torch 2.14 `all_gather_into_tensor` calls the module's `all_gather_single`, so a
+    reference taken before `install`, as DeepSpeed's TorchBackend takes one when it is built,
+    is still counted there). One may call the other, so only the outermost call counts (a
+    thread-local depth). Callers pass the tensors positionally (FSDP2, the runtime) or by
+    keyword (`output_tensor=`, `input_tensor=`: DeepSpeed 0.19.8, comm/torch.py), so the
+    wrapper takes `*args, **kwargs` and forwards them unchanged."""
 
     def __init__(self):
         self.bytes = 0
         self.calls = 0
         self._depth = threading.local()
-        self._real: dict[str, object] = {}
+        self._real: list[tuple[object, str, object]] = []
 
     def install(self) -> AllGatherCounter:
         if self._real:
             raise RuntimeError("AllGatherCounter is already installed")
-        for name in _GATHER_NAMES:
-            if hasattr(dist, name):
-                self._real[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(self._real[name]))
+        for module in (dist, c10d):
+            for name in _GATHER_NAMES:
+                if hasattr(module, name):
+                    real = getattr(module, name)
+                    self._real.append((module, name, real))
+                    setattr(module, name, self._wrap(real))
         return self
 
     def uninstall(self) -> None:
-        for name, real in self._real.items():
-            setattr(dist, name, real)
-        self._real = {}
+        for module, name, real in reversed(self._real):
+            setattr(module, name, real)
+        self._real = []
 
     def __enter__(self) -> AllGatherCounter:
         return self.install()
@@ -69,17 +81,21 @@ class AllGatherCounter:
         self.uninstall()
 
     def _wrap(self, real):
-        def counted(output, inp, group=None, async_op=False, **kwargs):
+        def counted(*args, **kwargs):
             depth = getattr(self._depth, "d", 0)
             if depth == 0:
-                self.bytes += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
-                self.calls += 1
+                inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+                group = args[2] if len(args) > 2 else kwargs.get("group")
+                if isinstance(inp, torch.Tensor):
+                    self.bytes += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
+                    self.calls += 1
             self._depth.d = depth + 1
             try:
-                return real(output, inp, group=group, async_op=async_op, **kwargs)
+                return real(*args, **kwargs)
             finally:
                 self._depth.d = depth
 
+        counted.__wrapped__ = real
         return counted
 
 

@@ -155,6 +155,51 @@ def _ratio(text: str) -> float:
     return v
 
 
+PEERS = ("fsdp2", "deepspeed", "ddp")
+
+
+def _baselines(text: str) -> list[str]:
+    """'none' or a comma-separated list of peers (each at most once), in the order given."""
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if names == ["none"] or not names:
+        return []
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown baseline(s) {bad}: expected none or a comma-separated list of "
+                                         f"{', '.join(PEERS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"baseline(s) {twice} given twice")
+    return names
+
+
+def _reshard(text: str):
+    """FSDP2's reshard_after_forward: true, false, or N (an int > 1: reshard to groups of N)."""
+    t = text.strip().lower()
+    if t in ("true", "yes"):
+        return True
+    if t in ("false", "no"):
+        return False
+    try:
+        n = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true, false or a number of ranks, got {text!r}") from None
+    if not 1 < n <= _MAX_INT:
+        raise argparse.ArgumentTypeError(f"a number of ranks > 1 is expected (1 is false), got {n}")
+    return n
+
+
+def _elements(text: str) -> int:
+    """An element count, in DeepSpeed's notation too ('0', '100000', '1e5', '5e7')."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of elements (e.g. 0, 1e5), got {text!r}") from None
+    if not (0 <= v < 2**63) or v != int(v):
+        raise argparse.ArgumentTypeError(f"expected a whole number of elements >= 0, got {text!r}")
+    return int(v)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None/False ones (their help says what happens without them)."""
 
@@ -242,8 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "the micro-batch split at that step on every rank)")
 
     g = p.add_argument_group("comparison")
-    g.add_argument("--baseline", choices=("none", "fsdp2"), default="none",
-                   help="also train the same job with PEFT LoRA under FSDP2 (from scratch) and compare")
+    g.add_argument("--baseline", default="none", metavar="none|PEER,PEER",
+                   help="also train the same job from scratch under these peers, in order, after the elastic runs "
+                        "(same base weights, initial adapters, batches and AdamW; PEFT LoRA) and compare: fsdp2 "
+                        "(fully_shard per decoder layer), deepspeed (ZeRO-3; pip install elastic-kernels[baselines]), "
+                        "ddp (replicated weights)")
+    g.add_argument("--fsdp2-reshard", type=_reshard, default=None, metavar="true|false|N",
+                   help="FSDP2's reshard_after_forward for the decoder layers: true (the default), false (keep the "
+                        "gathered weights until backward), or N (keep them sharded over groups of N ranks; N a "
+                        "divisor of the world size, 1 < N < world size)")
+    g.add_argument("--ds-persistence-threshold", type=_elements, default=None, metavar="ELEMENTS",
+                   help="DeepSpeed's stage3_param_persistence_threshold (its default 1e5)")
+    g.add_argument("--ds-max-live-parameters", type=_elements, default=None, metavar="ELEMENTS",
+                   help="DeepSpeed's stage3_max_live_parameters (its default 1e9)")
+    g.add_argument("--ds-max-reuse-distance", type=_elements, default=None, metavar="ELEMENTS",
+                   help="DeepSpeed's stage3_max_reuse_distance (its default 1e9)")
+    g.add_argument("--ds-prefetch-bucket-size", type=_elements, default=None, metavar="ELEMENTS",
+                   help="DeepSpeed's stage3_prefetch_bucket_size (its default 5e7)")
+    g.add_argument("--ds-quantized-weights", action="store_true",
+                   help="ZeRO++ zero_quantized_weights (CUDA only: its quantizer has no CPU implementation)")
+    g.add_argument("--ds-quantized-nontrainable-weights", action="store_true",
+                   help="ZeRO++ zero_quantized_nontrainable_weights (CUDA only)")
     g.add_argument("--compare-budgets", default="", metavar="B1,B2",
                    help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%) and compare")
     g.add_argument("--compare-host", action="store_true",
@@ -316,6 +380,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.compare_budgets = [_budget(b) for b in args.compare_budgets.split(",") if b.strip()]
     except argparse.ArgumentTypeError as exc:
         p.error(f"argument --compare-budgets: {exc}")
+    try:
+        args.baselines = _baselines(args.baseline)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument --baseline: {exc}")
+    args.baseline = ",".join(args.baselines) or "none"
+    ds_given = [f"--{k.replace('_', '-')}" for k in DS_OPTIONS if getattr(args, k) is not None and getattr(args, k) is not False]
+    if ds_given and "deepspeed" not in args.baselines:
+        p.error(f"{', '.join(ds_given)}: DeepSpeed options need --baseline deepspeed")
+    if args.fsdp2_reshard is not None and "fsdp2" not in args.baselines:
+        p.error("--fsdp2-reshard: needs --baseline fsdp2")
     if not 0.0 <= args.lora_dropout < 1.0:
         p.error(f"argument --lora-dropout: expected a number in [0, 1), got {args.lora_dropout}")
     if not 0 <= args.weight_decay < math.inf:
@@ -339,6 +413,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --lora-targets: expected comma-separated module names or all-linear, got {args.lora_targets!r}")
         args.lora_targets = ",".join(names)
     return args
+
+
+# The options of the DeepSpeed peer, as python_api.finetune.peers.zero3.ZeRO3Setting's fields.
+DS_OPTIONS = ("ds_persistence_threshold", "ds_max_live_parameters", "ds_max_reuse_distance",
+              "ds_prefetch_bucket_size", "ds_quantized_weights", "ds_quantized_nontrainable_weights")
 
 
 def _host_fraction_used(args, world_size: int | None, weights_on: str) -> bool:

@@ -2,7 +2,9 @@
 
 Each run is a dict with at least: name, tokens_per_s, peak_memory_bytes, allgather_bytes_steady,
 allgather_bytes_first_step, final_loss, heldout_loss, losses (one per optimizer step, index =
-step). The baseline (if any) is the run whose kind is "fsdp2"; ratios are against it.
+step). The baseline (if any) is the first run whose kind is "fsdp2"; ratios are against it.
+Beside the table, each elastic run is set against the fastest peer run that needed no more
+memory ([Note: the frontier's question] in python_api/finetune/peers/frontier.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import csv
 import io
 import math
+
+from python_api.finetune.peers.frontier import ELASTIC_KINDS, best_peer_at_or_below, plot_frontier, system_of
 
 MiB = 2**20
 
@@ -21,6 +25,7 @@ COLUMNS = [
     "all-gather MiB/step (steady)",
     "all-gather MiB (first step)",
     "host->device MiB/step (steady)",
+    "all-gathers/step (steady)",
     "final train loss",
     "held-out loss",
 ]
@@ -76,6 +81,7 @@ def table_rows(runs: list[dict]) -> list[dict]:
             "all-gather MiB/step (steady)": _mib(r["allgather_bytes_steady"]),
             "all-gather MiB (first step)": _mib(r["allgather_bytes_first_step"]),
             "host->device MiB/step (steady)": _mib(r.get("h2d_bytes_steady", 0)),
+            "all-gathers/step (steady)": r.get("allgather_calls_steady"),
             "final train loss": r["final_loss"],
             "held-out loss": r["heldout_loss"],
         })
@@ -87,7 +93,7 @@ def _fmt(column: str, v) -> str:
         return "n/a"
     if isinstance(v, str):
         return v
-    if column == "tokens/s":
+    if column in ("tokens/s", "all-gathers/step (steady)"):
         return f"{v:.0f}"
     if column == "tokens/s vs FSDP2":
         return f"{v:.2f}x"
@@ -123,10 +129,64 @@ def csv_text(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+# What the peak-memory figure of a run of each kind holds (on CPU: rank 0's resident set above
+# its level before the model was built; on GPU: torch's allocated tensors above that level).
+MEMORY_HOLDS = {
+    "elastic": "its shard of every frozen weight, the pool (up to its budget), activations, adapters, their "
+               "gradients and AdamW state",
+    "planned": "what the plan keeps: shards, the pool at the plan's budget, the activations it does not recompute, "
+               "adapters, gradients, AdamW state",
+    "fsdp2": "its shard of every weight, the decoder layers gathered at a time (kept to backward when not "
+             "resharded), activations, adapters, gradients, AdamW state",
+    "deepspeed": "its partition of every weight and adapter, the parameters gathered at a time (prefetched, "
+                 "persistent, or kept for reuse), the fp32 flat adapter partitions, their gradients, AdamW state, "
+                 "the gradient bucket",
+    "ddp": "the whole model, activations, adapters, gradients and DDP's gradient buckets, AdamW state",
+}
+
+
+def peer_notes(runs: list[dict], skipped: dict[str, str]) -> str:
+    """Markdown lines under the table: peers left out; for each elastic run the fastest peer at
+    no more memory; the largest loss difference from the elastic run; what each memory figure
+    holds."""
+    out = []
+    for kind, why in skipped.items():
+        out.append(f"--baseline {kind} left out: {why}")
+    peer_points = [{"name": r["name"], "memory": r["peak_memory_bytes"], "tokens_per_s": r["tokens_per_s"]}
+                   for r in runs if r["kind"] not in ELASTIC_KINDS]
+    if peer_points:
+        for r in runs:
+            if r["kind"] not in ELASTIC_KINDS:
+                continue
+            best = best_peer_at_or_below(r["peak_memory_bytes"], peer_points)
+            if best is None:
+                least = min((p["memory"] for p in peer_points if p["memory"] is not None), default=None)
+                out.append(f"{r['name']}: no peer ran in its memory ({_fmt('m', _mib(r['peak_memory_bytes']))} MiB; "
+                           f"the least a peer needed: {_fmt('m', _mib(least))} MiB)")
+            elif r["tokens_per_s"] and best["tokens_per_s"]:
+                out.append(f"{r['name']}: {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the tokens/s of the fastest "
+                           f"peer at no more memory ({best['name']}, {_mib(best['memory']):.1f} MiB)")
+    diffs = [(r["max_abs_loss_diff_vs_elastic"], r["name"]) for r in runs if "max_abs_loss_diff_vs_elastic" in r]
+    if diffs:
+        d, name = max(diffs)
+        out.append(f"largest |loss - {runs[0]['name']} loss| of any run, any step: {d:.3g} ({name})")
+    if peer_points:
+        kinds = list(dict.fromkeys(r["kind"] for r in runs))
+        out.append("peak memory holds: " + "; ".join(f"{k}: {MEMORY_HOLDS[k]}" for k in kinds if k in MEMORY_HOLDS))
+    return "".join(f"\n{line}  " for line in out)
+
+
 def losses_label(run: dict) -> str:
     """The name of a run's loss curve: its name, or for a run resumed at another pool budget
     the budget of each range of steps (`losses_label`, set by the CLI)."""
     return run.get("losses_label") or run["name"]
+
+
+def _short_label(name: str) -> str:
+    """'elastic, budget 0' -> 'budget 0'; 'DeepSpeed ZeRO-3 + PEFT (persistence 0)' -> 'persistence 0'."""
+    if "(" in name and name.endswith(")"):
+        return name[name.index("(") + 1:-1]
+    return name.split(", ", 1)[-1]
 
 
 def losses_csv(runs: list[dict]) -> str:
@@ -148,7 +208,10 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {r["name"]: f"C{i}" for i, r in enumerate(runs)}
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), gridspec_kw={"width_ratios": [2.2, 1, 1, 1]})
+    systems = {system_of(r["kind"]) for r in runs}
+    panels = 5 if len(systems) > 1 else 4  # the frontier panel when peers ran
+    fig, axes = plt.subplots(1, panels, figsize=(17 + 4.5 * (panels - 4), 4.2),
+                             gridspec_kw={"width_ratios": [2.2, 1, 1, 1] + [1.8] * (panels - 4)})
     ax = axes[0]
     for r in runs:
         steps = list(range(1, len(r["losses"]) + 1))
@@ -168,7 +231,7 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
         ("all-gather MiB per step (steady)", [_mib(r["allgather_bytes_steady"]) for r in runs], "{:.2f}"),
         ("peak memory MiB (rank 0)", [_mib(r["peak_memory_bytes"]) for r in runs], "{:.1f}"),
     ]
-    for ax, (title, values, fmt) in zip(axes[1:], bars):
+    for ax, (title, values, fmt) in zip(axes[1:4], bars):
         vals = [0.0 if v is None else v for v in values]
         rects = ax.bar(range(len(runs)), vals, color=[colors[n] for n in names])
         for rect, v in zip(rects, values):
@@ -179,6 +242,12 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.15)
+    if panels == 5:
+        ax = axes[4]
+        plot_frontier(ax, [{"system": system_of(r["kind"]), "label": _short_label(r["name"]),
+                            "memory": r["peak_memory_bytes"], "tokens_per_s": r["tokens_per_s"]} for r in runs],
+                      memory_label="peak memory MiB (rank 0)")
+        ax.set_title("tokens/s against peak memory; lines: each system's frontier", fontsize=10)
     fig.suptitle(caption, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")

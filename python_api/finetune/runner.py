@@ -1,4 +1,4 @@
-"""run(): the runs of a job (the elastic run, the extra budgets, the FSDP2 baseline), the
+"""run(): the runs of a job (the elastic run, the extra budgets, the peers of --baseline), the
 summary, and the report rank 0 writes."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from python_api.distributed.agree import exchange
-from python_api.finetune import report
+from python_api.finetune import peers, report
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
-from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+from python_api.finetune.engines import ElasticEngine
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.files import (
     agreed_write,
@@ -32,19 +32,20 @@ from python_api.finetune.options import budget_label
 from python_api.nn import adapter_state_dict
 
 
-def comparison_builds(job: Job, counter) -> list[tuple[str, object]]:
+def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:
     """The comparison runs of the job, each trained from scratch after the main run: (what,
     a function building its engine): more elastic budgets, the weights in the host store (not
     when the main run has them there already: [Note: options a run ignores]), a planned run,
-    the FSDP2 baseline."""
+    the peers of --baseline (same seed, initial adapters and batches)."""
     args = job.args
     builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
     if args.compare_host and args.weights_on != "host":
         builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
     if args.compare_planned:
         builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
-    if args.baseline == "fsdp2":
-        builds.append(("fsdp2", lambda: FSDP2Engine(job, counter)))
+    for kind in args.baselines:  # the peers, in the order given; those not installed left out
+        if kind not in (skipped or {}):
+            builds.append((kind, lambda kind=kind: peers.build(job, kind, counter)))
     return builds
 
 
@@ -66,6 +67,12 @@ def run(job: Job) -> dict:
         _warn(job.notices)
         if job.resume is not None:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
+    # Before any run: peer settings no peer can run stop every rank; a peer not installed is
+    # left out on every rank, and said so (python_api/finetune/peers/__init__.py).
+    skipped = peers.check(job) if args.baselines else {}
+    if job.rank == 0:
+        for kind, why in skipped.items():
+            print(f"{PROG}: --baseline {kind} left out: {why}", flush=True)
     try:
         with AllGatherCounter() as counter:
             # 1. the elastic run (checkpointed, its adapter exported)
@@ -89,18 +96,20 @@ def run(job: Job) -> dict:
             del engine
             gc.collect()
             # 2. the comparisons, each from scratch
-            for _, build in comparison_builds(job, counter):
+            for _, build in comparison_builds(job, counter, skipped):
                 job.memory.set_baseline()
                 engine = build()
                 runs.append(train(job, engine, counter, primary=False))
+                if hasattr(engine, "close"):  # DeepSpeed's engine releases its hooks and buffers
+                    engine.close()
                 del engine
                 gc.collect()
                 dist.barrier()
     except BaseException as exc:
         partial = getattr(exc, "partial_run", None)
-        _write_failure_report(job, runs + ([partial] if partial is not None else []), exc)
+        _write_failure_report(job, runs + ([partial] if partial is not None else []), exc, skipped)
         raise
-    summary = _summary(job, runs)
+    summary = _summary(job, runs, skipped)
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
@@ -131,11 +140,11 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def _write_failure_report(job: Job, runs: list[dict], exc: BaseException) -> None:
+def _write_failure_report(job: Job, runs: list[dict], exc: BaseException, skipped: dict[str, str]) -> None:
     if job.rank != 0 or not any(r.get("steps_run") for r in runs):
         return
     try:
-        summary = _summary(job, runs, error=_error_text(exc))
+        summary = _summary(job, runs, skipped, error=_error_text(exc))
         d = job.save_dir
         write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
         write_json(os.path.join(d, "summary.json"), summary)
@@ -149,7 +158,7 @@ def _write_failure_report(job: Job, runs: list[dict], exc: BaseException) -> Non
     sys.stderr.flush()
 
 
-def _summary(job: Job, runs: list[dict], error: str | None = None) -> dict:
+def _summary(job: Job, runs: list[dict], skipped: dict[str, str], error: str | None = None) -> dict:
     """Every figure of the job's runs; "status" complete or failed (with the error); "warnings":
     the options this job ignores ([Note: options a run ignores]) and every loss gap to the
     FSDP2 baseline beyond rounding ([Note: the loss gap to the baseline] in report.py)."""
@@ -171,6 +180,9 @@ def _summary(job: Job, runs: list[dict], error: str | None = None) -> dict:
             r["loss_gap_vs_fsdp2"] = "beyond rounding" if diff > bound else "within rounding"
             if diff > bound:
                 warnings.append(report.loss_gap_warning(r["name"], diff, n, bound, job.args.dtype))
+        if r is not runs[0] and r["losses"] and runs[0]["losses"]:
+            n = min(len(r["losses"]), len(runs[0]["losses"]))
+            r["max_abs_loss_diff_vs_elastic"] = max(abs(a - b) for a, b in zip(r["losses"][:n], runs[0]["losses"][:n]))
     return {
         "status": "failed" if error is not None else "complete",
         "run_id": job.run_id,
@@ -188,6 +200,7 @@ def _summary(job: Job, runs: list[dict], error: str | None = None) -> dict:
         "save_dir": job.save_dir,
         "resumed_from": job.resume.path if job.resume is not None else None,
         "runs": runs,
+        "skipped_baselines": skipped,
     }
 
 
@@ -205,6 +218,7 @@ def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
         if "max_abs_loss_diff_vs_fsdp2" in r:
             md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
                    f"{r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})  ")
+    md += report.peer_notes(runs, summary["skipped_baselines"])
     for w in summary["warnings"]:
         md += f"\n\n**Warning**: {w}"
     return md + "\n"
@@ -230,6 +244,9 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
             print(f"{r['name']}: max |loss - FSDP2 loss| = {r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})")
     for w in summary["warnings"][len(job.notices):]:
         print(f"WARNING: {w}")
+    notes = report.peer_notes(runs, summary["skipped_baselines"])
+    if notes:
+        print(notes.replace("  \n", "\n").strip())
     print(f"\ntable:   {os.path.join(d, 'results.md')} (and results.csv)")
     print(f"picture: {png}")
     print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format)")

@@ -1,0 +1,402 @@
+"""The memory-throughput frontier: every peer configuration and the elastic runtime, in one
+process group and one run, on the fine-tuning CLI's job.
+
+    torchrun --standalone --nproc-per-node 4 bench/bench_frontier.py [--preset demo|large|tiny]
+        [--steps 6] [--passes 2] [--budgets 0,25%,50%,75%,all] [--host-budgets 0,50%,all]
+        [--planned-caps 3] [--peers fsdp2,deepspeed,ddp] [--fsdp2-reshard true,false,2]
+        [--ds-grid defaults,no-persistence,...] [--results DIR] [--png PATH] [finetune options ...]
+
+Each configuration trains the CLI's job (python_api/finetune: the same base weights, the
+elastic run's initial adapters, batches and AdamW, through the same loop) from scratch:
+- elastic: the pool budget at each of --budgets (a share of the frozen bytes, or all);
+- elastic, weights on host: the host tier at each of --host-budgets;
+- planned: the planner under --planned-caps memory caps spread from the least memory any
+  plan needs to what keeping everything needs (its own memory model, from a measured
+  profile);
+- FSDP2 + PEFT at reshard_after_forward true, false and every int the mesh allows;
+- DeepSpeed ZeRO-3 + PEFT over a grid of its four stage3 knobs (DS_GRID below; element
+  counts scaled to the model's decoder layer, so that some settings do not fetch the whole
+  model in one call);
+- DDP + PEFT: replicated weights, no weight communication.
+
+Measured for each (the passes run every configuration in the listed order, then in the
+reverse order, so a drift of the shared machine weighs on all alike): tokens/s (global tokens
+per step over the median step time of the steps after the first of each pass, both passes
+pooled; the slowest rank), peak memory (on GPU `max_memory_allocated` above the level before
+the build; on CPU the tensor peak, from a separate profiled pass of 2 steps: the live tensor
+bytes after the build plus the profiler's allocation high-water, minus the tensors alive
+before the build; the pool's arena counted from its own snapshot, the host store not counted,
+as it is host memory on a GPU machine; and the resident-set peak of the timed passes, rank 0),
+all-gathered bytes and all-gather calls per step (steady state, counted by one wrapper around
+every all-gather), and losses (every run's, against the first elastic one: the largest
+difference is printed). Rows go to bench/results/frontier.csv; the picture (tokens/s against
+peak memory, one marker per configuration, each system's Pareto frontier as a line) to
+bench/results/frontier.png (frontier_<preset>.png for other presets). The table states, for
+each elastic point, the fastest peer configuration at less or equal memory and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.harness import append_rows, context, results_dir  # noqa: E402
+
+PRESETS = {
+    "tiny": ["--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4",
+             "--num-kv-heads", "2", "--seq-len", "24", "--chunk-kib", "1", "--lora-r", "4", "--lora-alpha", "8"],
+    "demo": [],  # the CLI's embedded defaults: 4 layers, hidden 256, seq 128, micro-batch 2 x accumulation 2
+    "large": ["--hidden-size", "512", "--intermediate-size", "1376", "--num-layers", "8", "--num-heads", "8",
+              "--num-kv-heads", "4"],
+}
+
+# DeepSpeed settings: name -> knobs, in elements; "L" is one decoder layer's parameter count,
+# "ALL" one more than the largest parameter's (every parameter persistent).
+DS_GRID = {
+    "defaults": {},  # persistence 1e5, max live 1e9, reuse 1e9, prefetch 5e7
+    "no-persistence": {"persistence_threshold": 0},
+    "prefetch-layer": {"persistence_threshold": 0, "prefetch_bucket_size": "L"},
+    "bounded": {"persistence_threshold": 0, "max_reuse_distance": 0, "prefetch_bucket_size": "L",
+                "max_live_parameters": "2L"},
+    "per-use": {"persistence_threshold": 0, "max_reuse_distance": 0, "prefetch_bucket_size": 0},
+    "all-persistent": {"persistence_threshold": "ALL"},
+}
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per pass (the first is warm-up)")
+    p.add_argument("--passes", type=int, default=2, help="passes over the configurations, alternating order")
+    p.add_argument("--budgets", default="0,25%,50%,75%,all", help="elastic pool budgets")
+    p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
+    p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
+    p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
+    p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
+    p.add_argument("--ds-grid", default=",".join(DS_GRID), help=f"DeepSpeed settings, by name: {', '.join(DS_GRID)}")
+    p.add_argument("--results", default=None, help="folder for frontier.csv (default bench/results)")
+    p.add_argument("--png", default=None, help="picture (default <results>/frontier.png, frontier_<preset>.png)")
+    opts, rest = p.parse_known_args(argv)
+    if opts.steps < 2 or opts.passes < 1:
+        p.error("--steps must be >= 2 (the first step is warm-up) and --passes >= 1")
+    opts.ds_grid = [n.strip() for n in opts.ds_grid.split(",") if n.strip()]
+    unknown = [n for n in opts.ds_grid if n not in DS_GRID]
+    if unknown:
+        p.error(f"--ds-grid: unknown setting(s) {unknown}; known: {', '.join(DS_GRID)}")
+    return opts, rest
+
+
+class Config:
+    """One point of the plane: how to build its engine, and what it measured."""
+
+    def __init__(self, system: str, label: str, build):
+        self.system, self.label, self.build = system, label, build
+        self.passes: list[dict] = []
+        self.tensor_peak: int | None = None
+
+
+def _layer_elements(job) -> int:
+    meta = job.spec.meta_model()
+    layer = next(m for m in meta.modules() if type(m).__name__ in set(meta._no_split_modules or []))
+    return sum(p.numel() for p in layer.parameters())
+
+
+def _ds_setting(name: str, job):
+    from python_api.finetune.peers.zero3 import ZeRO3Setting
+
+    L = _layer_elements(job)
+    biggest = max(p.numel() for p in job.spec.meta_model().parameters())
+    scale = {"L": L, "2L": 2 * L, "ALL": biggest + 1}
+    knobs = {k: scale.get(v, v) if isinstance(v, str) else v for k, v in DS_GRID[name].items()}
+    return ZeRO3Setting(**knobs)
+
+
+def _planned_caps(job, n: int) -> list[int]:
+    """n caps from just above the least memory any plan needs to what keeping everything
+    needs (the planner's memory model on a profile measured here)."""
+    from python_api.finetune.engines import ElasticEngine
+    from python_api.planner.search import least_memory, plan_from_profile
+    from python_api.planning.measure import measure_profile
+
+    args = job.args
+    engine = ElasticEngine(job, None)
+    batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
+    profile = measure_profile(engine.model, [batch], capacity_bytes=1 << 40)
+    del engine
+    gc.collect()
+    global_batch = job.world_size * args.micro_batch * args.grad_accum
+    least = int(least_memory(profile, global_batch) * 1.02)
+    full = int(plan_from_profile(profile, profile.capacity_bytes, global_batch).predicted_peak_bytes / 0.95) + 1
+    if n == 1:
+        return [full]
+    return [least + (full - least) * i // (n - 1) for i in range(n)]
+
+
+def configurations(opts, job, counter) -> list[Config]:
+    from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+    from python_api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
+    from python_api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
+
+    W = job.world_size
+    out = []
+    for b in (x for x in opts.budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config("elastic", f"budget {budget_label(budget)}", lambda budget=budget: ElasticEngine(job, budget)))
+    for b in (x for x in opts.host_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config("elastic", f"host, budget {budget_label(budget)}",
+                          lambda budget=budget: ElasticEngine(job, budget, weights_on="host")))
+    if opts.planned_caps:
+        for cap in _planned_caps(job, opts.planned_caps):
+            def planned(cap=cap):
+                job.args.memory_cap = cap
+                return ElasticEngine(job, None, planned=True)
+            out.append(Config("elastic", f"planned, cap {fmt_bytes(cap)}", planned))
+    peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
+    if "fsdp2" in peers:
+        if opts.fsdp2_reshard is None:
+            settings = [True, False] + [n for n in range(2, W) if W % n == 0]
+        else:
+            settings = [_reshard(s) for s in opts.fsdp2_reshard.split(",") if s.strip()]
+        for r in settings:
+            label = "reshard" if r is True else "no reshard" if r is False else f"reshard to {r}"
+            out.append(Config("fsdp2", label, lambda r=r: FSDP2Engine(job, counter, r)))
+    if "deepspeed" in peers:
+        try:
+            import_deepspeed(job.device)
+            for name in opts.ds_grid:
+                setting = _ds_setting(name, job)
+                out.append(Config("deepspeed", f"{name} ({setting.label})",
+                                  lambda s=setting: ZeRO3Engine(job, counter, s)))
+        except ImportError as exc:
+            if job.rank == 0:
+                print(f"bench_frontier: DeepSpeed left out: {exc}", flush=True)
+    if "ddp" in peers:
+        out.append(Config("ddp", "replicated", lambda: DDPEngine(job, counter)))
+    return out
+
+
+def _tensor_bytes_excluding(engine) -> tuple[int, set]:
+    """Live CPU tensor bytes, the pool's arena counted once from its snapshot and the host
+    store left out ([Note: what the frontier's memory is] in the module docstring)."""
+    from python_api.planning.measure import _live_tensor_bytes
+
+    exclude, pool_bytes = set(), 0
+    runtime = getattr(engine, "runtime", None)
+    if runtime is not None:
+        if runtime.pool is not None:
+            segments = runtime.pool.snapshot()
+            exclude |= {s["data_ptr"] for s in segments}
+            pool_bytes = sum(s["bytes"] for s in segments)
+        if getattr(runtime, "host_store", None) is not None:
+            exclude.add(runtime.host_store.tensor().untyped_storage().data_ptr())
+    return _live_tensor_bytes(exclude) + pool_bytes, exclude
+
+
+def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
+    from python_api.finetune.loop import train
+    from python_api.planning.measure import _live_tensor_bytes, _profiled_growth
+
+    args = job.args
+    saved_steps, args.steps = args.steps, steps
+    try:
+        gc.collect()
+        before = _live_tensor_bytes() if profile_memory else 0
+        job.memory.set_baseline()
+        engine = cfg.build()
+        t0 = time.perf_counter()
+        if profile_memory:
+            live, _ = _tensor_bytes_excluding(engine)
+            box = {}
+            growth = _profiled_growth(lambda: box.update(result=train(job, engine, counter, primary=False)))
+            result = box["result"]
+            result["tensor_peak_bytes"] = live + growth - before
+        else:
+            result = train(job, engine, counter, primary=False)
+        result["wall_s"] = time.perf_counter() - t0
+        if hasattr(engine, "close"):
+            engine.close()
+        engine = None  # its memory goes before the next configuration is built
+    finally:
+        args.steps = saved_steps
+    gc.collect()
+    dist.barrier()
+    return result
+
+
+def _slowest(x: float) -> float:
+    from python_api.distributed.agree import exchange
+
+    return max(exchange(x, what="bench_frontier step times"))
+
+
+def summarize(job, configs: list[Config], ref_losses: list[float]) -> list[dict]:
+    from python_api.finetune.peers.frontier import best_peer_at_or_below, pareto
+
+    rows = []
+    for cfg in configs:
+        times = [t for r in cfg.passes for t in r["step_times_s"][1:]]
+        step_s = _slowest(statistics.median(times))
+        first = cfg.passes[0]
+        peaks = [r["peak_memory_bytes"] for r in cfg.passes if r["peak_memory_bytes"] is not None]
+        losses = [x for r in cfg.passes for x in r["losses"]]
+        n = len(ref_losses)
+        diff = max(abs(a - b) for r in cfg.passes for a, b in zip(r["losses"][:n], ref_losses))
+        gpu = job.device.type == "cuda"
+        rss = max(peaks) if peaks else None
+        rows.append({
+            "system": cfg.system, "config": cfg.label,
+            "tokens_per_s": first["tokens_per_step"] / step_s, "step_time_s": step_s,
+            "peak_memory_mib": (rss if gpu else cfg.tensor_peak) / 2**20 if (rss if gpu else cfg.tensor_peak) is not None
+            else None,
+            "peak_tensor_mib": None if gpu or cfg.tensor_peak is None else cfg.tensor_peak / 2**20,
+            "peak_rss_mib": None if gpu or rss is None else rss / 2**20,
+            "allgather_mib_per_step": statistics.median(first["allgather_bytes_counted_per_step"][1:]) / 2**20,
+            "allgather_calls_per_step": statistics.median(first["allgather_calls_per_step"][1:]),
+            "allgather_mib_first_step": first["allgather_bytes_counted_per_step"][0] / 2**20,
+            "max_abs_loss_diff": diff, "final_loss": losses[-1],
+        })
+    peer_pts = [{"memory": r["peak_memory_mib"], "tokens_per_s": r["tokens_per_s"], "row": r}
+                for r in rows if r["system"] != "elastic"]
+    for system in {r["system"] for r in rows}:
+        mine = [r for r in rows if r["system"] == system]
+        front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
+        for i, r in enumerate(mine):
+            r["on_frontier"] = i in front
+    for r in rows:
+        best = best_peer_at_or_below(r["peak_memory_mib"], peer_pts) if r["system"] == "elastic" else None
+        r["best_peer_at_or_below"] = "" if best is None else f"{best['row']['system']}: {best['row']['config']}"
+        r["vs_best_peer"] = None if best is None else r["tokens_per_s"] / best["tokens_per_s"]
+    return rows
+
+
+def _fmt(v, spec=".1f"):
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| system | configuration | tokens/s | peak memory MiB | RSS MiB | all-gather MiB/step | all-gathers/step "
+            "| on frontier | fastest peer at <= memory | vs it |\n|---|---|---:|---:|---:|---:|---:|---|---|---:|\n")
+    lines = []
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.0f} | {_fmt(r['peak_memory_mib'])} | "
+                     f"{_fmt(r['peak_rss_mib'])} | {r['allgather_mib_per_step']:.2f} | {r['allgather_calls_per_step']:.0f} | "
+                     f"{'yes' if r['on_frontier'] else ''} | {r['best_peer_at_or_below'] or ('-' if r['system'] != 'elastic' else 'none fits')} | "
+                     f"{'' if r['vs_best_peer'] is None else format(r['vs_best_peer'], '.2f') + 'x'} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def picture(rows: list[dict], path: str, caption: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from python_api.finetune.peers.frontier import plot_frontier
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    plot_frontier(ax, [{"system": r["system"], "label": r["config"].split(" (")[0],
+                        "memory": None if r["peak_memory_mib"] is None else r["peak_memory_mib"] * 2**20,
+                        "tokens_per_s": r["tokens_per_s"]} for r in rows],
+                  memory_label="peak memory MiB per rank (tensor peak on CPU, max_memory_allocated on GPU)")
+    ax.set_title(caption, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import datetime
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    from python_api.finetune.job import prepare
+    from python_api.finetune.measure import AllGatherCounter, PeakMemory
+    from python_api.finetune.options import parse_args
+    from python_api.nn import adapter_state_dict
+
+    opts, rest = _parse(sys.argv[1:] if argv is None else argv)
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="bench_frontier_")
+    args = parse_args(PRESETS[opts.preset] + rest + ["--steps", str(opts.steps), "--no-progress", "--overwrite",
+                                                     "--save-dir", os.path.join(tmp, f"rank{rank}")])
+    job = prepare(args, rank, W, local)
+    os.makedirs(job.save_dir, exist_ok=True)  # the planned runs write plan.json there (rank 0)
+    device = job.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    job.memory = PeakMemory(device)
+    load = os.getloadavg()
+    with AllGatherCounter() as counter:
+        from python_api.finetune.engines import ElasticEngine
+
+        seed = ElasticEngine(job, None)
+        job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(seed.model).items()}
+        del seed
+        configs = configurations(opts, job, counter)
+        if rank == 0:
+            print(f"bench_frontier: {len(configs)} configurations x {opts.passes} passes x {opts.steps} steps, "
+                  f"{W} ranks ({dist.get_backend()}), {job.spec.description()}; load average {load[0]:.1f}", flush=True)
+        t_start = time.perf_counter()
+        for p in range(opts.passes):
+            order = configs if p % 2 == 0 else configs[::-1]
+            for cfg in order:
+                r = _run(job, cfg, counter, opts.steps, profile_memory=False)
+                cfg.passes.append(r)
+                if rank == 0:
+                    print(f"  pass {p + 1}: {cfg.system:9s} {cfg.label:60s} {r['tokens_per_s'] or 0:8.0f} tok/s "
+                          f"({r['wall_s']:.1f} s)", flush=True)
+        if device.type != "cuda":
+            for cfg in configs:
+                cfg.tensor_peak = _run(job, cfg, counter, 2, profile_memory=True)["tensor_peak_bytes"]
+        ref = next(c for c in configs if c.system == "elastic").passes[0]["losses"]
+        rows = summarize(job, configs, ref)
+        elapsed = time.perf_counter() - t_start
+    load_end = os.getloadavg()
+    if rank == 0:
+        ctx = context(device)
+        tokens_per_step = configs[0].passes[0]["tokens_per_step"]
+        csv_rows = [{**ctx, "preset": opts.preset, "model": job.spec.description(), "world_size": W,
+                     "backend": dist.get_backend(), "tokens_per_step": tokens_per_step, "steps": opts.steps,
+                     "passes": opts.passes, "load_avg_start": round(load[0], 2), "load_avg_end": round(load_end[0], 2),
+                     **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}} for r in rows]
+        out_dir = results_dir(opts.results)
+        path = append_rows("frontier", csv_rows, out_dir)
+        png = opts.png or os.path.join(out_dir, "frontier.png" if opts.preset == "demo" else f"frontier_{opts.preset}.png")
+        caption = (f"{ctx['date']} · {ctx['device']} · {W} ranks ({dist.get_backend()}) · {job.spec.description()} · "
+                   f"{tokens_per_step} tokens/step · load {load[0]:.1f}-{load_end[0]:.1f}")
+        picture(rows, png, caption)
+        worst = max(rows, key=lambda r: r["max_abs_loss_diff"])
+        print()
+        print(table(rows), end="")
+        print(f"\nlargest |loss - elastic loss| of any run, any step: {worst['max_abs_loss_diff']:.3g} "
+              f"({worst['system']}: {worst['config']})"
+              + ("  <-- more than fp32 rounding" if worst["max_abs_loss_diff"] > 1e-5 else ""))
+        print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; {elapsed:.0f} s")
+        print(f"rows: {path}\npicture: {png}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # [Note: exiting without teardown] in python_api/finetune/cli.py

@@ -1,0 +1,84 @@
+"""The peers of the elastic runtime, trained beside it in one process group (`--baseline`):
+FSDP2 + PEFT at a reshard setting (python_api/finetune/engines.py), DeepSpeed ZeRO-3 + PEFT
+(zero3.py, an optional dependency) and DDP + PEFT with replicated weights (ddp.py); and the
+memory-throughput frontier they are compared on (frontier.py).
+
+    skipped = check(job)                 # collective, before any run: bad settings fail every rank,
+                                         # a peer not installed on some rank is skipped on all
+    engine = build(job, "deepspeed", counter)
+
+Every peer trains the same base weights from the elastic run's initial adapters, with PEFT
+LoRA of the same r, alpha, dropout and targets, the same AdamW and the same batches, through
+the same loop (python_api/finetune/loop.py), so their losses agree with the elastic run's
+within fp32 rounding ([Note: what is compared with FSDP2, and the tolerance]).
+
+[Note: engines that own their optimizer step]
+`train()` drives every engine alike: `accumulate(is_last)` around each micro-step's forward
+and `(loss / accum).backward()`, then one optimizer step. An engine whose framework owns the
+step (DeepSpeed: ZeRO-3 steps its own partitions) carries `optimizer`, the torch AdamW it
+handed over (the loop's learning-rate schedule writes its param_groups), and
+`optimizer_step()`, which replaces `opt.step(); opt.zero_grad()`. The others have neither.
+"""
+
+from __future__ import annotations
+
+from python_api.distributed.agree import exchange, ranks_text
+from python_api.finetune.agreement import agree_error
+from python_api.finetune.engines import FSDP2Engine, fsdp2_reshard_error
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.job import Job
+from python_api.finetune.options import PEERS
+from python_api.finetune.peers.ddp import DDPEngine
+from python_api.finetune.peers.zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error
+
+__all__ = ["PEERS", "build", "check", "missing_reason"]
+
+
+def missing_reason(kind: str, job: Job) -> str | None:
+    """Why peer `kind` cannot run on this rank for lack of its package, or None."""
+    if kind != "deepspeed":
+        return None
+    try:
+        import_deepspeed(job.device)
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _settings_error(job: Job) -> str | None:
+    args = job.args
+    if "fsdp2" in args.baselines and args.fsdp2_reshard is not None:
+        err = fsdp2_reshard_error(args.fsdp2_reshard, job.world_size)
+        if err:
+            return err
+    if "deepspeed" in args.baselines:
+        return setting_error(ZeRO3Setting.from_args(args), job.device, job.spec.dtype)
+    return None
+
+
+def check(job: Job) -> dict[str, str]:
+    """Collective, before the first run. Settings no peer can run stop every rank
+    (FinetuneError); a peer whose package is missing on any rank is left out on every rank:
+    returns {peer: why}. The same decision on every rank ([Note: agreeing across ranks])."""
+    agree_error(_settings_error(job), job.world_size)
+    reasons = {kind: missing_reason(kind, job) for kind in job.args.baselines}
+    every = exchange(reasons, what="which peers are installed", error_type=FinetuneError)
+    skipped = {}
+    for kind in job.args.baselines:
+        bad = [(r, rs[kind]) for r, rs in enumerate(every) if rs[kind]]
+        if bad:
+            where = "" if len(bad) == len(every) else f" (on {ranks_text([r for r, _ in bad])})"
+            skipped[kind] = bad[0][1] + where
+    return skipped
+
+
+def build(job: Job, kind: str, counter):
+    """The engine of peer `kind` for this job (a collective build)."""
+    args = job.args
+    if kind == "fsdp2":
+        return FSDP2Engine(job, counter, True if args.fsdp2_reshard is None else args.fsdp2_reshard)
+    if kind == "ddp":
+        return DDPEngine(job, counter)
+    if kind == "deepspeed":
+        return ZeRO3Engine(job, counter, ZeRO3Setting.from_args(args))
+    raise FinetuneError(f"unknown peer {kind!r} (expected one of {', '.join(PEERS)})")
