@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from python_api.planner.pipeline import BACKWARD, FORWARD, PipelineLayout
+from python_api.planner.pipeline import BACKWARD, FORWARD, PipelineLayout, load_events
 from python_api.runtime import ElasticRuntime, Phase
 
 
@@ -127,22 +127,7 @@ class PackResidency:
     # -------------------------------------------------------- loads and releases
 
     def _load_events(self, order) -> list[_Load]:
-        events = []
-        fwd_count: dict[int, int] = {}
-        released: dict[int, int] = {k: -1 for k in self.packs}
-        loaded = {k: False for k in self.packs}
-        for t, (kind, k, _) in enumerate(order):
-            mode = self.packs[k].mode
-            if mode == "transient":
-                continue
-            if not loaded[k] and mode != "persistent":
-                events.append(_Load(t, k, kind if mode == "phase" else FORWARD, released[k]))
-                loaded[k] = True
-            if kind == FORWARD:
-                fwd_count[k] = fwd_count.get(k, 0) + 1
-                if fwd_count[k] == self.m and mode == "phase":
-                    loaded[k], released[k] = False, t
-        return events
+        return [_Load(*e) for e in load_events(self.layout, order)]
 
     def _prefetch_after(self, t: int) -> None:
         ahead = [i for i, e in enumerate(self._loads) if e.index > t][: self.window]

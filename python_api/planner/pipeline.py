@@ -365,6 +365,77 @@ class PipelineLayout:
                 f"({self.packs_per_rank} per rank), residency {'/'.join(modes)}, window {self.window}")
 
 
+# ---------------------------------------------------------------- residency over the order
+
+def load_events(layout: PipelineLayout, order) -> list[tuple[int, int, str, int]]:
+    """The loads of one step in steady state, in order: (index of the action that needs it,
+    pack, FORWARD (every forward weight) or BACKWARD (the weights with a backward use), index
+    of the action after which that pack was last released, -1 for before the step)
+    ([Note: pack residency]; python_api/pipeline/residency.py issues them)."""
+    events = []
+    fwd: dict[int, int] = {}
+    released: dict[int, int] = {}
+    loaded: dict[int, bool] = {}
+    for t, (kind, k, _) in enumerate(order):
+        mode = layout.residency[k]
+        if mode == "transient":
+            continue
+        if not loaded.get(k, False) and mode != "persistent":
+            events.append((t, k, kind if mode == "phase" else FORWARD, released.get(k, -1)))
+            loaded[k] = True
+        if kind == FORWARD:
+            fwd[k] = fwd.get(k, 0) + 1
+            if fwd[k] == layout.micro_batches and mode == "phase":
+                loaded[k], released[k] = False, t
+    return events
+
+
+def residency_trace(layout: PipelineLayout, pp_rank: int, fwd_bytes: dict, bwd_bytes: dict,
+                    first_step: bool = False) -> tuple[list[int], list[int]]:
+    """Pool bytes held by pp rank `pp_rank`'s packs over one step: (during each action, after
+    it), as the pack residency runs it ([Note: pack residency]); `fwd_bytes[k]` are the page
+    bytes of pack k's forward weights (all of them), `bwd_bytes[k]` those of its weights with
+    a backward use. In steady state (persistent packs resident throughout; prefetch on), or
+    the first step (nothing resident yet, nothing prefetched: the order is being learned).
+    A transient pack holds pages only inside its own actions (its working set, bounded by
+    the whole pack here)."""
+    order = layout.order(pp_rank)
+    m = layout.micro_batches
+    events = load_events(layout, order)
+    held: dict[int, int] = {}  # pack -> bytes resident
+    for k in layout.packs_of_rank(pp_rank):
+        if layout.residency[k] == "persistent" and not first_step:
+            held[k] = fwd_bytes[k]
+    issued: set[int] = set()
+    fwd: dict[int, int] = {}
+    bwd: dict[int, int] = {}
+    during, after = [], []
+    for t, (kind, k, _) in enumerate(order):
+        mode = layout.residency[k]
+        if not first_step and layout.window > 0:
+            ahead = [i for i, e in enumerate(events) if e[0] > t][: layout.window]
+            for i in ahead:
+                e = events[i]
+                if i not in issued and e[3] < t:
+                    held[e[1]] = fwd_bytes[e[1]] if e[2] == FORWARD else bwd_bytes[e[1]]
+                    issued.add(i)
+        if k not in held:  # loaded by its own use
+            held[k] = bwd_bytes[k] if kind == BACKWARD and mode in ("phase", "transient") else fwd_bytes[k]
+        during.append(sum(held.values()))
+        if kind == FORWARD:
+            fwd[k] = fwd.get(k, 0) + 1
+            if fwd[k] == m and mode == "phase":
+                held.pop(k, None)
+        else:
+            bwd[k] = bwd.get(k, 0) + 1
+            if bwd[k] == m and mode in ("phase", "step"):
+                held.pop(k, None)
+        if mode == "transient":
+            held.pop(k, None)
+        after.append(sum(held.values()))
+    return during, after
+
+
 __all__ = ["BACKWARD", "FORWARD", "MULTI_STAGE_SCHEDULES", "RESIDENCIES", "SCHEDULES", "PipelineError",
-           "PipelineLayout", "balanced_boundaries", "divisors", "micro_batch_error", "packs_for_size",
-           "schedule_order"]
+           "PipelineLayout", "balanced_boundaries", "divisors", "load_events", "micro_batch_error", "packs_for_size",
+           "residency_trace", "schedule_order"]
