@@ -35,6 +35,18 @@ _POLL_S = 0.2
 _instances = 0
 
 
+def error_text(exc: BaseException) -> str:
+    """"Type: first line", followed by " <- Type: first line" for each cause (torch wraps a
+    stage's error in "[Stage k] failed to run forward": the cause is what happened)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        parts.append(f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}")
+        exc = exc.__cause__
+    return " <- ".join(parts)
+
+
 def _store():
     try:
         return dist.distributed_c10d._get_default_store()
@@ -93,8 +105,7 @@ class FailureWatch:
         except BaseException as exc:
             self._in_step = False
             if self.store is not None:
-                first = (str(exc).strip().splitlines() or [""])[0][:300]
-                text = f"rank {self.rank}: {type(exc).__name__}: {first}"
+                text = f"rank {self.rank}: {error_text(exc)}"
                 try:
                     self.store.set(self.key, text)
                 except Exception:  # noqa: BLE001 - best effort; the timeouts still bound the peers
@@ -118,4 +129,4 @@ def wait_s() -> float:
     return _POLL_S + 0.05
 
 
-__all__ = ["EXIT_CODE", "FailureWatch", "wait_s"]
+__all__ = ["EXIT_CODE", "FailureWatch", "error_text", "wait_s"]

@@ -275,7 +275,6 @@ class PipelinedModel:
         """One training step of this dp group's batch ([Note: one step of a pipelined model]);
         every rank of the world calls it. Leaves the dp-averaged gradients in the adapters'
         .grad and returns the mean loss over the whole world's batch."""
-        self._check_batch(input_ids, "train_step")
         labels = input_ids if labels is None else labels
         for p in self.trainable:
             p.grad = None
@@ -284,13 +283,15 @@ class PipelinedModel:
         gathered0, h2d0 = self._runtime_totals()
         self.counters.reset()
         self.residency.begin_step()
-        B = input_ids.shape[0]
-        args = (input_ids.to(self.device),) if self.holds_first else ()
-        target = labels.to(self.device) if self.holds_last else None
         losses = [] if self.holds_last else None
-        dist.barrier(group=self.groups.pp_group)
-        t0 = time.perf_counter()
-        with self.watch.step():
+        with self.watch.step():  # a bad batch on one rank fails every rank ([Note: a stage that fails mid-step])
+            self._check_batch(input_ids, "train_step")
+            self._check_batch(labels, "train_step (labels)")
+            B = input_ids.shape[0]
+            args = (input_ids.to(self.device),) if self.holds_first else ()
+            target = labels.to(self.device) if self.holds_last else None
+            dist.barrier(group=self.groups.pp_group)
+            t0 = time.perf_counter()
             self.schedule.step(*args, target=target, losses=losses, position_ids=self._positions(B),
                                **self._step_kwargs)
             if self.device.type == "cuda":
@@ -298,10 +299,10 @@ class PipelinedModel:
             pipe_s = time.perf_counter() - t0
             self.residency.end_step()
             self._reduce_grads()
-        loss_sum = float(sum(float(v.detach()) for v in losses)) if losses else 0.0
-        mine = torch.tensor([loss_sum, pipe_s, self.counters.compute_s], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(self.groups.world_size)]
-        dist.all_gather(every, mine)
+            loss_sum = float(sum(float(v.detach()) for v in losses)) if losses else 0.0
+            mine = torch.tensor([loss_sum, pipe_s, self.counters.compute_s], dtype=torch.float64)
+            every = [torch.zeros_like(mine) for _ in range(self.groups.world_size)]
+            dist.all_gather(every, mine)
         loss = sum(float(e[0]) for e in every) / (self.layout.dp * self.layout.micro_batches)
         step_s = max(float(e[1]) for e in every)
         gathered1, h2d1 = self._runtime_totals()
