@@ -17,15 +17,20 @@ from python_api.finetune.engines import ElasticEngine, FSDP2Engine
 from python_api.finetune.files import (
     agreed_write,
     local_now,
-    save_adapter_agreed,
     write_bytes_atomic,
     write_json,
     write_text_atomic,
 )
 from python_api.finetune.job import Job
-from python_api.finetune.loop import train
 from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
-from python_api.nn import adapter_state_dict
+from python_api.finetune.pipelined import (
+    PipelinedEngine,
+    close_engine,
+    engine_adapters,
+    primary_engine,
+    save_engine_adapter,
+    train_engine,
+)
 
 
 def run(job: Job) -> dict:
@@ -44,11 +49,11 @@ def run(job: Job) -> dict:
     with AllGatherCounter() as counter:
         # 1. the elastic run (checkpointed, its adapter exported)
         job.memory.set_baseline()
-        engine = ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
+        engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
         # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
-        job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
-        result = train(job, engine, counter, primary=True)
-        save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+        job.initial_adapters = engine_adapters(engine)
+        result = train_engine(job, engine, counter, primary=True)
+        save_engine_adapter(job, engine, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
         probe_logits = result.pop("probe_logits")
 
         def probe():
@@ -60,6 +65,7 @@ def run(job: Job) -> dict:
 
         agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
         runs.append(result)
+        close_engine(engine)
         del engine
         gc.collect()
         # 2. the comparisons, each from scratch: more elastic budgets, the weights in the host
@@ -69,12 +75,15 @@ def run(job: Job) -> dict:
             builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="host"))
         if args.compare_planned:
             builds.append(lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True))
+        if args.compare_pp is not None:
+            builds.append(lambda: PipelinedEngine(job, args.compare_pp))
         if args.baseline == "fsdp2":
             builds.append(lambda: FSDP2Engine(job, counter))
         for build in builds:
             job.memory.set_baseline()
             engine = build()
-            runs.append(train(job, engine, counter, primary=False))
+            runs.append(train_engine(job, engine, counter, primary=False))
+            close_engine(engine)
             del engine
             gc.collect()
             dist.barrier()

@@ -376,7 +376,8 @@ class PipelinedModel:
                 for p in range(passes):
                     sl = slice(p * per_pass, (p + 1) * per_pass)
                     args = (ids[sl].to(self.device),) if self.holds_first else ()
-                    out = self.schedule.eval(*args, position_ids=self._positions(per_pass))
+                    target = lab[sl].to(self.device) if self.holds_last else None
+                    out = self.schedule.eval(*args, target=target, position_ids=self._positions(per_pass))
                     if self.holds_last:
                         chunks.append(out.detach())
         finally:
