@@ -18,12 +18,15 @@ The first pack also holds the embeddings, the last the final norm, the head and 
 GPipe and 1F1B run one stage per rank (v = 1: the pack is the rank's whole stage); LoopedBFS
 and Interleaved 1F1B run v >= 1 packs per rank, which is what lets a pack process every
 micro-batch of the step before the rank moves on (Tiny-Pipe's pack, LoopedBFS's order).
-Boundaries are either given or balanced: the partition of the layers into n_packs
-contiguous runs whose largest cost is smallest, counting the embeddings' cost on the first
-pack and the head's (norm, lm_head, loss) on the last, ties broken towards longer earlier
-packs (deterministic, so every rank computes the same boundaries). With equal layers and
-negligible embedding/head costs every pack gets n_layers / n_packs layers; a heavy head
-takes layers off the last pack. `pack_size` P asks for n_packs = ceil(n_layers / P).
+Boundaries are either given or balanced by compute, counting the embeddings' cost on the
+first pack and the head's (norm, lm_head, loss) on the last: with one pack per rank, the
+partition of the layers into contiguous runs whose largest cost is smallest (ties towards
+longer earlier packs); with v > 1 packs per rank, what matters is each rank's sum over its v
+packs, so the packs start equal and layers move across boundaries while that lowers the
+largest rank load (`rank_balanced_boundaries`). Both are deterministic, so every rank
+computes the same boundaries. With equal layers and negligible embedding/head costs every
+pack gets n_layers / n_packs layers; a heavy head takes layers off the last rank.
+`pack_size` P asks for n_packs = ceil(n_layers / P).
 
 [Note: pack residency]
 How long a pack's frozen chunks stay in its pool (python_api/pipeline/residency.py does it):
@@ -117,6 +120,54 @@ def balanced_boundaries(layer_costs, n_packs: int, first_cost: float = 0.0, last
     if out is None:  # cannot happen: hi is feasible by construction
         raise AssertionError("balanced_boundaries: the bound found is not feasible")
     return tuple(out)
+
+
+def rank_balanced_boundaries(layer_costs, n_packs: int, pp: int, first_cost: float = 0.0,
+                             last_cost: float = 0.0) -> tuple[int, ...]:
+    """Boundaries of `n_packs` packs placed round-robin on `pp` ranks that balance the ranks'
+    loads (the sum of their packs' costs), not the packs': from equal layer counts (the
+    remainder to the first packs), move one layer across one boundary at a time while that
+    lowers the largest rank load (ties: the smaller sum of squared rank loads, then the
+    earlier boundary), so the head's cost takes layers off the last rank's packs rather than
+    leaving one pack of one layer. With one pack per rank it is balanced_boundaries."""
+    costs = [float(c) for c in layer_costs]
+    L = len(costs)
+    if n_packs <= pp:
+        return balanced_boundaries(costs, n_packs, first_cost, last_cost)
+    if n_packs > L:
+        raise PipelineError(f"more pipeline stages ({n_packs}) than decoder layers ({L}): every stage needs a layer")
+    base, rem = divmod(L, n_packs)
+    b = [0]
+    for k in range(n_packs):
+        b.append(b[-1] + base + (1 if k < rem else 0))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def score(bounds):
+        loads = [0.0] * pp
+        for k in range(n_packs):
+            loads[k % pp] += prefix[bounds[k + 1]] - prefix[bounds[k]] + (first_cost if k == 0 else 0.0) + \
+                (last_cost if k == n_packs - 1 else 0.0)
+        return (max(loads), sum(x * x for x in loads))
+
+    best = score(b)
+    for _ in range(4 * L):
+        move = None
+        for j in range(1, n_packs):
+            for d in (-1, 1):
+                nb = b[j] + d
+                if not b[j - 1] < nb < b[j + 1]:
+                    continue
+                trial = b[:j] + [nb] + b[j + 1:]
+                sc = score(trial)
+                if sc[0] < best[0] * (1 - 1e-12) or (sc[0] <= best[0] * (1 + 1e-12) and sc[1] < best[1] * (1 - 1e-12)):
+                    if move is None or sc < move[0]:
+                        move = (sc, trial)
+        if move is None:
+            break
+        best, b = move
+    return tuple(b)
 
 
 def packs_for_size(n_layers: int, pack_size: int) -> int:
@@ -334,7 +385,7 @@ class PipelineLayout:
             costs = layer_costs if layer_costs is not None else [1.0] * n_layers
             if len(costs) != n_layers:
                 raise PipelineError(f"{len(costs)} layer costs for {n_layers} layers")
-            bounds = balanced_boundaries(costs, n, first_cost, last_cost)
+            bounds = rank_balanced_boundaries(costs, n, pp, first_cost, last_cost)
         modes = (residency,) * (len(bounds) - 1) if isinstance(residency, str) else tuple(residency)
         return cls(world_size, pp, schedule, micro_batches, bounds, modes, window)
 
@@ -437,5 +488,5 @@ def residency_trace(layout: PipelineLayout, pp_rank: int, fwd_bytes: dict, bwd_b
 
 
 __all__ = ["BACKWARD", "FORWARD", "MULTI_STAGE_SCHEDULES", "RESIDENCIES", "SCHEDULES", "PipelineError",
-           "PipelineLayout", "balanced_boundaries", "divisors", "load_events", "micro_batch_error", "packs_for_size",
+           "PipelineLayout", "balanced_boundaries", "divisors", "rank_balanced_boundaries", "load_events", "micro_batch_error", "packs_for_size",
            "residency_trace", "schedule_order"]
