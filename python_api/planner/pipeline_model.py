@@ -51,7 +51,8 @@ The peak is the maximum over the actions.
 Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
 as `pp1`), every micro-batch count m dividing the dp group's share of the global batch, every
 schedule and pack size (one pack per rank for gpipe/1f1b; every size giving a multiple of pp
-packs for looped-bfs/interleaved-1f1b), every residency and window 0..2. Each is first
+packs for looped-bfs/interleaved-1f1b), every residency and window 0 or 1 (2 and more when
+asked for: they change the estimate nothing, only the simulated step). Each is first
 estimated in closed form (the compute of the slowest rank stretched by the bubble
 (pp - 1) / (m + pp - 1), or (pp - 1) / (v m + pp - 1) with v packs per rank, plus its exposed
 loads; its memory bounded by every local pack resident and the schedule's most micro-batches
@@ -228,17 +229,54 @@ def pack_cost(profile: PipelineProfile, layout: PipelineLayout, k: int, micro_ba
            layout.dp)
     if cache is not None and key in cache:
         return cache[key]
-    out = _pack_cost(profile, *key)
+    out = _pack_cost(profile, *key, cache=cache)
     if cache is not None:
         cache[key] = out
     return out
 
 
+def _unit_sums(profile: PipelineProfile, weights, dp: int) -> tuple:
+    """Per group of weights (a layer, or the head) at dp: (largest page, chunks, backward
+    chunks, gather bytes, backward gather bytes, host bytes, backward host bytes, slice bytes x
+    chunks, backward slice bytes x chunks, shard bytes, store bytes)."""
+    page = chunks = bchunks = g = bg = h = bh = sl = bsl = shard = store = 0
+    host = profile.weights_on == "host"
+    for w in weights:
+        n, cb, slc, real = w.layout(profile.chunk_bytes, dp)
+        page = max(page, -(-cb // PAGE_ALIGN) * PAGE_ALIGN)
+        shard += n * slc
+        store += real
+        chunks += n
+        sl += slc * n
+        if host:
+            h += real
+        else:
+            g += (dp - 1) * slc * n
+        if w.backward:
+            bchunks += n
+            bsl += slc * n
+            if host:
+                bh += real
+            else:
+                bg += (dp - 1) * slc * n
+    return page, chunks, bchunks, g, bg, h, bh, sl, bsl, shard, store
+
+
 def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last: bool, micro_batch_size: int,
-               dp: int) -> PackCost:
+               dp: int, cache: dict | None = None) -> PackCost:
     T = micro_batch_size * profile.seq_len
-    layers = list(profile.layers[start:end])
-    weights = [w for layer in layers for w in layer.weights] + (list(profile.head_weights) if last else [])
+    layers = profile.layers[start:end]
+    units = []
+    for i in range(start, end):
+        key = ("layer", i, dp)
+        u = cache.get(key) if cache is not None else None
+        if u is None:
+            u = _unit_sums(profile, profile.layers[i].weights, dp)
+            if cache is not None:
+                cache[key] = u
+        units.append(u)
+    if last and profile.head_weights:
+        units.append(_unit_sums(profile, profile.head_weights, dp))
     fwd = sum(layer.fwd_s(T) for layer in layers) + (profile.embed_fwd_s_per_token * T if first else 0.0) \
         + (profile.head_fwd_s_per_token * T if last else 0.0)
     bwd = sum(layer.bwd_s(T) for layer in layers) + (profile.head_bwd_s_per_token * T if last else 0.0)
@@ -246,27 +284,16 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
               + (profile.head_act_bytes_per_token * T if last else 0))
     host = profile.weights_on == "host"
     local_only = dp == 1 and not host
-    page = max((-(-w.layout(profile.chunk_bytes, dp)[1] // PAGE_ALIGN) * PAGE_ALIGN for w in weights), default=0)
+    page = max((u[0] for u in units), default=0)
     scratch = dp if profile.cpu_gloo else 0
-
-    def sums(ws):
-        g = h = pages = buf = shard = 0
-        for w in ws:
-            chunks, _, slc, real = w.layout(profile.chunk_bytes, dp)
-            shard += chunks * slc
-            if local_only:
-                continue
-            pages += chunks * page
-            if host:
-                h += real
-            else:
-                g += (dp - 1) * slc * chunks
-                buf += (dp + 1 + scratch) * slc * chunks
-        return g, h, pages, buf, shard
-
-    fg, fh, fp, fb, shard = sums(weights)
-    bw = [w for w in weights if w.backward]
-    bg, bh, bp, bb, _ = sums(bw)
+    tot = [sum(u[j] for u in units) for j in range(11)]
+    _, chunks, bchunks, fg, bg, fh, bh, sl, bsl, shard, store = tot
+    if local_only:
+        fp = bp = fb = bb = fg = bg = 0
+    else:
+        fp, bp = chunks * page, bchunks * page
+        fb = 0 if host else (dp + 1 + scratch) * sl
+        bb = 0 if host else (dp + 1 + scratch) * bsl
 
     def load_s(g, h):
         t = profile.allgather.time(g) if g else 0.0
@@ -274,18 +301,17 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
             t = max(t, profile.h2d.time(h))
         return t
 
-    per_layer = []
-    layer_pages = []
-    for layer in layers:
-        lg, lh, lp, _, _ = sums(layer.weights)
-        lbg, lbh, _, _, _ = sums([w for w in layer.weights if w.backward])
+    per_layer, layer_pages = [], []
+    for layer, u in zip(layers, units):
+        lg, lbg, lh, lbh = (0, 0, 0, 0) if local_only else (u[3], u[4], u[5], u[6])
         per_layer.append((layer.fwd_s(T), layer.bwd_s(T), load_s(lg, lh), load_s(lbg, lbh)))
-        layer_pages.append(lp)
+        layer_pages.append(0 if local_only else u[1] * page)
     adapters = sum(layer.adapter_params for layer in layers) + (profile.head_adapter_params if last else 0)
     ws = sum(sorted(layer_pages, reverse=True)[: 1 + profile.prefetch_depth])
-    store = sum(w.layout(profile.chunk_bytes, dp)[3] for w in weights) if host else 0
-    return PackCost(tuple(weights), fwd, bwd, act, fg, bg, fh, bh, fp, bp, fb, bb,
-                    0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws, store, tuple(per_layer))
+    weights = tuple(w for layer in layers for w in layer.weights) + (tuple(profile.head_weights) if last else ())
+    return PackCost(weights, fwd, bwd, act, fg, bg, fh if not local_only else 0, bh if not local_only else 0,
+                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws,
+                    store if host else 0, tuple(per_layer))
 
 
 def _load_time(profile: PipelineProfile, c: PackCost, kind: str) -> float:
@@ -463,15 +489,24 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
 # ---------------------------------------------------------------- closed-form screening
 
 def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size: int,
-             cache: dict | None = None) -> PipelinePrediction:
-    """[Note: the pipeline search]: a quick estimate (time and a memory upper bound)."""
+             cache: dict | None = None, memory_cutoff: int | None = None) -> PipelinePrediction | None:
+    """[Note: the pipeline search]: a quick estimate (time and a memory upper bound); None
+    when the memory bound of some rank exceeds `memory_cutoff`."""
     pp, n, m, v = layout.pp, layout.n_packs, layout.micro_batches, layout.packs_per_rank
     costs = {k: pack_cost(profile, layout, k, micro_batch_size, cache) for k in range(n)}
     T = micro_batch_size * profile.seq_len
     p2p_bytes = T * profile.hidden_size * profile.act_element_size
     p2p_s = profile.p2p.time(p2p_bytes) if pp > 1 else 0.0
-    work = []
     peaks = []
+    for r in range(pp):
+        local = layout.packs_of_rank(r)
+        static = _static_bytes(profile, layout, r, costs, micro_batch_size)
+        pool = sum(costs[k].fwd_pages + costs[k].fwd_buffers for k in local)
+        acts = _in_flight_max(layout.schedule, pp, v, m, r) * max(costs[k].act_bytes for k in local)
+        peaks.append(static + pool + acts + int(profile.head_peak_bytes_per_token * T))
+        if memory_cutoff is not None and peaks[-1] > memory_cutoff:
+            return None
+    work = []
     for r in range(pp):
         local = layout.packs_of_rank(r)
         w = 0.0
@@ -489,10 +524,6 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                     hide = 0.0 if (later is None or layout.window == 0) else m * costs[later].bwd_s
                     w += max(0.0, _load_time(profile, c, BACKWARD) - hide)
         work.append(w)
-        static = _static_bytes(profile, layout, r, costs, micro_batch_size)
-        pool = sum(costs[k].fwd_pages + costs[k].fwd_buffers for k in local)
-        acts = _in_flight_max(layout.schedule, pp, v, m, r) * max(costs[k].act_bytes for k in local)
-        peaks.append(static + pool + acts + int(profile.head_peak_bytes_per_token * T))
     vv = v if layout.schedule in MULTI_STAGE_SCHEDULES else 1
     stretch = (vv * m + pp - 1) / (vv * m)
     step = max(work) * stretch + 2 * (n - 1) * p2p_s / max(1, vv)
@@ -534,9 +565,11 @@ class PipelinePlan:
 
 
 def layouts(world_size: int, n_layers: int, global_batch: int, *, pp=None, schedules=SCHEDULES, pack_sizes=None,
-            micro_batches=None, residencies=RESIDENCIES, windows=(0, 1, 2), layer_costs=None, first_cost: float = 0.0,
-            last_cost: float = 0.0):
-    """Every candidate layout and its micro-batch size, in the order ties are broken by."""
+            micro_batches=None, residencies=RESIDENCIES, windows=(0, 1), layer_costs=None, first_cost: float = 0.0,
+            last_cost: float = 0.0, weights_on: str = "device"):
+    """Every candidate layout and its micro-batch size, in the order ties are broken by. With
+    dp = 1 and the weights on the device a rank holds its packs whole (nothing is loaded), so
+    residency and window change nothing there and only (persistent, 0) is listed."""
     degrees = [d for d in divisors(world_size) if d > 1] if pp is None else [pp] if isinstance(pp, int) else list(pp)
     out = []
     bounds_cache: dict = {}
@@ -560,8 +593,9 @@ def layouts(world_size: int, n_layers: int, global_batch: int, *, pp=None, sched
                     if key not in bounds_cache:
                         bounds_cache[key] = rank_balanced_boundaries(layer_costs or [1.0] * n_layers, count, d,
                                                                      first_cost, last_cost)
-                    for res in residencies:
-                        for w in (windows if res != "transient" else (0,)):
+                    local = dp == 1 and weights_on == "device"
+                    for res in (("persistent",) if local else residencies):
+                        for w in ((0,) if res == "transient" or local else windows):
                             try:
                                 layout = PipelineLayout(world_size, d, schedule, m, bounds_cache[key],
                                                         (res,) * count, w)
@@ -583,19 +617,19 @@ def plan_pipeline(profile: PipelineProfile, memory_bytes: int, global_batch: int
     layer_costs = [layer.fwd_s(profile.seq_len) + layer.bwd_s(profile.seq_len) for layer in profile.layers]
     head = (profile.head_fwd_s_per_token + profile.head_bwd_s_per_token) * profile.seq_len
     cands = layouts(profile.world_size, len(profile.layers), global_batch, layer_costs=layer_costs,
-                    first_cost=profile.embed_fwd_s_per_token * profile.seq_len, last_cost=head, **candidates)
+                    first_cost=profile.embed_fwd_s_per_token * profile.seq_len, last_cost=head,
+                    weights_on=profile.weights_on, **candidates)
     screened = []
     cache: dict = {}
     for order, (layout, mbs) in enumerate(cands):
-        e = estimate(profile, layout, mbs, cache)
-        screened.append((e.step_s, order, layout, mbs, e.peak))
+        e = estimate(profile, layout, mbs, cache, memory_cutoff=int(limit * 1.5))
+        if e is not None:  # else beyond the limit even allowing for the bound's slack
+            screened.append((e.step_s, order, layout, mbs, e.peak))
     screened.sort(key=lambda x: (x[0], x[1]))
     best, ranking, simulated = None, [], 0
     for step_est, order, layout, mbs, peak_bound in screened:
         if simulated >= simulate_top:
             break
-        if peak_bound > limit * 1.5:  # far beyond the limit even allowing for the bound's slack
-            continue
         pred = simulate(profile, layout, mbs, cache=cache)
         simulated += 1
         ranking.append((pred.step_s, pred.peak, layout.to_dict(), mbs))
@@ -634,6 +668,7 @@ PIPE_SHAPES = {
     # GPT-2 XL (the Tiny-Pipe paper's model): 48 layers, 1600 wide, 25 heads, vocab 50257.
     "gpt2-xl": PipeShape("gpt2", 1600, 6400, 48, 25, 25, 50257),
     "llama2-7b": PipeShape("llama", 4096, 11008, 32, 32, 32, 32000),
+    "llama2-70b": PipeShape("llama", 8192, 28672, 80, 64, 8, 32000),
 }
 
 
@@ -661,6 +696,11 @@ PIPE_DEVICES = {
     "pcie-24g": PipeDevice("4 x 24 GB PCIe (synthetic)", 0.5 * 71e12, 936e9, 24 * GiB, 1 * GiB,
                            allgather=Link(60e-6, 12e9), allreduce=Link(120e-6, 12e9 / 1.5), p2p=Link(30e-6, 12e9),
                            h2d=Link(10e-6, 20e9)),
+    # The plain planner's A100 40GB PCIe node (planner/shapes.py DEVICES["a100-40g-pcie"]): 8 GPUs,
+    # ~25 GB/s all-gather bus bandwidth, 50% of 312 TFLOP/s, ~25 GB/s host -> device.
+    "a100-40g-pcie": PipeDevice("8 x A100 40GB PCIe (synthetic)", 0.5 * 312e12, 1.555e12, 40 * GiB, 3 * GiB // 2,
+                                allgather=Link(60e-6, 25e9), allreduce=Link(120e-6, 25e9 / 1.75),
+                                p2p=Link(30e-6, 25e9), h2d=Link(10e-6, 25e9)),
 }
 
 
