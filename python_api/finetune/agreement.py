@@ -46,8 +46,11 @@ def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str]
     if getattr(args, "pp", 1) != 1:
         # A pipelined run sums its micro-batch gradients in its schedule's order
         # (python_api/finetune/pipelined.py): these change bits, the pack layout does not.
-        out["pipeline"] = {"pp": args.pp, "schedule": args.schedule,
-                           "micro_batches": args.micro_batches or args.grad_accum * args.pp}
+        if args.pp == "auto":  # chosen by the planner when the run starts (python_api/finetune/pipelined.py)
+            out["pipeline"] = {"pp": "auto", "schedule": None, "micro_batches": args.micro_batches}
+        else:
+            out["pipeline"] = {"pp": args.pp, "schedule": args.schedule,
+                               "micro_batches": args.micro_batches or args.grad_accum * args.pp}
     return out
 
 

@@ -75,6 +75,13 @@ def _cap_change(text: str) -> tuple[int, int]:
     return n, _size(size)
 
 
+def _pipeline_degree(text: str):
+    """'auto' or a positive pipeline degree."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _positive_int(text)
+
+
 def _pack_size(text: str):
     """'auto' or a positive number of decoder layers."""
     if text.strip().lower() == "auto":
@@ -242,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the micro-batch split at that step on every rank)")
 
     g = p.add_argument_group("pipeline (python_api/pipeline/; see python_api/finetune/pipelined.py)")
-    g.add_argument("--pp", type=_positive_int, default=1,
-                   help="pipeline degree: the world is pp x dp; 1 is the plain elastic run")
+    g.add_argument("--pp", type=_pipeline_degree, default=1, metavar="N|auto",
+                   help="pipeline degree: the world is pp x dp; 1 is the plain elastic run; auto (with --plan auto): "
+                        "the planner's choice, 1 included")
     g.add_argument("--pack-size", type=_pack_size, default="auto", metavar="P|auto",
                    help="decoder layers per pack (virtual stage); auto: one pack per pipeline rank, or with "
                         "--plan auto the planner's choice")
@@ -303,7 +311,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--memory-cap-change: step(s) {sorted({s for s in steps if steps.count(s) > 1})} given twice")
     if args.memory_cap_change and args.plan != "auto" and not args.compare_planned:
         p.error("--memory-cap-change needs --plan auto or --compare-planned (only a planned run adapts)")
-    pipelined = args.pp > 1 or args.compare_pp is not None
+    if args.pp == "auto" and args.plan != "auto":
+        p.error("--pp auto needs --plan auto (the planner chooses the pipeline degree)")
+    pipelined = args.pp == "auto" or args.pp > 1 or args.compare_pp is not None
     if pipelined:
         if args.pool_budget is not None or args.keep_ratio != 1.0 or args.persist_ratio != 1.0:
             p.error("--pool-budget / --keep-ratio / --persist-ratio do not apply to a pipelined run (--pp > 1, "

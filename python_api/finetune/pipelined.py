@@ -108,10 +108,16 @@ class PipelinedEngine:
 
     kind = "pipelined"
 
-    def __init__(self, job, pp: int):
+    def __init__(self, job, pp: int, layout: PipelineLayout | None = None, micro_batch_size: int | None = None,
+                 plan=None):
+        """`layout` and `micro_batch_size`: a planned layout (`plan`, a PipelinePlan); else the
+        options' (`layout_of`)."""
         args = job.args
-        layout, mbs = layout_of(args, job.world_size, pp, job.spec.config)
-        self.layout, self.micro_batch_size = layout, mbs
+        if layout is None:
+            layout, mbs = layout_of(args, job.world_size, pp, job.spec.config)
+        else:
+            mbs = micro_batch_size
+        self.layout, self.micro_batch_size, self.plan = layout, mbs, plan
         try:
             self.groups = pipeline_groups(pp, job.device, args.timeout_s)
         except PipelineError as exc:
@@ -131,8 +137,9 @@ class PipelinedEngine:
             agree_error(next((e for e in errors if e), None), job.world_size)
         sizes = sorted({layout.boundaries[k + 1] - layout.boundaries[k] for k in range(layout.n_packs)})
         where = ", weights on host" if args.weights_on == "host" else ""
-        self.name = (f"pipelined, pp {pp} x dp {layout.dp}, {layout.schedule}, {layout.n_packs} packs of "
-                     f"{'/'.join(map(str, sizes))} layers, {layout.residency[0]}{where}")
+        self.name = (f"{'planned ' if plan is not None else ''}pipelined, pp {layout.pp} x dp {layout.dp}, "
+                     f"{layout.schedule}, {layout.n_packs} packs of {'/'.join(map(str, sizes))} layers, "
+                     f"{layout.residency[0]}{where}")
         self.frozen_bytes = self.model.frozen_bytes_of_packs()
         self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
 
@@ -302,6 +309,7 @@ def train_pipelined(job, engine: PipelinedEngine, counter, primary: bool) -> dic
         "final_loss": losses[-1],
         "heldout_loss": heldout,
         "pipeline": engine.layout.to_dict(),
+        "pipeline_plan": None if engine.plan is None else engine.plan.to_dict(),
         "frozen_bytes": engine.frozen_bytes,
         "frozen_bytes_held": model.frozen_bytes_held(),
         "runtime_stats": model.stats(),
@@ -319,10 +327,76 @@ def train_pipelined(job, engine: PipelinedEngine, counter, primary: bool) -> dic
 # ---------------------------------------------------------------- what runner.run calls
 
 def primary_engine(job):
-    """The job's main engine: pipelined with --pp > 1, else the elastic one (planned with --plan auto)."""
-    if job.args.pp > 1:
-        return PipelinedEngine(job, job.args.pp)
-    return ElasticEngine(job, job.args.pool_budget, planned=job.args.plan == "auto")
+    """The job's main engine: pipelined with --pp > 1, else the elastic one (planned with --plan
+    auto); with --plan auto and --pp auto or > 1, the one the planner chooses ([Note: planning a
+    pipeline])."""
+    args = job.args
+    if args.plan == "auto" and (args.pp == "auto" or args.pp > 1):
+        return planned_engine(job)
+    if args.pp != 1:
+        return PipelinedEngine(job, args.pp)
+    return ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
+
+
+# [Note: planning a pipeline]
+# `--plan auto --pp auto`: the pp = 1 model is built and profiled (measure_profile: per-layer
+# compute and saved bytes, the links; timings MAX-reduced over the ranks, so every rank holds
+# the same profile), the plain planner plans it under --memory-cap (its predicted step: pp1),
+# the pipeline planner searches pipelines on the same profile (planner/pipeline_model.py,
+# [Note: the pipeline search]) and a pipeline is run only if its predicted step is shorter
+# than pp1's; otherwise the planned pp = 1 run of python_api/finetune/planning.py. The decision
+# and every simulated candidate go to pipeline_plan.json. `--plan auto --pp N` (N > 1) searches
+# only degree N, pp = 1 not a candidate. --micro-batches, if given, is kept.
+
+
+def planned_engine(job):
+    import gc
+
+    from python_api.finetune.files import agreed_write, write_json
+    from python_api.finetune.planning import _host_memory_share
+    from python_api.pipeline.profile import pipeline_profile
+    from python_api.planner.pipeline_model import plan_pipeline
+    from python_api.planner.search import PlanningError
+    from python_api.planning.apply import plan as plan_pp1
+    from python_api.planning.measure import measure_profile
+
+    args, W = job.args, job.world_size
+    cap = args.memory_cap if isinstance(args.memory_cap, int) else (
+        _host_memory_share() if job.device.type == "cpu" else None)
+    elastic = ElasticEngine(job, args.pool_budget)
+    batch = job.windows.batch(args.seed, 0, W, job.rank, args.micro_batch, 1)[0].to(job.device)
+    profile = measure_profile(elastic.model, [batch], capacity_bytes=cap if job.device.type == "cpu" else None)
+    cap = min(cap, profile.capacity_bytes) if cap is not None else profile.capacity_bytes
+    global_batch = W * args.micro_batch * args.grad_accum
+    try:
+        pp1 = plan_pp1(elastic.model, profile, cap, global_batch).predicted_step_time_s
+    except PlanningError:
+        pp1 = None
+    restrict = {}
+    if args.pp != "auto":
+        restrict["pp"] = args.pp
+    if args.micro_batches:
+        restrict["micro_batches"] = args.micro_batches
+    try:
+        pprof = pipeline_profile(job.spec.meta_model(), lora_config_of(args), policy_of(args, None), profile,
+                                 world_size=W, seq_len=args.seq_len)
+        pplan = plan_pipeline(pprof, cap, global_batch, pp1_step_s=pp1 if args.pp == "auto" else None, **restrict)
+    except PipelineError as exc:
+        raise FinetuneError(f"--plan auto: {exc}") from exc
+    del elastic
+    gc.collect()
+    if job.rank == 0:
+        print(f"elastic-finetune: pipeline planner: {pplan.describe()} ({pplan.candidates} candidates, "
+              f"{pplan.simulated} simulated, {pplan.planning_seconds:.2f} s)", flush=True)
+    agreed_write(job, lambda: write_json(f"{job.save_dir}/pipeline_plan.json", pplan.to_dict()) if job.rank == 0
+                 else None, "pipeline_plan.json was not written")
+    if pplan.pipelined:
+        pred = pplan.prediction
+        return PipelinedEngine(job, pred.layout.pp, layout=pred.layout, micro_batch_size=pred.micro_batch_size,
+                               plan=pplan)
+    if pp1 is None:
+        raise FinetuneError(f"--plan auto: no plan fits {cap} bytes per rank, at pp 1 or pipelined")
+    return ElasticEngine(job, args.pool_budget, planned=True)
 
 
 def train_engine(job, engine, counter, primary: bool) -> dict:
