@@ -303,9 +303,11 @@ class PipelinedModel:
             self.residency.end_step()
             self._reduce_grads()
             loss_sum = float(sum(float(v.detach()) for v in losses)) if losses else 0.0
-            mine = torch.tensor([loss_sum, pipe_s, self.counters.compute_s], dtype=torch.float64)
+            mine = torch.tensor([loss_sum, pipe_s, self.counters.compute_s], dtype=torch.float64,
+                                device=self._collective_device())
             every = [torch.zeros_like(mine) for _ in range(self.groups.world_size)]
             dist.all_gather(every, mine)
+            every = [e.cpu() for e in every]
         loss = sum(float(e[0]) for e in every) / (self.layout.dp * self.layout.micro_batches)
         step_s = max(float(e[1]) for e in every)
         gathered1, h2d1 = self._runtime_totals()
@@ -328,6 +330,10 @@ class PipelinedModel:
         self._totals["p2p_recv_bytes"] += self.counters.p2p_recv_bytes
         self._totals["steps"] += 1
         return loss
+
+    def _collective_device(self) -> torch.device:
+        """Where the world group's small collectives live: the device on NCCL, else the CPU."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def _reduce_grads(self) -> None:
         """The adapters' gradients averaged over the dp group, once per step."""
@@ -389,15 +395,15 @@ class PipelinedModel:
             for k, pack in self.packs.items():
                 pack.train()
                 if self.layout.residency[k] in ("step", "phase"):
-                    self.residency._release(k, -1)
+                    self.residency.release(k)
         if not self.holds_last:
             logits, local_loss = None, 0.0
         else:
             logits = torch.cat(chunks)[:n]
             local_loss = float(self.loss_fn(logits.float(), lab[:n].to(logits.device)))
-        mine = torch.tensor([local_loss], dtype=torch.float64)
+        mine = torch.tensor([local_loss], dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(mine)
-        loss = float(mine) / self.layout.dp  # every dp replica of the last pack computed it
+        loss = float(mine.cpu()) / self.layout.dp  # every dp replica of the last pack computed it
         return loss, logits
 
     # ------------------------------------------------------------ adapters

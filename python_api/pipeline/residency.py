@@ -111,11 +111,11 @@ class PackResidency:
             p.forwards += 1
             p.loaded_once = True
             if p.forwards == self.m and p.mode == "phase":
-                self._release(k, t)
+                self.release(k, t)
         else:
             p.backwards += 1
             if p.backwards == self.m and p.mode in ("phase", "step"):
-                self._release(k, t)
+                self.release(k, t)
         if self._trace_on:
             self.trace.points.append((f"{kind}{k}.{mb}", self.resident_bytes()))
 
@@ -143,7 +143,8 @@ class PackResidency:
             rt.prefetch([rt.tensors[w] for w in dict.fromkeys(wids)])
             self._issued.add(i)
 
-    def _release(self, k: int, t: int) -> None:
+    def release(self, k: int, t: int = -1) -> None:
+        """Drop pack k's chunks and give its pool's empty segments back (after action t)."""
         rt = self.packs[k].runtime
         for et in rt.tensors:
             rt.drop_cached(et)
