@@ -21,7 +21,7 @@ _VOLATILE_CONFIG_KEYS = {
 def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str], world_size: int) -> dict:
     """What a checkpoint must agree with to be resumed (see [Note: checkpoint layout and resume])."""
     model_cfg = {k: v for k, v in spec.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return {
+    out = {
         "world_size": world_size,
         "model": {
             "kind": "embedded" if spec.embedded else "directory",
@@ -41,6 +41,15 @@ def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str]
         "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
                    "replicate_below_bytes": policy_of(args, None).replicate_below_bytes},
     }
+    if getattr(args, "pp", 1) != 1:
+        # A pipelined run sums its micro-batch gradients in its schedule's order
+        # (python_api/finetune/pipelined.py): these change bits, the pack layout does not.
+        if args.pp == "auto":  # chosen by the planner when the run starts (python_api/finetune/pipelined.py)
+            out["pipeline"] = {"pp": "auto", "schedule": None, "micro_batches": args.micro_batches}
+        else:
+            out["pipeline"] = {"pp": args.pp, "schedule": args.schedule,
+                               "micro_batches": args.micro_batches or args.grad_accum * args.pp}
+    return out
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -88,6 +97,9 @@ _OPTION_OF = {
     "residency.prefetch_depth": "--prefetch-depth", "residency.collective_bytes": "--collective-kib",
     "runs.baseline": "--baseline", "runs.compare_budgets": "--compare-budgets", "data.sha256": "--data",
     "data.tokens": "--data", "model.kind": "--model", "tokenizer": "--model",
+    "pipeline_options.pp": "--pp", "pipeline_options.pack_size": "--pack-size", "pipeline_options.schedule": "--schedule",
+    "pipeline_options.micro_batches": "--micro-batches", "pipeline_options.pack_residency": "--pack-residency",
+    "pipeline_options.pack_window": "--pack-window", "pipeline_options.compare_pp": "--compare-pp",
 }
 
 
@@ -104,6 +116,8 @@ def agreed_configuration(job) -> dict:
                       "collective_bytes": a.collective_kib << 10},
         "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets],
                  "peer_settings": {k: getattr(a, k, None) for k in ("fsdp2_reshard",) + DS_OPTIONS}},
+        "pipeline_options": {k: getattr(a, k, None) for k in ("pp", "pack_size", "schedule", "micro_batches",
+                                                               "pack_residency", "pack_window", "compare_pp")},
         # The checkpoint resumed from: its run and step, and the digests of its shared files, as
         # its manifest lists them (each rank verified its files against them).
         "resume": None if r is None else {"step": r.step, "run_id": r.run_id, "sha256": r.digests},

@@ -358,10 +358,14 @@ def _check_rng_state(rng, path: str) -> None:
         raise FinetuneError(f"checkpoint {path}: the Python RNG state is invalid: {exc}") from exc
 
 
-def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float], segments: list[dict]) -> None:
+def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float], segments: list[dict], *,
+                     optimizer_state: dict | None = None, save_adapter=None) -> None:
     """Collective: every rank calls it at the same step (see [Note: checkpoint layout and
     resume]). A write that fails on any rank (disk full, folder gone) stops every rank with
-    one message naming the path; the previous checkpoint is left as it was."""
+    one message naming the path; the previous checkpoint is left as it was. A pipelined run
+    (python_api/finetune/pipelined.py), whose ranks each hold some of the adapters, passes the
+    whole optimizer state already gathered (`optimizer_state`, what optimizer.pt holds) and
+    the collective that writes its adapter (`save_adapter(folder, what)`)."""
     save_dir, rank = job.save_dir, job.rank
     tmp = os.path.join(save_dir, _CKPT_TMP)
     final = os.path.join(save_dir, CKPT)
@@ -380,8 +384,9 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
         torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
         digests[_rng_file(rank)] = file_digest(os.path.join(tmp, _rng_file(rank)))
         if rank == 0:
-            torch_save_atomic({"state_dict": opt.state_dict(), "param_names": param_names},
-                               os.path.join(tmp, "optimizer.pt"))
+            torch_save_atomic(optimizer_state if optimizer_state is not None else
+                              {"state_dict": opt.state_dict(), "param_names": param_names},
+                              os.path.join(tmp, "optimizer.pt"))
             write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments,
                                                                   "run_id": job.run_id})
             write_json(os.path.join(tmp, "config.json"), {
@@ -421,7 +426,10 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
     digests: dict = {}
     agreed_write(job, fresh_folder, what)
     agreed_write(job, files, what)
-    save_adapter_agreed(job, model, tmp, what)
+    if save_adapter is None:
+        save_adapter_agreed(job, model, tmp, what)
+    else:
+        save_adapter(tmp, what)
     # Every rank's RNG digest to rank 0, which writes the manifest last ([Note: the checkpoint's manifest]).
     every = exchange(digests, what=what, error_type=FinetuneError)
     agreed_write(job, manifest, what)

@@ -16,6 +16,7 @@ from python_api.finetune.constants import (
     EMBEDDED,
     PROG,
 )
+from python_api.planner.pipeline import RESIDENCIES, SCHEDULES
 
 # Binary units (KiB, and K as its short form) and decimal ones (KB = 1000 bytes, as GPU memory
 # is quoted: "40 GB").
@@ -77,6 +78,20 @@ def _cap_change(text: str) -> tuple[int, int]:
     if not 1 <= n <= _MAX_INT:
         raise argparse.ArgumentTypeError(f"the step must be in [1, {_MAX_INT}], got {n}")
     return n, _size(size)
+
+
+def _pipeline_degree(text: str):
+    """'auto' or a positive pipeline degree."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _positive_int(text)
+
+
+def _pack_size(text: str):
+    """'auto' or a positive number of decoder layers."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _positive_int(text)
 
 
 def budget_label(spec) -> str:
@@ -286,6 +301,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="from optimizer step STEP on, the memory cap is SIZE (repeatable; the planner re-plans "
                         "the micro-batch split at that step on every rank)")
 
+    g = p.add_argument_group("pipeline (python_api/pipeline/; see python_api/finetune/pipelined.py)")
+    g.add_argument("--pp", type=_pipeline_degree, default=1, metavar="N|auto",
+                   help="pipeline degree: the world is pp x dp; 1 is the plain elastic run; auto (with --plan auto): "
+                        "the planner's choice, 1 included")
+    g.add_argument("--pack-size", type=_pack_size, default="auto", metavar="P|auto",
+                   help="decoder layers per pack (virtual stage); auto: one pack per pipeline rank, or with "
+                        "--plan auto the planner's choice")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    g.add_argument("--micro-batches", type=_positive_int, default=None, metavar="M",
+                   help="micro-batches each dp group's share of the global batch (--micro-batch x --grad-accum x "
+                        "pp sequences) is cut into; default --grad-accum x pp (micro-batches of --micro-batch)")
+    g.add_argument("--pack-residency", choices=RESIDENCIES, default="step",
+                   help="how long a pack's frozen chunks stay: persistent (across steps), step (every micro-batch "
+                        "of the step), phase (reloaded for backward), transient (gathered per use)")
+    g.add_argument("--pack-window", type=_nonneg_int, default=1, metavar="W",
+                   help="pack loads prefetched ahead while earlier packs compute")
+    g.add_argument("--compare-pp", type=_positive_int, default=None, metavar="N",
+                   help="also train the job from scratch pipelined at degree N (with the pipeline options above) "
+                        "and compare")
+
     g = p.add_argument_group("comparison")
     g.add_argument("--baseline", default="none", metavar="none|PEER,PEER",
                    help="also train the same job from scratch under these peers, in order, after the elastic runs "
@@ -406,6 +441,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--memory-cap-change: step(s) {sorted({s for s in steps if steps.count(s) > 1})} given twice")
     if args.memory_cap_change and args.plan != "auto" and not args.compare_planned:
         p.error("--memory-cap-change needs --plan auto or --compare-planned (only a planned run adapts)")
+    if args.pp == "auto" and args.plan != "auto":
+        p.error("--pp auto needs --plan auto (the planner chooses the pipeline degree)")
+    pipelined = args.pp == "auto" or args.pp > 1 or args.compare_pp is not None
+    if pipelined:
+        if args.pool_budget is not None or args.keep_ratio != 1.0 or args.persist_ratio != 1.0:
+            p.error("--pool-budget / --keep-ratio / --persist-ratio do not apply to a pipelined run (--pp > 1, "
+                    "--compare-pp): a pack's residency is --pack-residency")
+        if args.offload_activations or (args.host_fraction not in (None, 0.0, 1.0)):
+            p.error("--offload-activations and a partial --host-fraction are not supported with --pp > 1 / "
+                    "--compare-pp (whole packs come from the host store with --weights-on host)")
+        if args.compare_pp is not None and args.compare_pp < 2:
+            p.error("--compare-pp must be at least 2 (a pipelined comparison)")
+    elif any(getattr(args, k) != d for k, d in (("pack_size", "auto"), ("schedule", "1f1b"), ("micro_batches", None),
+                                                 ("pack_residency", "step"), ("pack_window", 1))):
+        p.error("--pack-size, --schedule, --micro-batches, --pack-residency and --pack-window need --pp > 1 "
+                "or --compare-pp")
     targets = args.lora_targets.strip()
     if targets != "all-linear":
         names = [t.strip() for t in targets.split(",")]

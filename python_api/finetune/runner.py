@@ -20,16 +20,21 @@ from python_api.finetune.errors import FinetuneError
 from python_api.finetune.files import (
     agreed_write,
     local_now,
-    save_adapter_agreed,
     write_bytes_atomic,
     write_json,
     write_text_atomic,
 )
 from python_api.finetune.job import Job
-from python_api.finetune.loop import train
 from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
 from python_api.finetune.options import budget_label
-from python_api.nn import adapter_state_dict
+from python_api.finetune.pipelined import (
+    PipelinedEngine,
+    close_engine,
+    engine_adapters,
+    primary_engine,
+    save_engine_adapter,
+    train_engine,
+)
 
 
 def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:
@@ -43,6 +48,8 @@ def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) 
         builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
     if args.compare_planned:
         builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
+    if args.compare_pp is not None:
+        builds.append((f"pipelined, pp {args.compare_pp}", lambda: PipelinedEngine(job, args.compare_pp)))
     for kind in args.baselines:  # the peers, in the order given; those not installed left out
         if kind not in (skipped or {}):
             builds.append((kind, lambda kind=kind: peers.build(job, kind, counter)))
@@ -77,13 +84,13 @@ def run(job: Job) -> dict:
         with AllGatherCounter() as counter:
             # 1. the elastic run (checkpointed, its adapter exported)
             job.memory.set_baseline()
-            engine = ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
+            engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
             # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
-            job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(engine.model).items()}
-            result = train(job, engine, counter, primary=True)
+            job.initial_adapters = engine_adapters(engine)
+            result = train_engine(job, engine, counter, primary=True)
             probe_logits = result.pop("probe_logits")
             runs.append(result)
-            save_adapter_agreed(job, engine.model, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+            save_engine_adapter(job, engine, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
 
             def probe():
                 if job.rank == 0:
@@ -93,15 +100,15 @@ def run(job: Job) -> dict:
                         {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
 
             agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
+            close_engine(engine)
             del engine
             gc.collect()
             # 2. the comparisons, each from scratch
             for _, build in comparison_builds(job, counter, skipped):
                 job.memory.set_baseline()
                 engine = build()
-                runs.append(train(job, engine, counter, primary=False))
-                if hasattr(engine, "close"):  # DeepSpeed's engine releases its hooks and buffers
-                    engine.close()
+                runs.append(train_engine(job, engine, counter, primary=False))
+                close_engine(engine)  # DeepSpeed's engine and a pipeline release their hooks and buffers
                 del engine
                 gc.collect()
                 dist.barrier()

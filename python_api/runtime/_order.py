@@ -161,6 +161,21 @@ class _Order:
             for use in self._start_uses([self.tensors[w] for w in ahead]):
                 self._prefetched[use.tensor.wid] = use
 
+    def prefetch(self, tensors) -> None:
+        """Start filling the missing chunks of `tensors` into the pool now, without waiting (a
+        prefetch the caller times: a pipeline loading the next pack while the current one
+        computes, python_api/pipeline/residency.py). The next use of such a weight finds its
+        gathers in flight; a phase change before that use completes them and releases them
+        per residency, so chunks that outlive their use (PERSISTENT) are then resident and
+        the others are dropped. Every rank of the group alike (it issues collectives)."""
+        if self._local_only():
+            return
+        wanted = [et for et in dict.fromkeys(tensors) if et.wid not in self._prefetched]
+        if wanted:
+            with self._device_guard():
+                for use in self._start_uses(wanted):
+                    self._prefetched[use.tensor.wid] = use
+
     def _release_prefetched(self) -> None:
         """Complete and release prefetches that no use consumed (the model changed its path).
         Every one is released even if a gather failed; the first failure is raised after."""

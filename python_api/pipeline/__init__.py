@@ -1,0 +1,33 @@
+"""Pipeline packs: stages of a Hugging Face causal LM on torch.distributed.pipelining, each
+pack (a run of consecutive decoder layers, one virtual stage) with its frozen weights under
+its own elastic runtime on the dp group. The layout (degree, packs, schedule, residency) is
+planner/pipeline.py's, pure Python.
+
+  mesh.py       the (pp, dp) mesh with bounded timeouts
+  hf_packs.py   packs of Llama-family and GPT-2 models, built by hand
+  stage.py      PackStage: the PipelineStage of a pack, with its counters
+  residency.py  when each pack's chunks are loaded, prefetched and released
+  failure.py    a stage failing mid-step ends every rank
+  model.py      PipelinedModel: build, train_step, evaluate, adapters, figures
+"""
+
+from python_api.pipeline.failure import FailureWatch
+from python_api.pipeline.hf_packs import ARCHITECTURES, architecture_of
+from python_api.pipeline.mesh import PipelineGroups, pipeline_groups
+from python_api.pipeline.model import PipelinedModel
+from python_api.pipeline.residency import PackResidency
+from python_api.pipeline.stage import PackStage, StepCounters
+from python_api.planner.pipeline import (
+    RESIDENCIES,
+    SCHEDULES,
+    PipelineError,
+    PipelineLayout,
+    balanced_boundaries,
+    schedule_order,
+)
+
+__all__ = [
+    "ARCHITECTURES", "RESIDENCIES", "SCHEDULES", "FailureWatch", "PackResidency", "PackStage", "PipelineError",
+    "PipelineGroups", "PipelineLayout", "PipelinedModel", "StepCounters", "architecture_of", "balanced_boundaries",
+    "pipeline_groups", "schedule_order",
+]

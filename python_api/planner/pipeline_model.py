@@ -1,0 +1,771 @@
+"""The cost and memory models of a pipelined run, and the planner's search over pipelines.
+Pure Python. The layout they evaluate is planner/pipeline.py's; the runtime is python_api/pipeline/.
+
+    profile = PipelineProfile(...)                      # or synthetic_pipeline_profile("gpt2-xl", ...)
+    pred = simulate(profile, layout, micro_batch_size)  # step time, bubble, memory, bytes per rank
+    best = plan_pipeline(profile, memory_bytes, global_batch, pp1=plan_from_profile(...))
+
+[Note: the pipeline cost model]
+One step is simulated action by action on every pp rank, in the order its schedule runs
+(`schedule_order`): an action (F or B of pack k on micro-batch i) starts when the rank is free,
+its input has arrived (F: the F of pack k - 1 on micro-batch i, plus one P2P of the activation
+[micro_batch, seq, hidden] when that pack is on another rank; B: the B of pack k + 1, plus one
+P2P of its gradient) and its pack is loaded. Compute per action, with T = micro_batch x seq
+tokens: the sum over the pack's layers of fixed + per_token x T (the first pack adds the
+embeddings', the last the head's: norm, lm_head, loss). A P2P takes the p2p link's latency +
+bytes / bandwidth. Loads follow the residency model ([Note: pack residency] in
+planner/pipeline.py; the same `load_events`): a load is issued at the action the prefetch
+window says (or by the action that needs it), queues behind the rank's earlier loads on its
+link, and takes the link's time for its bytes: (dp - 1) x slice per chunk gathered from dp
+peers (the all-gather link), or the chunks' real bytes from the host store (the h2d link);
+the action needing it waits for it inside its compute (the runtime gathers at first use), so
+its exposed part counts as busy time, as the measured compute does. A transient pack gathers
+each layer per use, prefetched one layer ahead: per action, sum over its layers of
+max(0, gather of layer l - compute of layer l - 1). The step ends when the last rank's last
+action and its adapter-gradient all-reduce over the dp group (allreduce link) are done. The
+bubble of a rank is 1 - its busy time / the step time, the measured quantity
+(PipelinedModel.last_step["idle_s_per_rank"]). Not modelled: P2P contention, compute slowed by
+concurrent copies, the optimizer step.
+
+[Note: the pipeline memory model]
+Per rank, at each action, in bytes:
+  reserved + static: the shards of its packs' frozen weights (1/dp of every chunk; none with
+      weights_on="host", except on CPU, where the host store's pages of its packs are the same
+      memory: counted whole, as a rank maps the whole store), what its packs keep replicated (embeddings on the first, norm and
+      head on the last), its adapters with their gradients and AdamW's two moments (16 bytes
+      per fp32 parameter), and the stages' P2P buffers (PipelineStage keeps, per stage and
+      micro-batch, one receive buffer of the activation and one of its gradient);
+  + pool: `residency_trace`'s bytes during the action (pages of the resident packs: 1 per
+      chunk, a page being the pack's largest chunk rounded up to 512 bytes), plus for a
+      transient pack its working set (the pages of its two largest layers);
+  + gather buffers of loads in flight: (dp + 1) x slice per chunk (send and receive), plus on
+      CPU dp x slice (gloo's scratch copy of the output): a pack load issues every chunk of
+      the pack at once;
+  + activations: for each local pack, the micro-batches whose forward is done and backward not
+      (the one in its forward or backward counted) times the pack's saved bytes per micro-batch
+      (act_bytes_per_token x T over its layers, the head's on the last pack), plus during the
+      last pack's actions the head's transient (logits, their fp32 copy, their gradient).
+The peak is the maximum over the actions.
+
+[Note: the pipeline search]
+Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
+as `pp1`), every micro-batch count m dividing the dp group's share of the global batch, every
+schedule and pack size (one pack per rank for gpipe/1f1b; every size giving a multiple of pp
+packs for looped-bfs/interleaved-1f1b), every residency and window 0 or 1 (2 and more when
+asked for: they change the estimate nothing, only the simulated step). Each is first
+estimated in closed form (the compute of the slowest rank stretched by the bubble
+(pp - 1) / (m + pp - 1), or (pp - 1) / (v m + pp - 1) with v packs per rank, plus its exposed
+loads; its memory bounded by every local pack resident and the schedule's most micro-batches
+in flight), the estimates are sorted, and the `simulate_top` best that fit the memory bound
+are simulated exactly; the fastest simulated one that fits wins, ties to the earlier candidate
+(pp ascending, then m, schedule, pack size, residency, window: every rank computes the same
+plan). pp = 1 stays the answer unless a pipeline's simulated step is strictly shorter than
+pp1's predicted step (or pp1 does not fit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from python_api.config import PAGE_ALIGN
+from python_api.planner.pipeline import (
+    BACKWARD,
+    FORWARD,
+    MULTI_STAGE_SCHEDULES,
+    RESIDENCIES,
+    SCHEDULES,
+    PipelineError,
+    PipelineLayout,
+    divisors,
+    load_events,
+    rank_balanced_boundaries,
+    residency_trace,
+)
+from python_api.planner.profile import Link
+
+ADAPTER_BYTES_PER_PARAM = 16  # fp32 value, gradient, AdamW's two moments
+
+
+@dataclass(frozen=True)
+class PipeWeight:
+    """One frozen elastic weight: [rows = out, cols = in] of `element_size` bytes."""
+
+    name: str
+    rows: int
+    cols: int
+    element_size: int
+    backward: bool = True
+
+    def layout(self, chunk_bytes: int, dp: int) -> tuple[int, int, int, int]:
+        """(chunks, chunk bytes (full), slice bytes per rank, real bytes), as ChunkLayout lays it out."""
+        row = self.cols * self.element_size
+        rpc = min(self.rows, max(1, chunk_bytes // row))
+        chunks = -(-self.rows // rpc)
+        return chunks, rpc * row, -(-(rpc * self.cols) // dp) * self.element_size, self.rows * row
+
+
+@dataclass(frozen=True)
+class PipeLayer:
+    """One decoder layer: compute per call (fixed + per token), bytes it saves for backward
+    per token, its frozen weights and its adapter parameters."""
+
+    name: str
+    fwd_s_fixed: float
+    fwd_s_per_token: float
+    bwd_s_fixed: float
+    bwd_s_per_token: float
+    act_bytes_per_token: float
+    weights: tuple[PipeWeight, ...]
+    adapter_params: int = 0
+
+    def fwd_s(self, tokens: int) -> float:
+        return self.fwd_s_fixed + self.fwd_s_per_token * tokens
+
+    def bwd_s(self, tokens: int) -> float:
+        return self.bwd_s_fixed + self.bwd_s_per_token * tokens
+
+
+@dataclass(frozen=True)
+class PipelineProfile:
+    """What the pipeline models need about one model on one machine (per rank, bytes and
+    seconds): its layers, the embeddings and head, the links, the memory."""
+
+    source: str
+    device: str
+    world_size: int
+    seq_len: int
+    hidden_size: int
+    act_element_size: int
+    layers: tuple[PipeLayer, ...]
+    chunk_bytes: int
+    allgather: Link
+    allreduce: Link
+    p2p: Link
+    capacity_bytes: int
+    reserved_bytes: int = 0
+    embed_fwd_s_per_token: float = 0.0
+    head_fwd_s_per_token: float = 0.0
+    head_bwd_s_per_token: float = 0.0
+    head_act_bytes_per_token: float = 0.0
+    head_peak_bytes_per_token: float = 0.0
+    first_static_bytes: int = 0  # replicated on the first pack (embeddings)
+    last_static_bytes: int = 0  # replicated on the last pack (final norm, head when replicated)
+    head_weights: tuple[PipeWeight, ...] = ()  # an elastic lm_head (last pack)
+    head_adapter_params: int = 0
+    h2d: Link | None = None
+    weights_on: str = "device"
+    cpu_gloo: bool = False  # gloo's all-gather scratch copy ([Note: the pipeline memory model])
+    workspace_bytes_per_token: float = 0.0  # a backward's transient beyond the saved activations
+    prefetch_depth: int = 1  # the runtime's in-pack window: a transient pack's pool holds 1 + this layers
+
+    def __post_init__(self):
+        if not self.layers:
+            raise PipelineError("a pipeline profile needs decoder layers")
+        if self.weights_on not in ("device", "host"):
+            raise PipelineError(f'weights_on must be "device" or "host", got {self.weights_on!r}')
+        if self.weights_on == "host" and self.h2d is None:
+            raise PipelineError("a profile with weights_on='host' needs the h2d link")
+
+
+@dataclass(frozen=True)
+class PackCost:
+    weights: tuple[PipeWeight, ...]
+    fwd_s: float
+    bwd_s: float
+    act_bytes: int  # saved per micro-batch
+    fwd_gather: int
+    bwd_gather: int
+    fwd_host: int
+    bwd_host: int
+    fwd_pages: int  # bytes of pages
+    bwd_pages: int
+    fwd_buffers: int
+    bwd_buffers: int
+    shard_bytes: int
+    adapter_bytes: int
+    working_set: int  # pages of its 1 + prefetch_depth largest layers (a transient pack's pool)
+    store_bytes: int  # its weights in the host store (weights_on="host")
+    layer_times: tuple  # per layer: (fwd compute, bwd compute, fwd load s, bwd load s)
+
+
+@dataclass
+class PipelinePrediction:
+    """What the models predict for one layout (per pp rank lists, index = pp rank)."""
+
+    layout: PipelineLayout
+    micro_batch_size: int
+    step_s: float
+    busy_s: list[float]
+    bubble: list[float]
+    peak_bytes: list[int]
+    allgather_bytes: list[int]
+    h2d_bytes: list[int]
+    p2p_send_bytes: list[int]
+    tokens_per_step: int
+    estimate: bool = False  # closed form (screening) rather than simulated
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_bytes)
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "micro_batch_size": self.micro_batch_size, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "busy_s": self.busy_s, "bubble": self.bubble,
+                "peak_bytes": self.peak_bytes, "allgather_bytes": self.allgather_bytes, "h2d_bytes": self.h2d_bytes,
+                "p2p_send_bytes": self.p2p_send_bytes, "tokens_per_step": self.tokens_per_step}
+
+
+# ---------------------------------------------------------------- per pack
+
+def pack_cost(profile: PipelineProfile, layout: PipelineLayout, k: int, micro_batch_size: int,
+              cache: dict | None = None) -> PackCost:
+    """Compute, bytes and pages of pack k (memoised in `cache` by what they depend on)."""
+    key = (layout.boundaries[k], layout.boundaries[k + 1], k == 0, k == layout.n_packs - 1, micro_batch_size,
+           layout.dp)
+    if cache is not None and key in cache:
+        return cache[key]
+    out = _pack_cost(profile, *key, cache=cache)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _unit_sums(profile: PipelineProfile, weights, dp: int) -> tuple:
+    """Per group of weights (a layer, or the head) at dp: (largest page, chunks, backward
+    chunks, gather bytes, backward gather bytes, host bytes, backward host bytes, slice bytes x
+    chunks, backward slice bytes x chunks, shard bytes, store bytes)."""
+    page = chunks = bchunks = g = bg = h = bh = sl = bsl = shard = store = 0
+    host = profile.weights_on == "host"
+    for w in weights:
+        n, cb, slc, real = w.layout(profile.chunk_bytes, dp)
+        page = max(page, -(-cb // PAGE_ALIGN) * PAGE_ALIGN)
+        shard += n * slc
+        store += real
+        chunks += n
+        sl += slc * n
+        if host:
+            h += real
+        else:
+            g += (dp - 1) * slc * n
+        if w.backward:
+            bchunks += n
+            bsl += slc * n
+            if host:
+                bh += real
+            else:
+                bg += (dp - 1) * slc * n
+    return page, chunks, bchunks, g, bg, h, bh, sl, bsl, shard, store
+
+
+def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last: bool, micro_batch_size: int,
+               dp: int, cache: dict | None = None) -> PackCost:
+    T = micro_batch_size * profile.seq_len
+    layers = profile.layers[start:end]
+    units = []
+    for i in range(start, end):
+        key = ("layer", i, dp)
+        u = cache.get(key) if cache is not None else None
+        if u is None:
+            u = _unit_sums(profile, profile.layers[i].weights, dp)
+            if cache is not None:
+                cache[key] = u
+        units.append(u)
+    if last and profile.head_weights:
+        units.append(_unit_sums(profile, profile.head_weights, dp))
+    fwd = sum(layer.fwd_s(T) for layer in layers) + (profile.embed_fwd_s_per_token * T if first else 0.0) \
+        + (profile.head_fwd_s_per_token * T if last else 0.0)
+    bwd = sum(layer.bwd_s(T) for layer in layers) + (profile.head_bwd_s_per_token * T if last else 0.0)
+    act = int(sum(layer.act_bytes_per_token for layer in layers) * T
+              + (profile.head_act_bytes_per_token * T if last else 0))
+    host = profile.weights_on == "host"
+    local_only = dp == 1 and not host
+    page = max((u[0] for u in units), default=0)
+    scratch = dp if profile.cpu_gloo else 0
+    tot = [sum(u[j] for u in units) for j in range(11)]
+    _, chunks, bchunks, fg, bg, fh, bh, sl, bsl, shard, store = tot
+    if local_only:
+        fp = bp = fb = bb = fg = bg = 0
+    else:
+        fp, bp = chunks * page, bchunks * page
+        fb = 0 if host else (dp + 1 + scratch) * sl
+        bb = 0 if host else (dp + 1 + scratch) * bsl
+
+    def load_s(g, h):
+        t = profile.allgather.time(g) if g else 0.0
+        if h:
+            t = max(t, profile.h2d.time(h))
+        return t
+
+    per_layer, layer_pages = [], []
+    for layer, u in zip(layers, units):
+        lg, lbg, lh, lbh = (0, 0, 0, 0) if local_only else (u[3], u[4], u[5], u[6])
+        per_layer.append((layer.fwd_s(T), layer.bwd_s(T), load_s(lg, lh), load_s(lbg, lbh)))
+        layer_pages.append(0 if local_only else u[1] * page)
+    adapters = sum(layer.adapter_params for layer in layers) + (profile.head_adapter_params if last else 0)
+    ws = sum(sorted(layer_pages, reverse=True)[: 1 + profile.prefetch_depth])
+    weights = tuple(w for layer in layers for w in layer.weights) + (tuple(profile.head_weights) if last else ())
+    return PackCost(weights, fwd, bwd, act, fg, bg, fh if not local_only else 0, bh if not local_only else 0,
+                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws,
+                    store if host else 0, tuple(per_layer))
+
+
+def _load_time(profile: PipelineProfile, c: PackCost, kind: str) -> float:
+    g, h = (c.fwd_gather, c.fwd_host) if kind == FORWARD else (c.bwd_gather, c.bwd_host)
+    t = profile.allgather.time(g) if g else 0.0
+    if h:
+        t = max(t, profile.h2d.time(h))
+    return t
+
+
+def _transient_exposed(c: PackCost, kind: str) -> float:
+    """In-action gathers of a transient pack, each layer prefetched one layer ahead."""
+    total, prev = 0.0, 0.0
+    seq = c.layer_times if kind == FORWARD else tuple(reversed(c.layer_times))
+    for fc, bc, fl, bl in seq:
+        load = fl if kind == FORWARD else bl
+        total += max(0.0, load - prev)
+        prev = fc if kind == FORWARD else bc
+    return total
+
+
+def _in_flight_max(schedule: str, pp: int, v: int, m: int, r: int) -> int:
+    """Most pack-micro-batches in flight on pp rank r (closed form, for screening)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - r)
+    if schedule == "looped-bfs":
+        return m * v
+    rounds = max(1, m // pp)
+    return min(m * v, (v - 1) * (m // rounds) + 2 * (pp - 1 - r) + 1)
+
+
+def _static_bytes(profile: PipelineProfile, layout: PipelineLayout, r: int, costs: dict, micro_batch_size: int) -> int:
+    n = layout.n_packs
+    p2p = micro_batch_size * profile.seq_len * profile.hidden_size * profile.act_element_size
+    total = profile.reserved_bytes
+    for k in layout.packs_of_rank(r):
+        c = costs[k]
+        total += c.shard_bytes + c.adapter_bytes
+        if profile.cpu_gloo and profile.weights_on == "host":  # on CPU the host store is in the same memory
+            total += c.store_bytes
+        total += ((k > 0) + (k < n - 1)) * layout.micro_batches * p2p
+        if k == 0:
+            total += profile.first_static_bytes
+        if k == n - 1:
+            total += profile.last_static_bytes
+    return total
+
+
+# ---------------------------------------------------------------- the simulation
+
+def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size: int,
+             first_step: bool = False, cache: dict | None = None) -> PipelinePrediction:
+    """[Note: the pipeline cost model] and [Note: the pipeline memory model], exactly as
+    stated, for one step (steady state, or the first step: nothing resident, no prefetch)."""
+    if layout.world_size != profile.world_size:
+        raise PipelineError(f"the layout is for {layout.world_size} ranks, the profile for {profile.world_size}")
+    pp, n, m = layout.pp, layout.n_packs, layout.micro_batches
+    T = micro_batch_size * profile.seq_len
+    costs = {k: pack_cost(profile, layout, k, micro_batch_size, cache) for k in range(n)}
+    p2p_bytes = T * profile.hidden_size * profile.act_element_size
+    p2p_s = profile.p2p.time(p2p_bytes) if pp > 1 else 0.0
+    orders = [layout.order(r) for r in range(pp)]
+    head_peak = int(profile.head_peak_bytes_per_token * T)
+    # Per rank: the issue action of each load event ([Note: following the schedule's order]).
+    plans = []
+    for r in range(pp):
+        events = load_events(layout, orders[r])
+        issue = {}
+        W = layout.window
+        for i, (idx, k, kind, released) in enumerate(events):
+            # Before action t the residency issues the first W loads after t whose pack is
+            # released: load i is among them once load i - W's action has started.
+            at = idx
+            if not first_step and W > 0:
+                t = max(released + 1, events[i - W][0] if i >= W else 0)
+                if t < idx:
+                    at = t
+            issue.setdefault(at, []).append((idx, k, kind))
+        plans.append(issue)
+    end: dict = {}
+    start_of: dict = {}
+    pos = [0] * pp
+    free = [0.0] * pp
+    link = [0.0] * pp
+    ready: list[dict] = [{} for _ in range(pp)]  # action index -> time its load completes
+    busy = [0.0] * pp
+    buffers_at: list[dict] = [{} for _ in range(pp)]  # action index -> gather-buffer bytes in flight
+    remaining = sum(len(o) for o in orders)
+    loads_in_flight: list[list] = [[] for _ in range(pp)]  # (issue index, need index, buffer bytes)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                t = pos[r]
+                kind, k, i = orders[r][t]
+                deps = []
+                if kind == FORWARD and k > 0:
+                    deps.append((FORWARD, k - 1, i))
+                if kind == BACKWARD and k < n - 1:
+                    deps.append((BACKWARD, k + 1, i))
+                if any(d not in end for d in deps):
+                    break
+                arrive = max((end[d] + (p2p_s if d[1] % pp != r else 0.0) for d in deps), default=0.0)
+                begin = max(free[r], arrive)
+                # loads issued at this action's start (prefetch) or by it (demand)
+                for idx, kk, lk in plans[r].get(t, []):
+                    c = costs[kk]
+                    s0 = max(begin, link[r])
+                    link[r] = s0 + _load_time(profile, c, lk)
+                    ready[r][idx] = link[r]
+                    loads_in_flight[r].append((t, idx, c.fwd_buffers if lk == FORWARD else c.bwd_buffers))
+                c = costs[k]
+                work = c.fwd_s if kind == FORWARD else c.bwd_s
+                if layout.residency[k] == "transient":
+                    work += _transient_exposed(c, kind)
+                finish = max(begin, ready[r].get(t, begin)) + work
+                buffers_at[r][t] = sum(b for a, need, b in loads_in_flight[r] if a <= t <= need)
+                start_of[(kind, k, i)] = begin
+                end[(kind, k, i)] = finish
+                busy[r] += finish - begin
+                free[r] = finish
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PipelineError(f"the orders of schedule {layout.schedule} deadlock (a bug in schedule_order)")
+    allreduce = []
+    for r in range(pp):
+        grads = sum(costs[k].adapter_bytes for k in layout.packs_of_rank(r)) // 4  # fp32 gradients: 4 of 16 bytes
+        allreduce.append(profile.allreduce.time(grads) if layout.dp > 1 else 0.0)
+    step = max(free[r] + allreduce[r] for r in range(pp))
+    # memory
+    peaks, gathers, h2ds, sends = [], [], [], []
+    for r in range(pp):
+        local = layout.packs_of_rank(r)
+        static = _static_bytes(profile, layout, r, costs, micro_batch_size)
+        # A transient pack's pool keeps its working set reserved for the whole run.
+        transient = [k for k in local if layout.residency[k] == "transient"]
+        static += sum(costs[k].working_set for k in transient)
+        during, _ = residency_trace(layout, r, {k: 0 if k in transient else costs[k].fwd_pages for k in local},
+                                    {k: 0 if k in transient else costs[k].bwd_pages for k in local},
+                                    first_step=first_step)
+        inflight = {k: 0 for k in local}
+        peak = 0
+        workspace = int(profile.workspace_bytes_per_token * T)
+        for t, (kind, k, i) in enumerate(orders[r]):
+            if kind == FORWARD:
+                inflight[k] += 1
+            acts = sum(inflight[j] * costs[j].act_bytes for j in local)
+            extra = workspace if kind == BACKWARD else 0
+            if k in transient:  # its gathers' buffers, one layer ahead
+                extra += 2 * max(costs[k].fwd_buffers, costs[k].bwd_buffers) // max(1, len(costs[k].layer_times))
+            head = head_peak if k == n - 1 else 0
+            peak = max(peak, static + during[t] + extra + buffers_at[r][t] + acts + head)
+            if kind == BACKWARD:
+                inflight[k] -= 1
+        peaks.append(peak)
+        g = h = 0
+        for k in local:
+            nf, nb = layout.loads_per_step(k)
+            if first_step and layout.residency[k] == "persistent":
+                nf, nb = 1, 0
+            g += nf * costs[k].fwd_gather + nb * costs[k].bwd_gather
+            h += nf * costs[k].fwd_host + nb * costs[k].bwd_host
+        gathers.append(g)
+        h2ds.append(h)
+        sends.append(sum(m * p2p_bytes * ((k < n - 1) + (k > 0)) for k in local))
+    bubble = [1.0 - busy[r] / step if step > 0 else 0.0 for r in range(pp)]
+    tokens = layout.dp * m * micro_batch_size * profile.seq_len
+    return PipelinePrediction(layout, micro_batch_size, step, busy, bubble, peaks, gathers, h2ds, sends, tokens)
+
+
+# ---------------------------------------------------------------- closed-form screening
+
+def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size: int,
+             cache: dict | None = None, memory_cutoff: int | None = None) -> PipelinePrediction | None:
+    """[Note: the pipeline search]: a quick estimate (time and a memory upper bound); None
+    when the memory bound of some rank exceeds `memory_cutoff`."""
+    pp, n, m, v = layout.pp, layout.n_packs, layout.micro_batches, layout.packs_per_rank
+    costs = {k: pack_cost(profile, layout, k, micro_batch_size, cache) for k in range(n)}
+    T = micro_batch_size * profile.seq_len
+    p2p_bytes = T * profile.hidden_size * profile.act_element_size
+    p2p_s = profile.p2p.time(p2p_bytes) if pp > 1 else 0.0
+    peaks = []
+    for r in range(pp):
+        local = layout.packs_of_rank(r)
+        static = _static_bytes(profile, layout, r, costs, micro_batch_size)
+        pool = sum(costs[k].fwd_pages + costs[k].fwd_buffers for k in local)
+        acts = _in_flight_max(layout.schedule, pp, v, m, r) * max(costs[k].act_bytes for k in local)
+        peaks.append(static + pool + acts + int(profile.head_peak_bytes_per_token * T))
+        if memory_cutoff is not None and peaks[-1] > memory_cutoff:
+            return None
+    work = []
+    for r in range(pp):
+        local = layout.packs_of_rank(r)
+        w = 0.0
+        for j, k in enumerate(local):
+            c = costs[k]
+            w += m * (c.fwd_s + c.bwd_s)
+            mode = layout.residency[k]
+            if mode == "transient":
+                w += m * (_transient_exposed(c, FORWARD) + _transient_exposed(c, BACKWARD))
+            elif mode in ("step", "phase"):
+                hide = 0.0 if (j == 0 or layout.window == 0) else m * costs[local[j - 1]].fwd_s
+                w += max(0.0, _load_time(profile, c, FORWARD) - hide)
+                if mode == "phase":
+                    later = local[j + 1] if j + 1 < len(local) else None
+                    hide = 0.0 if (later is None or layout.window == 0) else m * costs[later].bwd_s
+                    w += max(0.0, _load_time(profile, c, BACKWARD) - hide)
+        work.append(w)
+    vv = v if layout.schedule in MULTI_STAGE_SCHEDULES else 1
+    stretch = (vv * m + pp - 1) / (vv * m)
+    step = max(work) * stretch + 2 * (n - 1) * p2p_s / max(1, vv)
+    tokens = layout.dp * m * micro_batch_size * profile.seq_len
+    return PipelinePrediction(layout, micro_batch_size, step, work, [1 - 1 / stretch] * pp, peaks, [0] * pp,
+                              [0] * pp, [0] * pp, tokens, estimate=True)
+
+
+# ---------------------------------------------------------------- the search
+
+@dataclass
+class PipelinePlan:
+    """The planner's choice among pipelines and pp = 1 ([Note: the pipeline search])."""
+
+    pipelined: bool
+    prediction: PipelinePrediction | None  # the chosen pipeline's (None: pp = 1 chosen and no pipeline fits)
+    pp1_step_s: float | None
+    memory_bytes: int
+    global_batch: int
+    candidates: int
+    simulated: int
+    planning_seconds: float
+    ranking: list = field(default_factory=list)  # the simulated candidates: (step_s, peak, layout dict, mbs)
+
+    def to_dict(self) -> dict:
+        return {"pipelined": self.pipelined, "prediction": None if self.prediction is None else self.prediction.to_dict(),
+                "pp1_step_s": self.pp1_step_s, "memory_bytes": self.memory_bytes, "global_batch": self.global_batch,
+                "candidates": self.candidates, "simulated": self.simulated, "planning_seconds": self.planning_seconds,
+                "ranking": self.ranking}
+
+    def describe(self) -> str:
+        if self.prediction is None:
+            return "pp 1 (no pipeline fits)"
+        p = self.prediction
+        what = (f"{p.layout.describe()}, micro-batches of {p.micro_batch_size}: predicted {p.step_s:.4g} s/step, "
+                f"bubble {max(p.bubble):.0%}, peak {p.peak / 2**20:.1f} MiB")
+        pp1 = "no pp 1 plan fits" if self.pp1_step_s is None else f"pp 1 {self.pp1_step_s:.4g} s/step"
+        return f"{'pipeline' if self.pipelined else 'pp 1'} ({what}; {pp1})"
+
+
+def layouts(world_size: int, n_layers: int, global_batch: int, *, pp=None, schedules=SCHEDULES, pack_sizes=None,
+            micro_batches=None, residencies=RESIDENCIES, windows=(0, 1), layer_costs=None, first_cost: float = 0.0,
+            last_cost: float = 0.0, weights_on: str = "device"):
+    """Every candidate layout and its micro-batch size, in the order ties are broken by. With
+    dp = 1 and the weights on the device a rank holds its packs whole (nothing is loaded), so
+    residency and window change nothing there and only (persistent, 0) is listed."""
+    degrees = [d for d in divisors(world_size) if d > 1] if pp is None else [pp] if isinstance(pp, int) else list(pp)
+    out = []
+    bounds_cache: dict = {}
+    for d in degrees:
+        dp = world_size // d
+        if global_batch % dp:
+            continue
+        share = global_batch // dp
+        ms = divisors(share) if micro_batches is None else [x for x in (
+            [micro_batches] if isinstance(micro_batches, int) else micro_batches) if share % x == 0]
+        for m in ms:
+            for schedule in schedules:
+                if schedule in MULTI_STAGE_SCHEDULES:
+                    counts = sorted({-(-n_layers // p) for p in range(1, n_layers + 1)} if pack_sizes is None else
+                                    {-(-n_layers // p) for p in pack_sizes})
+                    counts = [c for c in counts if c >= d and c % d == 0 and c <= n_layers]
+                else:
+                    counts = [d] if d <= n_layers else []
+                for count in counts:
+                    key = (count, d)
+                    if key not in bounds_cache:
+                        bounds_cache[key] = rank_balanced_boundaries(layer_costs or [1.0] * n_layers, count, d,
+                                                                     first_cost, last_cost)
+                    local = dp == 1 and weights_on == "device"
+                    for res in (("persistent",) if local else residencies):
+                        for w in ((0,) if res == "transient" or local else windows):
+                            try:
+                                layout = PipelineLayout(world_size, d, schedule, m, bounds_cache[key],
+                                                        (res,) * count, w)
+                            except PipelineError:
+                                continue
+                            out.append((layout, share // m))
+    return out
+
+
+def plan_pipeline(profile: PipelineProfile, memory_bytes: int, global_batch: int, *, pp1_step_s: float | None = None,
+                  simulate_top: int = 8, margin: float = 0.05, **candidates) -> PipelinePlan:
+    """[Note: the pipeline search]. `pp1_step_s`: the plain planner's predicted step time at
+    pp = 1 (None: no pp = 1 plan fits). `candidates` narrows the search (pp, schedules,
+    pack_sizes, micro_batches, residencies, windows)."""
+    t0 = time.perf_counter()
+    if not isinstance(memory_bytes, int) or memory_bytes < 1:
+        raise PipelineError(f"memory_bytes must be a positive int, got {memory_bytes!r}")
+    limit = int(memory_bytes * (1 - margin))
+    layer_costs = [layer.fwd_s(profile.seq_len) + layer.bwd_s(profile.seq_len) for layer in profile.layers]
+    head = (profile.head_fwd_s_per_token + profile.head_bwd_s_per_token) * profile.seq_len
+    cands = layouts(profile.world_size, len(profile.layers), global_batch, layer_costs=layer_costs,
+                    first_cost=profile.embed_fwd_s_per_token * profile.seq_len, last_cost=head,
+                    weights_on=profile.weights_on, **candidates)
+    screened = []
+    cache: dict = {}
+    for order, (layout, mbs) in enumerate(cands):
+        e = estimate(profile, layout, mbs, cache, memory_cutoff=int(limit * 1.5))
+        if e is not None:  # else beyond the limit even allowing for the bound's slack
+            screened.append((e.step_s, order, layout, mbs, e.peak))
+    screened.sort(key=lambda x: (x[0], x[1]))
+    best, ranking, simulated = None, [], 0
+    for step_est, order, layout, mbs, peak_bound in screened:
+        if simulated >= simulate_top:
+            break
+        pred = simulate(profile, layout, mbs, cache=cache)
+        simulated += 1
+        ranking.append((pred.step_s, pred.peak, layout.to_dict(), mbs))
+        if pred.peak <= limit and (best is None or (pred.step_s, order) < (best[0].step_s, best[1])):
+            best = (pred, order)
+    chosen = best[0] if best is not None else None
+    pipelined = chosen is not None and (pp1_step_s is None or chosen.step_s < pp1_step_s)
+    return PipelinePlan(pipelined, chosen, pp1_step_s, memory_bytes, global_batch, len(cands), simulated,
+                        time.perf_counter() - t0, ranking)
+
+
+# ---------------------------------------------------------------- synthetic profiles
+
+@dataclass(frozen=True)
+class PipeShape:
+    """A decoder-only model's dimensions (Llama or GPT-2 style)."""
+
+    kind: str  # "llama" | "gpt2"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    def projections(self) -> list[tuple[str, int, int]]:
+        h, i = self.hidden, self.intermediate
+        kv = h // self.heads * self.kv_heads
+        if self.kind == "gpt2":
+            return [("attn.c_attn", 3 * h, h), ("attn.c_proj", h, h), ("mlp.c_fc", i, h), ("mlp.c_proj", h, i)]
+        return [("self_attn.q_proj", h, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                ("self_attn.o_proj", h, h), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)]
+
+
+PIPE_SHAPES = {
+    # GPT-2 XL (the Tiny-Pipe paper's model): 48 layers, 1600 wide, 25 heads, vocab 50257.
+    "gpt2-xl": PipeShape("gpt2", 1600, 6400, 48, 25, 25, 50257),
+    "llama2-7b": PipeShape("llama", 4096, 11008, 32, 32, 32, 32000),
+    "llama2-70b": PipeShape("llama", 8192, 28672, 80, 64, 8, 32000),
+}
+
+
+@dataclass(frozen=True)
+class PipeDevice:
+    """A GPU and its links for synthetic pipeline profiles (rates achieved, not peak)."""
+
+    name: str
+    flops: float
+    hbm_bytes_per_s: float
+    capacity_bytes: int
+    reserved_bytes: int
+    allgather: Link
+    allreduce: Link
+    p2p: Link
+    h2d: Link
+
+
+GiB = 1 << 30
+PIPE_DEVICES = {
+    # Tiny-Pipe's setting: 4 x 24 GB GPUs on PCIe (RTX 3090 / A5000 class): ~71 TFLOP/s dense
+    # bf16 peak taken at 50%; 936 GB/s memory; PCIe Gen4 x16 between GPUs through the host,
+    # ~12 GB/s achieved for collectives and P2P (no NVLink), ~20 GB/s host -> device.
+    # Assumptions, not measurements.
+    "pcie-24g": PipeDevice("4 x 24 GB PCIe (synthetic)", 0.5 * 71e12, 936e9, 24 * GiB, 1 * GiB,
+                           allgather=Link(60e-6, 12e9), allreduce=Link(120e-6, 12e9 / 1.5), p2p=Link(30e-6, 12e9),
+                           h2d=Link(10e-6, 20e9)),
+    # The plain planner's A100 40GB PCIe node (planner/shapes.py DEVICES["a100-40g-pcie"]): 8 GPUs,
+    # ~25 GB/s all-gather bus bandwidth, 50% of 312 TFLOP/s, ~25 GB/s host -> device.
+    "a100-40g-pcie": PipeDevice("8 x A100 40GB PCIe (synthetic)", 0.5 * 312e12, 1.555e12, 40 * GiB, 3 * GiB // 2,
+                                allgather=Link(60e-6, 25e9), allreduce=Link(120e-6, 25e9 / 1.75),
+                                p2p=Link(30e-6, 25e9), h2d=Link(10e-6, 25e9)),
+}
+
+
+def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str = "pcie-24g", *,
+                               lora_rank: int = 16, chunk_bytes: int = 4 << 20, weights_on: str = "device",
+                               element_size: int = 2) -> PipelineProfile:
+    """The pipeline profile of `shape` on `ranks` GPUs of `device` from its FLOPs and bytes
+    (the assumptions of [Note: synthetic profile assumptions] in planner/shapes.py: forward 2 x
+    weights + attention per token, backward twice the attention and the LoRA terms and dX only,
+    100/200 us fixed per call; saved activations as stated there; bf16)."""
+    if shape not in PIPE_SHAPES:
+        raise PipelineError(f"unknown shape {shape!r}; known: {', '.join(PIPE_SHAPES)}")
+    if device not in PIPE_DEVICES:
+        raise PipelineError(f"unknown device {device!r}; known: {', '.join(PIPE_DEVICES)}")
+    s, dev = PIPE_SHAPES[shape], PIPE_DEVICES[device]
+    h, i, r = s.hidden, s.intermediate, lora_rank
+    proj = s.projections()
+    params = sum(a * b for _, a, b in proj)
+    lora = sum(r * (a + b) for _, a, b in proj)
+    attn = 2 * seq_len * h
+    fwd = (2 * params + attn + 2 * lora) / dev.flops
+    bwd = (2 * params + 2 * attn + 4 * lora) / dev.flops
+    kv = h // s.heads * s.kv_heads
+    act = element_size * (6 * h + 2 * kv + 4 * i) + 4 * s.heads + len(proj) * 4 * r
+    layers = []
+    for li in range(s.layers):
+        ws = tuple(PipeWeight(f"layers.{li}.{n}", a, b, element_size,
+                              backward=not (li == 0 and n in ("self_attn.q_proj", "self_attn.k_proj",
+                                                               "self_attn.v_proj", "attn.c_attn")))
+                   for n, a, b in proj)
+        layers.append(PipeLayer(f"layers.{li}", 100e-6, fwd, 200e-6, bwd, float(act), ws, lora))
+    head_flops = 2 * s.vocab * h
+    head_bytes = element_size * s.vocab * h
+    tied = s.kind == "gpt2"
+    embed = element_size * s.vocab * h + (element_size * 1024 * h if s.kind == "gpt2" else 0)
+    return PipelineProfile(
+        source=f"synthetic:{shape}", device=f"{dev.name} x{ranks}", world_size=ranks, seq_len=seq_len,
+        hidden_size=h, act_element_size=element_size, layers=tuple(layers), chunk_bytes=chunk_bytes,
+        allgather=dev.allgather, allreduce=dev.allreduce, p2p=dev.p2p, capacity_bytes=dev.capacity_bytes,
+        reserved_bytes=dev.reserved_bytes, embed_fwd_s_per_token=0.0,
+        head_fwd_s_per_token=head_flops / dev.flops + 10 * s.vocab / dev.hbm_bytes_per_s,
+        head_bwd_s_per_token=head_flops / dev.flops + 10 * s.vocab / dev.hbm_bytes_per_s,
+        head_act_bytes_per_token=float(element_size * h), head_peak_bytes_per_token=float(10 * s.vocab),
+        first_static_bytes=embed, last_static_bytes=(head_bytes if tied else 0) + element_size * 2 * h,
+        head_weights=() if tied else (PipeWeight("lm_head", s.vocab, h, element_size),),
+        h2d=dev.h2d, weights_on=weights_on,
+    )
+
+
+def pp1_time_of(profile: PipelineProfile, micro_batch_size: int, accumulation: int, *, keep_all: bool) -> float:
+    """A pp = 1 step in this model's terms, for a profile without a plain planner Profile: every
+    rank runs every layer on its micro-batches; with `keep_all` the weights stay resident (no
+    gather), else every layer is gathered for each use, prefetched one layer ahead (FSDP's
+    regime)."""
+    T = micro_batch_size * profile.seq_len
+    dp = profile.world_size
+    layout = PipelineLayout(dp, 1, "gpipe", 1, (0, len(profile.layers)), ("transient",), 0)
+    c = pack_cost(profile, layout, 0, micro_batch_size)
+    per = c.fwd_s + c.bwd_s + profile.embed_fwd_s_per_token * T
+    if not keep_all:
+        per += _transient_exposed(c, FORWARD) + _transient_exposed(c, BACKWARD)
+    grads = c.adapter_bytes // 4
+    return accumulation * per + (profile.allreduce.time(grads) if dp > 1 else 0.0)
+
+
+__all__ = ["PIPE_DEVICES", "PIPE_SHAPES", "PackCost", "PipeDevice", "PipeLayer", "PipeShape", "PipeWeight",
+           "PipelinePlan", "PipelinePrediction", "PipelineProfile", "estimate", "layouts", "pack_cost",
+           "plan_pipeline", "pp1_time_of", "simulate", "synthetic_pipeline_profile"]
