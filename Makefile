@@ -13,9 +13,13 @@ PYTEST_ARGS ?=
 
 .PHONY: setup build lint test test-noext demo bench gpu-check clean
 
-$(DEPS_STAMP): requirements.txt
+$(DEPS_STAMP): requirements.txt requirements-baselines.txt
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	# DeepSpeed (the ZeRO-3 peer) is an sdist whose setup.py imports torch: built against the torch
+	# just installed, with no compiled ops (they are JIT-built at first use, on the CPU accelerator).
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(VPY) -m pip install --disable-pip-version-check -q --no-build-isolation \
+		-r requirements-baselines.txt
 	@touch $@
 
 setup: $(DEPS_STAMP)

@@ -147,6 +147,9 @@ setup(
     packages=find_packages(include=["elastic_kernels", "elastic_kernels.*", "python_api", "python_api.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
+    # `--baseline deepspeed` (ZeRO-3 beside the elastic runs); DeepSpeed's sdist must be built
+    # against the installed torch: DS_BUILD_OPS=0 pip install --no-build-isolation ...
+    extras_require={"baselines": ["deepspeed>=0.19"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # The fine-tuning CLI; under torchrun: `torchrun --nproc-per-node N --no-python elastic-finetune ...`
