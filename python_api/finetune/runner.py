@@ -165,7 +165,7 @@ def _write_failure_report(job: Job, runs: list[dict], exc: BaseException, skippe
     sys.stderr.flush()
 
 
-def _summary(job: Job, runs: list[dict], skipped: dict[str, str], error: str | None = None) -> dict:
+def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, error: str | None = None) -> dict:
     """Every figure of the job's runs; "status" complete or failed (with the error); "warnings":
     the options this job ignores ([Note: options a run ignores]) and every loss gap to the
     FSDP2 baseline beyond rounding ([Note: the loss gap to the baseline] in report.py)."""
@@ -207,7 +207,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str], error: str | N
         "save_dir": job.save_dir,
         "resumed_from": job.resume.path if job.resume is not None else None,
         "runs": runs,
-        "skipped_baselines": skipped,
+        "skipped_baselines": skipped or {},
     }
 
 
