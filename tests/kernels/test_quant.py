@@ -668,7 +668,7 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tests import _aot_compile as aot
+from tests.kernels import _aot_compile as aot
 from elastic_kernels.ops import dequant_kernels as k
 
 rows = []
