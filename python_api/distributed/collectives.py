@@ -38,7 +38,7 @@ runtime's prefetched uses are consumed or released by the end of their phase. A 
 still referenced when the interpreter shuts down is destroyed without the Python runtime that
 its tensors need, and gloo's threads then abort the process at exit ("terminate called
 without an active exception", pytorch#190489), even after `destroy_process_group`
-(tests/runtime/test_clean_exit.py runs a user's script 10 times and expects exit code 0).
+(tests/runtime/test_clean_exit.py runs a user's 2-rank script twice per variant and expects exit code 0).
 
 [Note: collective headers]
 On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
