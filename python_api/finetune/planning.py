@@ -36,7 +36,7 @@ from python_api.finetune.options import fmt_bytes
 from python_api.planner.profile import ProfileError
 from python_api.planner.search import PlanningError
 from python_api.planning.apply import apply_plan, plan
-from python_api.planning.measure import measure_profile
+from python_api.planning.measure import ProfileBoundError, measure_profile
 
 _REPLAN_TOLERANCE = 0.05
 
@@ -82,11 +82,26 @@ class JobPlanner:
         caps = [c for c in [self.base_cap] + [c for _, c in self.changes] if c is not None]
         batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
         t0 = time.perf_counter()
-        try:
-            profile = measure_profile(engine.model, [batch],
-                                      capacity_bytes=max(caps) if caps and not self.device_auto else None)
-        except ProfileError as exc:
-            raise FinetuneError(f"no plan: the memory cap leaves no room for the model ({exc})") from exc
+        while True:
+            # [Note: profiling a smaller micro-batch]: where the cap is below what streaming
+            # every weight needs at --micro-batch (the plan can still fit it, by recomputing),
+            # the profile is measured on half the micro-batch, down to one sequence; the
+            # profile's per-token figures extrapolate to the micro-batches the planner tries.
+            # The decision comes from the memory model on MAX-reduced counts and the MIN bound:
+            # the same on every rank.
+            try:
+                profile = measure_profile(engine.model, [batch],
+                                          capacity_bytes=max(caps) if caps and not self.device_auto else None)
+                break
+            except ProfileBoundError as exc:
+                if batch.shape[0] == 1:
+                    raise FinetuneError(f"no plan: the memory cap leaves no room to profile the model ({exc})") from exc
+                batch = batch[: batch.shape[0] // 2]
+                if job.rank == 0:
+                    print(f"{PROG}: the memory cap leaves no room to profile {batch.shape[0] * 2} sequences "
+                          f"streamed; profiling {batch.shape[0]}", flush=True)
+            except ProfileError as exc:
+                raise FinetuneError(f"no plan: the memory cap leaves no room for the model ({exc})") from exc
         self.profile_seconds = time.perf_counter() - t0
         if caps and max(caps) > profile.capacity_bytes:
             profile = dataclasses.replace(profile, capacity_bytes=max(caps))

@@ -441,6 +441,11 @@ def _residency_peak(profile: Profile, resident: list[int], micro_batch: int, rec
     return memory_curve(profile, Choices(micro_batch, keep, keep, rec, prefetch_depth=0)).peak_bytes
 
 
+class ProfileBoundError(ValueError):
+    """The profiling bound is below what streaming every weight needs at the micro-batch given
+    (the memory model's figure, the same on every rank): profile a smaller micro-batch."""
+
+
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
                     capacity_bytes: int | None = None, memory_bytes: int | None = None, steps: int = 2,
                     host_tier: bool | None = None, report: dict | None = None) -> Profile:
@@ -535,7 +540,7 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             limit = int(bound * (1.0 - _PROFILE_MARGIN))
             least = _residency_peak(prelim, [], B)
             if least > bound:
-                raise ValueError(
+                raise ProfileBoundError(
                     f"measure_profile: streaming every weight at this micro-batch ({B} x {batch.shape[1]} tokens) "
                     f"needs {least} bytes per rank by the memory model, above the profiling bound memory_bytes = "
                     f"{bound}: profile with a smaller micro-batch, or give more memory")

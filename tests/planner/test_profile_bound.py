@@ -76,6 +76,17 @@ def _worker(rank, world_size):
     rt.pool.reset_peak()
     bounded = measure_profile(model, [ids], capacity_bytes=cap, steps=3, report=bounded_report)
     pool_peak = rt.pool.stats()["peak_in_use_bytes"]
+    # A bound below what streaming every weight needs: refused with ProfileBoundError (the CLI
+    # then profiles half the micro-batch), and the runtime's residency is as it was.
+    from python_api.planning.measure import ProfileBoundError
+
+    before = [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
+    too_small = None
+    try:
+        measure_profile(model, [ids], capacity_bytes=int(bounded_report["least_bytes"] * 0.9), steps=1)
+    except ProfileBoundError as exc:
+        too_small = str(exc)
+    restored = before == [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     # Replay every residency profiling used and measure a step's tensor peak under it.
     measured = []
     names = [layer.name for layer in unbounded.layers]
@@ -89,7 +100,8 @@ def _worker(rank, world_size):
         measured.append(measure_peak_bytes(model, step))
     return {"cap": cap, "keep_all": keep_all, "frozen": frozen, "pool_peak": pool_peak, "measured": measured,
             "rounds": bounded_report["rounds"], "unbounded": unbounded.to_dict(), "bounded": bounded.to_dict(),
-            "extra": extra, "names": names, "local": unbounded_report["local_bytes"]}
+            "extra": extra, "names": names, "local": unbounded_report["local_bytes"], "too_small": too_small,
+            "restored": restored}
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +198,13 @@ def test_byte_counts_are_the_max_over_ranks(reports):
     assert a["local"]["act"][:i] + a["local"]["act"][i + 1:] == b["local"]["act"][:i] + b["local"]["act"][i + 1:]
     for r in (a, b):
         assert r["unbounded"]["layers"][i]["act_bytes_per_token"] == acts[EXTRA_LAYER]
+
+
+def test_a_bound_below_streaming_is_refused_by_name(reports):
+    """measure_profile under a bound below the memory model's figure for streaming every
+    weight raises ProfileBoundError (what the CLI's planned run catches to profile a smaller
+    micro-batch), on every rank alike, and leaves the residency as it found it."""
+    for r in reports:
+        assert r["too_small"] is not None, "a bound below streaming every weight was accepted"
+        assert "streaming every weight at this micro-batch" in r["too_small"], r["too_small"]
+        assert r["restored"], "the residency changed after the refused profile"
