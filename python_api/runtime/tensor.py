@@ -88,6 +88,8 @@ class ElasticTensor:
         # [Note: chunk sources] in python_api/host/sources.py
         self.from_host = host_chunks(self.layout.num_chunks, policy.source_fraction)
         self.store_offset: int | None = None  # byte offset in the runtime's host store
+        # Quantized only: non-finite values in the rows this rank read to quantize its shard.
+        self.nonfinite_read = 0
         # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
         self._reader = None
         with torch.no_grad():
@@ -128,7 +130,17 @@ class ElasticTensor:
         as stored (quantized when the policy says so): only the rows the shard needs are read."""
         rt = self.runtime
         if self.qlayout is not None:
-            return quantized_shard(self.qlayout, self.storage, rows, rt.rank, self.dtype, rt.device)
+            # The image holds no value a finiteness check could read (its scales of a NaN block are
+            # NaN, its codes are not): count the non-finite values of the rows quantized instead.
+            self.nonfinite_read = 0
+
+            def counted(b, e):
+                w = rows(b, e)
+                if w.is_floating_point():
+                    self.nonfinite_read += int((~torch.isfinite(w)).sum())
+                return w
+
+            return quantized_shard(self.qlayout, self.storage, counted, rt.rank, self.dtype, rt.device)
         return self.layout.shard_from_rows(
             lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device)
 
