@@ -20,8 +20,11 @@ stored quantized, and only quantized:
   (`QuantizedLayout.image_layout(W)`), packs, all-gathers and caches, with the machinery of any
   weight: `ElasticTensor.storage` is that layout, `ElasticTensor.layout` stays the weight's
   row layout (rows, cols, rows_per_chunk) that the layers compute with. So the all-gather
-  moves exactly the slices of the image (the analytic quantized size, plus the slice padding
-  of the ragged end that every weight has: at most W - 1 bytes per chunk).
+  moves exactly the slices of the image: per chunk gathered, (W - 1) x ceil(full blob / W)
+  bytes received, i.e. the analytic quantized size plus only the slice padding every weight
+  has ([Note: chunk-major shard layout] in elastic_kernels/layout.py: under W bytes per full
+  chunk, the ragged last chunk padded to a full chunk's slices). tests/quant checks it byte
+  for byte at budgets 0, partial and all.
 - Quantized once, where the weight is read: a rank builds its shard of the image chunk by
   chunk (`quantized_shard`), quantizing the rows of one chunk at a time and keeping only its
   own slice of the blob: no rank ever holds the full-precision weight beyond the chunk being

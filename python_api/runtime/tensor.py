@@ -132,15 +132,19 @@ class ElasticTensor:
         if self.qlayout is not None:
             # The image holds no value a finiteness check could read (its scales of a NaN block are
             # NaN, its codes are not): count the non-finite values of the rows quantized instead.
-            self.nonfinite_read = 0
+            bad_rows: dict[int, int] = {}  # row -> its non-finite values (a row may be read twice)
 
             def counted(b, e):
                 w = rows(b, e)
                 if w.is_floating_point():
-                    self.nonfinite_read += int((~torch.isfinite(w)).sum())
+                    per_row = (~torch.isfinite(w.reshape(e - b, -1))).sum(dim=1)
+                    for i in per_row.nonzero().flatten().tolist():
+                        bad_rows[b + i] = int(per_row[i])
                 return w
 
-            return quantized_shard(self.qlayout, self.storage, counted, rt.rank, self.dtype, rt.device)
+            shard = quantized_shard(self.qlayout, self.storage, counted, rt.rank, self.dtype, rt.device)
+            self.nonfinite_read = sum(bad_rows.values())
+            return shard
         return self.layout.shard_from_rows(
             lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device)
 

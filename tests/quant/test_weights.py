@@ -67,3 +67,23 @@ def test_shard_is_the_slice_of_the_image(case, world_size, dtype):
         assert set(read) == _needed_rows(ql, storage, rank), f"rank {rank} read rows it does not need"
     if world_size >= 4 and not nested and rpc >= 8:  # a middle rank reads about 1/W of each chunk
         assert len(_needed_rows(ql, storage, 1)) < rows
+
+
+def test_nonfinite_rows_are_counted_while_quantizing():
+    """A quantized shard holds no value a finiteness check could read (codes are integers), so
+    the rows read to build it are counted: what the CLI's load check reports
+    (python_api/finetune/engines.py, _nonfinite_loaded)."""
+    import torch.nn as nn
+
+    from python_api import ElasticPolicy
+    from python_api.nn import elasticize
+
+    lin = nn.Linear(64, 16).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight[3, 5] = float("nan")
+        lin.weight[9, 0] = float("inf")
+    model = elasticize(nn.Sequential(lin), ElasticPolicy(weight_format="nf4", replicate_below_bytes=0))
+    assert model[0].et.nonfinite_read == 2
+    clean = elasticize(nn.Sequential(nn.Linear(64, 16).requires_grad_(False)),
+                       ElasticPolicy(weight_format="int8", quant_block_size=32, replicate_below_bytes=0))
+    assert clean[0].et.nonfinite_read == 0
