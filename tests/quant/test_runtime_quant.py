@@ -131,10 +131,13 @@ def _blob_bytes(fmt, block, nested, rows, cols):
 
 
 def _gathers_worker(rank, world_size, policy_kwargs, fmt, block, nested):
+    """The quantized model's and the unquantized model's per-step stats, one after the other
+    in the same process group (the same sequence of collectives on every rank)."""
     _, _, per_step, elastic = _train(quant_llama(), policy_kwargs, fmt, block, nested)
     rt = elastic._elastic_runtime
     layout = {et.name: (et.layout.rows, et.layout.cols, et.layout.rows_per_chunk, et.num_chunks) for et in rt.tensors}
-    return per_step, layout
+    _, _, fp_steps, _ = _train(quant_llama(), policy_kwargs, None, None, False)
+    return per_step, layout, fp_steps
 
 
 BUDGETS = [
@@ -154,8 +157,7 @@ def test_gathered_bytes_are_the_quantized_size(label, policy, fmt, block, nested
     world = 2
     policy = dict(policy, replicate_below_bytes=0)
     q = run_distributed(_gathers_worker, world, policy, fmt, block, nested, timeout=300)
-    fp = run_distributed(_gathers_worker, world, policy, None, None, False, timeout=300)
-    (q_steps, layout), (fp_steps, _) = q[0], fp[0]
+    q_steps, layout, fp_steps = q[0]
     assert q[1][0] == q_steps  # symmetric ranks
     for step, (qs, fs) in enumerate(zip(q_steps, fp_steps)):
         total = 0
@@ -175,25 +177,28 @@ def test_gathered_bytes_are_the_quantized_size(label, policy, fmt, block, nested
 
 
 def _pool_worker(rank, world_size, budget, fmt, block, nested):
-    _, _, _, elastic = _train(quant_llama(), dict(keep_ratio=1.0, persist_ratio=1.0, pool_budget_bytes=budget,
-                                                  replicate_below_bytes=0, prefetch_depth=0), fmt, block, nested)
-    rt = elastic._elastic_runtime
-    resident = sum(1 for et in rt.tensors for k in et.keys if rt.pool.contains(k))
-    blobs = {et.name: (et.layout.rows_per_chunk, et.layout.cols, et.num_chunks) for et in rt.tensors}
-    units = {}
-    for et in rt.tensors:
-        units[et.unit] = units.get(et.unit, 0) + et.num_chunks
-    return resident, rt.page_bytes(), blobs, max(units.values())
+    out = []
+    for f, b, n in ((fmt, block, nested), (None, None, False)):  # quantized, then unquantized
+        _, _, _, elastic = _train(quant_llama(), dict(keep_ratio=1.0, persist_ratio=1.0, pool_budget_bytes=budget,
+                                                      replicate_below_bytes=0, prefetch_depth=0), f, b, n)
+        rt = elastic._elastic_runtime
+        resident = sum(1 for et in rt.tensors for k in et.keys if rt.pool.contains(k))
+        blobs = {et.name: (et.layout.rows_per_chunk, et.layout.cols, et.num_chunks) for et in rt.tensors}
+        units = {}
+        for et in rt.tensors:
+            units[et.unit] = units.get(et.unit, 0) + et.num_chunks
+        out.append((resident, rt.page_bytes(), blobs, max(units.values())))
+    return out
 
 
 @pytest.mark.parametrize("fmt,block,nested", FORMATS, ids=["nf4", "nf4-nested", "int8-64"])
 def test_pool_holds_the_predicted_chunks(fmt, block, nested):
-    """At a fixed budget the pool caches budget // page + the working set, pages being the
-    largest quantized chunk rounded up to 512 bytes: ~3.6x (nf4) / 2x (int8) of fp32's
-    ... and more than the same budget holds unquantized."""
+    """At a fixed budget the pool caches (budget + working set) // page chunks, a page being
+    the largest quantized chunk rounded up to 512 bytes, and more chunks than the same budget
+    holds unquantized (fp32 pages here)."""
     budget = 24 * 1024
-    (q_res, q_page, blobs, ws_chunks), _ = run_distributed(_pool_worker, 2, budget, fmt, block, nested, timeout=300)
-    (fp_res, fp_page, _, _), _ = run_distributed(_pool_worker, 2, budget, None, None, False, timeout=300)
+    ((q_res, q_page, blobs, ws_chunks), (fp_res, fp_page, _, _)), _ = run_distributed(
+        _pool_worker, 2, budget, fmt, block, nested, timeout=300)
     largest = max(_blob_bytes(fmt, block, nested, rpc, cols) for rpc, cols, _ in blobs.values())
     assert q_page == -(-largest // 512) * 512
     total = sum(nc for _, _, nc in blobs.values())
