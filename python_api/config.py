@@ -15,6 +15,13 @@ MIN_HOST_BUFFER_BYTES = PAGE_ALIGN
 # The longest collective timeout accepted: 30 days. datetime.timedelta (what the process group
 # takes) overflows near 1e14 s, and a timeout of months is a hang in all but name.
 _MAX_TIMEOUT_S = 30 * 24 * 3600.0
+# The weight formats of quantized frozen chunks and their block sizes, as the kernels layer
+# defines them (elastic_kernels/quant: FORMATS, default_block_size, check_block). Repeated here
+# because this module stays torch-free (the planner imports it); tests/quant/test_policy.py
+# checks that the two agree.
+WEIGHT_FORMATS = ("nf4", "int8")
+DEFAULT_QUANT_BLOCK = {"nf4": 64, "int8": 256}
+MIN_QUANT_BLOCK, MAX_QUANT_BLOCK = 32, 4096
 
 
 def _is_int(value) -> bool:
@@ -87,6 +94,21 @@ class ElasticPolicy:
                        naming the slow stage and ranks; None: scaled with the store's size,
                        collective_timeout_s + 1 s per 256 MiB. See [Note: the set-up's own time
                        bound] in python_api/host/store.py.
+    weight_format      how the frozen weights under the runtime are stored: None (as they are,
+                       today's behaviour), "nf4" (QLoRA's NF4, bitsandbytes' bit for bit) or
+                       "int8" (blockwise symmetric absmax int8). A quantized weight is quantized
+                       once when it is registered and lives quantized in the shard, the pool's
+                       pages and the all-gathers; each use dequantizes it into the compute
+                       dtype right before the GEMM ([Note: quantized frozen weights] in
+                       python_api/quant/__init__.py). It changes the model's numerics: the
+                       user's choice, never the planner's. Not with the host tier (weights_on=
+                       "host" or host_fraction > 0): refused.
+    quant_block_size   weights per quantization block (a power of two in [32, 4096] that divides
+                       every quantized weight's row length); None: the format's default (nf4 64,
+                       as bitsandbytes; int8 256, [Note: int8 block size] in
+                       elastic_kernels/quant/int8.py). Only with a weight_format.
+    quant_nested       nf4 only: double quantization of the scales (bitsandbytes'
+                       bnb_4bit_use_double_quant: 8-bit scale codes, fp32 per 256 of them).
     """
 
     chunk_bytes: int = 4 << 20
@@ -104,6 +126,9 @@ class ElasticPolicy:
     offload_activations: bool = False
     host_budget_bytes: int | None = None
     host_setup_timeout_s: float | None = None
+    weight_format: str | None = None
+    quant_block_size: int | None = None
+    quant_nested: bool = False
 
     def __post_init__(self):
         if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
@@ -166,6 +191,42 @@ class ElasticPolicy:
             raise ValueError(f"ElasticPolicy.host_budget_bytes must be None or an int >= 0, got {self.host_budget_bytes!r}")
         if self.offload_activations:
             check_host_budget(self.host_budget_bytes)
+        self._check_weight_format()
+
+    def _check_weight_format(self) -> None:
+        fmt = self.weight_format
+        if fmt is not None and fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"ElasticPolicy.weight_format must be None or one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
+        if not isinstance(self.quant_nested, bool):
+            raise ValueError(f"ElasticPolicy.quant_nested must be True or False, got {self.quant_nested!r}")
+        b = self.quant_block_size
+        if fmt is None:
+            if b is not None or self.quant_nested:
+                raise ValueError(
+                    f"ElasticPolicy: quant_block_size={b!r} / quant_nested={self.quant_nested!r} set without a "
+                    f"weight_format: they describe a quantized format (weight_format='nf4' or 'int8')")
+            return
+        if b is not None and (not _is_int(b) or not (MIN_QUANT_BLOCK <= b <= MAX_QUANT_BLOCK and b & (b - 1) == 0)):
+            raise ValueError(
+                f"ElasticPolicy.quant_block_size must be None or a power of two in [{MIN_QUANT_BLOCK}, {MAX_QUANT_BLOCK}], got {b!r}")
+        if self.quant_nested and fmt != "nf4":
+            raise ValueError(
+                f"ElasticPolicy.quant_nested is an nf4 option (double quantization of its scales); "
+                f"weight_format={fmt!r} has no nested scales")
+        if self.uses_host_store:
+            # [Note: quantized frozen weights]: the host store holds full-precision rows today.
+            raise ValueError(
+                f"ElasticPolicy: weight_format={fmt!r} with the host tier (weights_on={self.weights_on!r}, "
+                f"host_fraction={self.host_fraction!r}) is not supported: the host store keeps weights in full "
+                f"precision, so host copies would not move quantized chunks; use weights_on='device' and "
+                f"host_fraction 0/None with a quantized format")
+
+    @property
+    def block_size(self) -> int | None:
+        """The quantization block in force (None without a weight_format)."""
+        if self.weight_format is None:
+            return None
+        return self.quant_block_size if self.quant_block_size is not None else DEFAULT_QUANT_BLOCK[self.weight_format]
 
     @property
     def source_fraction(self) -> float:
@@ -186,3 +247,22 @@ class ElasticPolicy:
                 f"({row_bytes} bytes): a chunk holds whole rows"
             )
         return self.chunk_bytes // row_bytes
+
+    def check_quantizable(self, name: str, shape) -> None:
+        """Raise, naming the weight and its shape, unless a weight of `shape` can be stored in
+        this policy's weight_format (a 2-D weight whose row length is a multiple of the block:
+        blocks never straddle chunks). Nothing to check without a weight_format."""
+        if self.weight_format is None:
+            return
+        shape = tuple(int(d) for d in shape)
+        block = self.block_size
+        if len(shape) != 2:
+            raise ValueError(
+                f"{name}: weight_format={self.weight_format!r} stores 2-D weights [out, in] in blocks of rows; "
+                f"this weight has shape {shape}")
+        if shape[1] % block:
+            raise ValueError(
+                f"{name}: weight shape {shape}: its row length {shape[1]} is not a multiple of the "
+                f"{self.weight_format} block size {block} (ElasticPolicy.quant_block_size); a chunk holds whole "
+                f"rows and whole quantization blocks. Pick a block that divides {shape[1]}, or leave this weight "
+                f"out of the elastic runtime")

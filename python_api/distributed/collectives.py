@@ -116,7 +116,7 @@ class GatherWork:
         self.done = False
         self.error: RuntimeError | None = None
         shards = [r.tensor.shard for r in runs]
-        slices = [r.tensor.layout.slice_numel for r in runs]
+        slices = [r.tensor.storage.slice_numel for r in runs]  # as stored (a quantized weight's image)
         self._slices = slices
         self._counts = [r.end - r.begin for r in runs]
         self.payload_numel = sum(c * s for c, s in zip(self._counts, slices))

@@ -10,7 +10,7 @@ from python_api.distributed.agree import agree, exchange
 from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.models import ModelSpec
-from python_api.finetune.options import DS_OPTIONS, budget_label, policy_of
+from python_api.finetune.options import DS_OPTIONS, budget_label, policy_of, quant_fields
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
@@ -41,6 +41,11 @@ def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str]
         "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
                    "replicate_below_bytes": policy_of(args, None).replicate_below_bytes},
     }
+    quant = quant_fields(args)
+    if quant:
+        # The weight format changes the model's numerics: a checkpoint resumes only in its format.
+        # Absent for --weight-format none, so checkpoints written before the option still match.
+        out["policy"].update(quant)
     if getattr(args, "pp", 1) != 1:
         # A pipelined run sums its micro-batch gradients in its schedule's order
         # (python_api/finetune/pipelined.py): these change bits, the pack layout does not.
@@ -92,7 +97,8 @@ _OPTION_OF = {
     "grad_accum": "--grad-accum", "seed": "--seed", "optimizer.lr": "--lr", "optimizer.warmup_steps": "--warmup-steps",
     "optimizer.weight_decay": "--weight-decay", "lora.r": "--lora-r", "lora.alpha": "--lora-alpha",
     "lora.dropout": "--lora-dropout", "lora.targets": "--lora-targets", "model.dtype": "--dtype",
-    "policy.chunk_bytes": "--chunk-kib", "residency.pool_budget": "--pool-budget",
+    "policy.chunk_bytes": "--chunk-kib", "policy.weight_format": "--weight-format",
+    "policy.quant_block_size": "--quant-block", "policy.quant_nested": "--quant-nested", "residency.pool_budget": "--pool-budget",
     "residency.keep_ratio": "--keep-ratio", "residency.persist_ratio": "--persist-ratio",
     "residency.prefetch_depth": "--prefetch-depth", "residency.collective_bytes": "--collective-kib",
     "runs.baseline": "--baseline", "runs.compare_budgets": "--compare-budgets", "data.sha256": "--data",

@@ -394,7 +394,8 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
                 "info": {"run_id": job.run_id, "step": step, "steps_planned": job.args.steps, "written": local_now(),
                          "model_source": job.spec.source, "data_source": job.data_info["source"],
                          "policy": {k: getattr(policy_of(job.args, job.args.pool_budget), k) for k in (
-                             "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes")},
+                             "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes",
+                             "weight_format", "quant_block_size", "quant_nested")},
                          "pool_budget": budget_label(job.args.pool_budget)},
             })
 

@@ -51,7 +51,7 @@ class ElasticEngine:
         self.runtime = runtime_of(self.model)
         if source is not None:
             agree_error(_nonfinite_loaded(self.model, self.runtime, job.spec), job.world_size)
-        frozen = sum(math.prod(et.shape) * et.element_size for et in self.runtime.tensors)
+        frozen = sum(et.nbytes for et in self.runtime.tensors)  # as stored: quantized with --weight-format
         self.frozen_bytes = frozen
         if isinstance(budget, tuple):
             self.budget_bytes = int(budget[1] * frozen)
@@ -351,7 +351,10 @@ def _nonfinite_loaded(model: nn.Module, runtime, spec: ModelSpec) -> str | None:
         for et in runtime.tensors:
             parts = [et.shard] if et.shard is not None else \
                 [et.host_chunk(c) for c in range(local_rank, et.num_chunks, local_world)]
-            bad = sum(int((~torch.isfinite(p)).sum()) for p in parts if p.is_floating_point())
+            if et.qlayout is not None:  # its shard is the quantized image: the rows it was made of
+                bad = et.nonfinite_read
+            else:
+                bad = sum(int((~torch.isfinite(p)).sum()) for p in parts if p.is_floating_point())
             if bad:
                 raise FinetuneError(_nonfinite_message(f"{et.name}.weight", bad, math.prod(et.shape), spec))
     except FinetuneError as exc:

@@ -278,6 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--collective-kib", type=_positive_int, default=32 << 10, help="coalescing cap per all-gather, KiB per rank")
     g.add_argument("--timeout-s", type=_timeout, default=300.0, help="collective and process-group timeout, seconds")
 
+    g = p.add_argument_group("weight format")
+    g.add_argument("--weight-format", choices=("none", "nf4", "int8"), default="none",
+                   help="store the frozen weights quantized (QLoRA): nf4 (bitsandbytes' NF4) or int8 (blockwise "
+                        "absmax); sharded, gathered and cached quantized, dequantized per use. Changes the model's "
+                        "numerics (never chosen by the planner)")
+    g.add_argument("--quant-block", type=_int_in(32, 4096, "a power of two"), default=None, metavar="N",
+                   help="weights per quantization block, a power of two dividing every row (default: nf4 64, int8 256)")
+    g.add_argument("--quant-nested", action="store_true",
+                   help="nf4 only: double quantization of the scales (bnb_4bit_use_double_quant)")
+
     g = p.add_argument_group("host tier")
     g.add_argument("--weights-on", choices=("device", "host"), default="device",
                    help="where the frozen weights live: each rank's shard on the device, or one copy per node in "
@@ -434,6 +444,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.weights_on == "host" and args.host_fraction not in (None, 1.0):
         p.error(f"--host-fraction {args.host_fraction}: with --weights-on host every chunk comes from the host store "
                 "(there is no device shard to gather from); leave --host-fraction out or set it to 1")
+    if args.weight_format == "none":
+        if args.quant_block is not None or args.quant_nested:
+            p.error("--quant-block / --quant-nested need --weight-format nf4 or int8")
+    else:
+        if args.quant_block is not None and args.quant_block & (args.quant_block - 1):
+            p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")
+        if args.quant_nested and args.weight_format != "nf4":
+            p.error("--quant-nested is an nf4 option (double quantization of its scales)")
+        if args.weights_on == "host" or args.host_fraction or args.compare_host:
+            p.error(f"--weight-format {args.weight_format}: not supported with the host tier (--weights-on host, "
+                    "--host-fraction, --compare-host): the host store holds full-precision weights")
+        if args.pp == "auto" or args.pp > 1 or args.compare_pp is not None:
+            p.error(f"--weight-format {args.weight_format}: not supported with --pp / --compare-pp yet (pipeline "
+                    "packs are not tested with quantized weights)")
+        if args.baselines:
+            p.error(f"--weight-format {args.weight_format}: the peers (--baseline) run full-precision weights; "
+                    "compare them with a --weight-format none run (the fsdp2-nf4 peer is not built yet)")
     if args.host_budget is not None and 0 < args.host_budget < 512:
         p.error(f"argument --host-budget: {args.host_budget} bytes is less than one 512-byte page")
     steps = [s for s, _ in args.memory_cap_change]
@@ -487,7 +514,17 @@ def policy_of(args, budget, weights_on: str | None = None, world_size: int | Non
         weights_on=weights_on,
         host_fraction=args.host_fraction if _host_fraction_used(args, world_size, weights_on) else None,
         offload_activations=args.offload_activations, host_budget_bytes=args.host_budget,
+        **quant_fields(args),
     )
+
+
+def quant_fields(args) -> dict:
+    """ElasticPolicy's weight-format fields from --weight-format / --quant-block / --quant-nested
+    (none: today's defaults)."""
+    fmt = getattr(args, "weight_format", "none")
+    if fmt == "none":
+        return {}
+    return {"weight_format": fmt, "quant_block_size": args.quant_block, "quant_nested": bool(args.quant_nested)}
 
 
 # [Note: options a run ignores]

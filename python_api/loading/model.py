@@ -23,7 +23,12 @@ such as rotary `inv_freq` keep the values the model's constructor computes), and
 2. each elastic weight is registered with `rows=source.rows(name)`: the runtime reads only the
    rows its shard needs (`ChunkLayout.shard_from_rows`), about 1/W of the weight, plus 16 rows
    for the fingerprint. A transformers `Conv1D` stores its weight [in, out]; the elastic weight
-   is [out, in], so its rows are columns of the stored tensor (`rows(name, transpose=True)`);
+   is [out, in], so its rows are columns of the stored tensor (`rows(name, transpose=True)`).
+   With `ElasticPolicy.weight_format` the rank quantizes on load, one chunk at a time, only the
+   rows its slice of each chunk's blob depends on (every row of the chunk with nested scales),
+   cast to the model's dtype first: bit for bit the shard quantizing after an in-memory
+   conversion gives ([Note: quantized frozen weights] in python_api/quant/__init__.py). A
+   checkpoint saved already quantized (`quantization_config`) is refused before any read;
 3. every other parameter (embeddings, norms, biases, small replicated linears, a tied lm_head)
    is read whole onto the target device, one tensor at a time, and tied parameters get one
    tensor for all their names, unless the files hold the tied names as different tensors
@@ -187,6 +192,7 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)
         config = read_config(source.path)
+        check_not_prequantized(config, source.path)
         if model_class is not None:
             _check_model_class(model_class, config)
         model = empty_model(config, dtype or checkpoint_dtype(config, source), model_class)
@@ -196,6 +202,26 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
         error = str(exc)
     agree(error, group, error_type=LoadError)
     return convert_to_elastic(model, lora, policy, group=group, unit_modules=unit_modules, source=source)
+
+
+def check_not_prequantized(config, path) -> None:
+    """A checkpoint saved already quantized (a `quantization_config` in its config: bitsandbytes
+    4-bit/8-bit, GPTQ, AWQ, ...) holds packed tensors load_elastic does not read: refused with a
+    LoadError before any tensor is read. Quantizing on load is ElasticPolicy(weight_format=...)
+    over a full-precision (fp32/bf16/fp16) checkpoint ([Note: quantized frozen weights] in
+    python_api/quant/__init__.py)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return
+    as_dict = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
+    method = as_dict.get("quant_method", "unknown")
+    detail = ", ".join(f"{k}={as_dict[k]!r}" for k in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type")
+                       if k in as_dict)
+    raise LoadError(
+        f"{path}: the checkpoint is saved quantized (quantization_config: quant_method={method!r}"
+        f"{', ' + detail if detail else ''}); load_elastic reads full-precision safetensors only (fp32/bf16/fp16). "
+        f"Load the full-precision checkpoint and pass ElasticPolicy(weight_format='nf4' or 'int8') to quantize on "
+        f"load (reading a bitsandbytes-packed checkpoint directly is not supported yet)")
 
 
 def _load_device(device) -> torch.device:

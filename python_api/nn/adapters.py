@@ -8,6 +8,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,26 @@ def lora_layers(model: nn.Module) -> list[tuple[str, ElasticLoRALinear]]:
     return layers
 
 
+def warn_quantized_merge(model: nn.Module) -> None:
+    """Merging into a quantized base ([Note: quantized frozen weights] in python_api/quant/):
+    W is the dequantized weight and W + s·B·A is stored in W's dtype, unquantized; PEFT warns
+    the same way when merging into bitsandbytes layers."""
+    formats = sorted({m.et.weight_format for m in model.modules()
+                      if isinstance(m, (ElasticLoRALinear, ElasticLinear)) and m.et.weight_format is not None})
+    if formats:
+        warnings.warn(
+            f"Merging LoRA into {'/'.join(formats)}-quantized base weights: the base is dequantized and the "
+            f"adapters' delta added in full precision, so the merged model may produce different generations "
+            f"than the quantized model with adapters due to rounding errors (as PEFT warns for 4-bit/8-bit layers)",
+            UserWarning, stacklevel=3)
+
+
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Replace every elastic layer by a plain `nn.Linear` holding W + s·B·A (or W), in place,
-    and detach the runtime. A collective: call it on every rank. Returns the model."""
+    and detach the runtime. A collective: call it on every rank. Returns the model. A
+    quantized base weight is dequantized first (and a warning says the merge rounds)."""
     rt = runtime_of(model)
+    warn_quantized_merge(model)
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, (ElasticLoRALinear, ElasticLinear))]:
         weight = rt.full_weight(module.et)
         if isinstance(module, ElasticLoRALinear):
@@ -239,7 +256,9 @@ def split_state_dict(model: nn.Module, state_dict: dict) -> tuple[dict, dict]:
 
 
 def merge_into(model: nn.Module, base: dict, adapters: dict) -> dict:
-    """base with W + s·B·A for every LoRA layer (computed in float64, stored in W's dtype)."""
+    """base with W + s·B·A for every LoRA layer (computed in float64, stored in W's dtype; a
+    quantized layer's W in `base` is its dequantized value, and a warning says so)."""
+    warn_quantized_merge(model)
     out = dict(base)
     for name, layer in model.named_modules():
         if isinstance(layer, ElasticLoRALinear):

@@ -82,6 +82,10 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     tied = [n for n in targets if id(model.get_submodule(n).weight) in shared]
     if tied:
         raise ValueError(f"convert_to_elastic: target linears {tied} share their weight with another module (tied)")
+    chosen = set(targets) | set(others)
+    for name in sorted(chosen):  # before anything is read, sharded or gathered
+        m = model.get_submodule(name)
+        policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
     if source is not None:
         source.check(model, group=group)  # every rank, before anything is read
         device = source.device
@@ -90,7 +94,6 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
-    chosen = set(targets) | set(others)
     units = assign_units(model, sorted(chosen), unit_modules)
     if source is not None:
         source.materialize(model, skip_modules=chosen)  # biases and every replicated tensor
@@ -136,6 +139,8 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
     for name, module in targets:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"elasticize: {name} is a {type(module).__name__}, only nn.Linear can be wrapped here")
+    for name, module in targets:  # before anything is sharded or gathered
+        policy.check_quantizable(name, module.weight.shape)
     # Build everything (and agree across ranks) before touching the model, so a failure
     # leaves it as it was.
     runtime = ElasticRuntime(policy, group=group, device=device)

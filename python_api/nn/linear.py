@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from python_api.quant import dequantize_use
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase
 
 # The attribute of a converted model (or of a layer built alone) that holds its runtime.
@@ -89,6 +90,16 @@ def cast_chunks(chunks: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Te
     return chunks if not chunks or chunks[0].dtype == dtype else [c.to(dtype) for c in chunks]
 
 
+def weight_chunks(et: ElasticTensor, chunks: list[torch.Tensor], dtype: torch.dtype,
+                  first_chunk: int = 0) -> list[torch.Tensor]:
+    """The use's chunks `first_chunk`, ... as [rows, cols] in the op dtype: cast (no-op when
+    they already are), or, for a quantized weight, its blobs dequantized once into the
+    runtime's workspace ([Note: quantized frozen weights] in python_api/quant/__init__.py)."""
+    if et.qlayout is None:
+        return cast_chunks(chunks, dtype)
+    return dequantize_use(et.qlayout, chunks, dtype, et.runtime.dequant_workspace, first_chunk)
+
+
 def refuse_conversion(module: nn.Module, fn) -> None:
     """Raise if `fn` (what `Module._apply` applies) would change the frozen weight's dtype or
     device; a no-op conversion passes ([Note: mixed precision])."""
@@ -124,6 +135,7 @@ class ElasticLinearFunction(torch.autograd.Function):
 
             def fwd_chunk(c, w):
                 r0, r1 = et.layout.chunk_rows(c)
+                w = weight_chunks(et, [w], dtype, c)[0]
                 y[:, r0:r1] = F.linear(x2, w.to(dtype), None if b is None else b[r0:r1])
 
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
@@ -147,12 +159,14 @@ class ElasticLinearFunction(torch.autograd.Function):
 
                     def dgrad_chunk(c, w):
                         r0, r1 = et.layout.chunk_rows(c)
+                        w = weight_chunks(et, [w], dtype, c)[0]
                         dx.add_(dy2[:, r0:r1] @ w.to(dtype))
                 else:
                     dx = dy2.new_zeros(dy2.shape[0], et.shape[1])
 
                     def dgrad_chunk(c, w):
                         r0, r1 = et.layout.chunk_rows(c)
+                        w = weight_chunks(et, [w], dtype, c)[0]
                         dx.addmm_(dy2[:, r0:r1], w.to(dtype))
 
                 with et.runtime.use(et, Phase.BACKWARD) as resident:

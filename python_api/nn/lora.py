@@ -55,11 +55,11 @@ from python_api.host.offload import activation_offload_of, save_for_backward, sa
 from python_api.nn.linear import (
     LOW_PRECISION,
     RUNTIME_ATTR,
-    cast_chunks,
     keeps_for_backward,
     no_autocast,
     op_dtype,
     refuse_conversion,
+    weight_chunks,
 )
 from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, in_backward
 
@@ -237,7 +237,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             x2, lx2 = xc.reshape(-1, x.shape[-1]), lora_x.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                y, xa = paged_lora_linear_fwd(x2, cast_chunks(resident.chunks(), dtype), bias_c, lx2, a, b, scale)
+                y, xa = paged_lora_linear_fwd(x2, weight_chunks(et, resident.chunks(), dtype), bias_c, lx2, a, b, scale)
         if torch.compiler.is_compiling():
             # Only when a compiler traces this function (the layers' forward is compiler-
             # disabled, so not today): the reference op's xa is a no-op .to() of a traced
@@ -264,7 +264,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             lx2 = lora_x.reshape(-1, lora_x.shape[-1])
             if ctx.needs_input_grad[0]:
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    chunks = cast_chunks(resident.chunks(), dtype)
+                    chunks = weight_chunks(et, resident.chunks(), dtype)
                     if mask is None:
                         dx, dyb = paged_lora_linear_dgrad(dy2, chunks, a, b, s)
                     else:

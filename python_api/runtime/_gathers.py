@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from elastic_kernels import unpack_gathered
+from elastic_kernels import dequantize, unpack_gathered
 from python_api.distributed.collectives import ChunkRun, GatherWork, all_gather_into
 from python_api.host.sources import HostCopyWork
 from python_api.runtime.tensor import ElasticTensor, Residency
@@ -72,29 +72,35 @@ class _Gathers:
 
     def full_weight(self, et: ElasticTensor) -> torch.Tensor:
         """The whole weight as one new tensor (for export and merging; a collective: call it
-        on every rank). Bypasses the pool; counted in the all-gather stats."""
-        out = torch.empty(et.shape, dtype=et.dtype, device=self.device)
-        cols = et.layout.cols
+        on every rank). Bypasses the pool; counted in the all-gather stats. A quantized weight
+        is gathered quantized and returned dequantized, in its dtype."""
+        st = et.storage
+        if et.qlayout is None:
+            out = torch.empty(et.shape, dtype=et.dtype, device=self.device)
+        else:
+            out = torch.empty(st.numel, dtype=torch.uint8, device=self.device)  # the image
+        cols = st.cols
         flat = out.view(-1)
         dests = []
         for c in range(et.num_chunks):
-            r0, r1 = et.layout.chunk_rows(c)
-            dests.append(flat[r0 * cols : r1 * cols].view(et.layout.chunk_shape(c)))
+            r0, r1 = st.chunk_rows(c)
+            dests.append(flat[r0 * cols : r1 * cols].view(et.chunk_shape(c)))
         if self._local_only():
             for d, src in zip(dests, et._local_chunks):
                 d.copy_(src)
-            return out
-        if et.shard is None:  # weights_on="host": the store holds the whole weight
+        elif et.shard is None:  # weights_on="host": the store holds the whole weight
             for c, d in enumerate(dests):
                 d.copy_(et.host_chunk(c))
+        else:
+            gathered = et.shard.new_empty(self.world_size * et.shard.numel())
+            with record_function("elastic::gather_full"):
+                all_gather_into(gathered, et.shard, self.group, async_op=False)
+            unpack_gathered(gathered, self.world_size, [st.slice_numel], [et.num_chunks], dests)
+            self._stats["allgather_calls"] += 1
+            self._stats["allgather_bytes"] += (self.world_size - 1) * et.shard.numel() * et.shard.element_size()
+        if et.qlayout is None:
             return out
-        gathered = et.shard.new_empty(self.world_size * et.shard.numel())
-        with record_function("elastic::gather_full"):
-            all_gather_into(gathered, et.shard, self.group, async_op=False)
-        unpack_gathered(gathered, self.world_size, [et.layout.slice_numel], [et.num_chunks], dests)
-        self._stats["allgather_calls"] += 1
-        self._stats["allgather_bytes"] += (self.world_size - 1) * et.shard.numel() * et.shard.element_size()
-        return out
+        return dequantize(dests, et.qlayout.formats[0], et.shape[0], dtype=et.dtype)
 
     def _start_uses(self, tensors: list[ElasticTensor]) -> list[_Use]:
         """Pin the resident chunks of `tensors` and issue the all-gathers of the missing ones
@@ -168,7 +174,7 @@ class _Gathers:
         size = 0
         for use, run in runs:
             b = len(run) * use.tensor.slice_bytes
-            if batches and (cap is None or size + b <= cap) and use.tensor.dtype == batches[-1][0][0].tensor.dtype:
+            if batches and (cap is None or size + b <= cap) and use.tensor.storage_dtype == batches[-1][0][0].tensor.storage_dtype:
                 batches[-1].append((use, run))
                 size += b
             else:

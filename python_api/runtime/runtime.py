@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from elastic_kernels import PagePool
 from python_api.config import ElasticPolicy
+from python_api.quant import DequantWorkspace
 from python_api.runtime._gathers import Resident, _Gathers, _Use
 from python_api.runtime._grads import _GradReduction
 from python_api.runtime._order import _Order, in_backward
@@ -96,6 +97,9 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
             check_nccl_device(self.device, torch.cuda.current_device(), torch.cuda.device_count(),
                               os.environ.get("LOCAL_RANK"))
         self.tensors: list[ElasticTensor] = []
+        # Quantized weights dequantize each use into these recycled buffers ([Note: the dequant
+        # workspace] in python_api/quant/workspace.py).
+        self.dequant_workspace = DequantWorkspace()
         self.pool: PagePool | None = None
         self._cache_budget = policy.pool_budget_bytes
         # The communication stream: all-gathers, their pack/unpack copies. Created here only.

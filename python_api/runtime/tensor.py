@@ -24,6 +24,7 @@ import torch
 
 from elastic_kernels import ChunkLayout, PagePool
 from python_api.host.sources import host_chunks
+from python_api.quant import quantized_layout, quantized_shard
 
 
 class Residency(enum.IntEnum):
@@ -70,14 +71,25 @@ class ElasticTensor:
         self.name = name
         self.unit = unit if unit is not None else f"weight:{name}"
         self.shape = tuple(weight.shape)
-        self.dtype = weight.dtype
+        self.dtype = weight.dtype  # the weight's own dtype (a quantized weight dequantizes to it)
         row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
+        # The weight's rows: what the layers compute with (chunk c is rows chunk_rows(c)).
         self.layout = ChunkLayout.for_weight(weight.shape, policy.rows_per_chunk(row_bytes, name), runtime.world_size)
+        # [Note: quantized frozen weights] in python_api/quant/__init__.py: a quantized weight
+        # stores its image (1-D uint8, chunk c = blob c); `storage` is the layout of what is
+        # stored, sharded, gathered and cached, `storage_dtype` its element type.
+        self.qlayout = quantized_layout(policy, name, weight.shape, self.layout.rows_per_chunk)
+        if self.qlayout is None:
+            self.storage, self.storage_dtype = self.layout, self.dtype
+        else:
+            self.storage, self.storage_dtype = self.qlayout.image_layout(runtime.world_size), torch.uint8
         self.residency = residency_classes(self.layout.num_chunks, policy.keep_ratio, policy.persist_ratio)
         self.keys = [runtime.key(wid, c) for c in range(self.layout.num_chunks)]
         # [Note: chunk sources] in python_api/host/sources.py
         self.from_host = host_chunks(self.layout.num_chunks, policy.source_fraction)
         self.store_offset: int | None = None  # byte offset in the runtime's host store
+        # Quantized only: non-finite values in the rows this rank read to quantize its shard.
+        self.nonfinite_read = 0
         # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
         self._reader = None
         with torch.no_grad():
@@ -93,20 +105,55 @@ class ElasticTensor:
             self.shard = None
             if policy.weights_on == "device":
                 if rows is None:
-                    self.shard = self.layout.shard(weight.detach().to(runtime.device), runtime.rank)
+                    self.shard = self.shard_of_weight(weight)
                 else:
-                    self.shard = self.layout.shard_from_rows(
-                        lambda b, e: rows(b, e).to(device=runtime.device, dtype=self.dtype), runtime.rank,
-                        self.dtype, runtime.device)
+                    self.shard = self.shard_of(rows)
         # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
         self._local_chunks = None
         if runtime.world_size == 1 and self.shard is not None:
+            st = self.storage
             self._local_chunks = [
-                self.shard[c * self.layout.slice_numel : c * self.layout.slice_numel + self.layout.chunk_numel_of(c)].view(
-                    self.layout.chunk_shape(c)
-                )
-                for c in range(self.layout.num_chunks)
+                self.shard[c * st.slice_numel : c * st.slice_numel + st.chunk_numel_of(c)].view(
+                    self.chunk_shape(c))
+                for c in range(st.num_chunks)
             ]
+
+    def chunk_shape(self, c: int) -> tuple[int, ...]:
+        """Shape of chunk c as the layers get it from the runtime: [rows, cols], or a quantized
+        weight's blob (bytes,)."""
+        if self.qlayout is not None:
+            return (self.storage.chunk_numel_of(c),)
+        return self.layout.chunk_shape(c)
+
+    def shard_of(self, rows) -> torch.Tensor:
+        """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
+        as stored (quantized when the policy says so): only the rows the shard needs are read."""
+        rt = self.runtime
+        if self.qlayout is not None:
+            # The image holds no value a finiteness check could read (its scales of a NaN block are
+            # NaN, its codes are not): count the non-finite values of the rows quantized instead.
+            bad_rows: dict[int, int] = {}  # row -> its non-finite values (a row may be read twice)
+
+            def counted(b, e):
+                w = rows(b, e)
+                if w.is_floating_point():
+                    per_row = (~torch.isfinite(w.reshape(e - b, -1))).sum(dim=1)
+                    for i in per_row.nonzero().flatten().tolist():
+                        bad_rows[b + i] = int(per_row[i])
+                return w
+
+            shard = quantized_shard(self.qlayout, self.storage, counted, rt.rank, self.dtype, rt.device)
+            self.nonfinite_read = sum(bad_rows.values())
+            return shard
+        return self.layout.shard_from_rows(
+            lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device)
+
+    def shard_of_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the whole weight `weight` (its value in any dtype), as stored."""
+        if self.qlayout is not None:
+            w = weight.detach()
+            return self.shard_of(lambda b, e: w[b:e])
+        return self.layout.shard(weight.detach().to(device=self.runtime.device, dtype=self.dtype), self.runtime.rank)
 
     @property
     def num_chunks(self) -> int:
@@ -124,12 +171,17 @@ class ElasticTensor:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one stored element (1 for a quantized weight's image)."""
+        return torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole weight."""
-        return self.layout.numel * self.element_size
+        """Bytes of the whole weight as stored (the quantized size when quantized)."""
+        return self.storage.numel * self.element_size
+
+    @property
+    def weight_format(self) -> str | None:
+        return None if self.qlayout is None else self.qlayout.fmt
 
     @property
     def device(self) -> torch.device:
@@ -138,11 +190,11 @@ class ElasticTensor:
     @property
     def slice_bytes(self) -> int:
         """Bytes of this rank's slice of one chunk (what a peer sends for a missing chunk)."""
-        return self.layout.slice_numel * self.element_size
+        return self.storage.slice_numel * self.element_size
 
     def chunk_bytes_of(self, c: int) -> int:
-        """Real bytes of chunk c (what a host copy moves)."""
-        return self.layout.chunk_numel_of(c) * self.element_size
+        """Real bytes of chunk c as stored (what a host copy moves)."""
+        return self.storage.chunk_numel_of(c) * self.element_size
 
     def host_chunk(self, c: int) -> torch.Tensor:
         """Chunk c as a view of the host store."""
@@ -152,12 +204,14 @@ class ElasticTensor:
         return rt.host_store.view(offset, self.dtype, self.layout.chunk_shape(c))
 
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
-        return PagePool.view(page, self.dtype, self.layout.chunk_shape(c))
+        """Chunk c in `page`: [rows, cols] of the weight's dtype, or for a quantized weight its
+        blob (1-D uint8)."""
+        return PagePool.view(page, self.storage_dtype, self.chunk_shape(c))
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of the largest chunk of this weight (what one pool page must hold)."""
-        return self.layout.chunk_numel * self.element_size
+        """Bytes of the largest chunk of this weight as stored (what one pool page must hold)."""
+        return self.storage.chunk_numel * self.element_size
 
     def signature(self) -> dict:
         """What must be equal on every rank for this weight (checked at wrap time)."""
@@ -166,6 +220,8 @@ class ElasticTensor:
             "shape": self.shape,
             "dtype": str(self.dtype),
             "rows_per_chunk": self.layout.rows_per_chunk,
+            "format": None if self.qlayout is None else
+            f"{self.qlayout.fmt}/{self.qlayout.block_size}{'/nested' if self.qlayout.nested else ''}",
             "residency": "".join(str(int(r)) for r in self.residency),
             "unit": self.unit,
             "content fingerprint": self.fingerprint,

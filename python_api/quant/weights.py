@@ -1,0 +1,97 @@
+"""The quantized image of a registered weight, and each rank's shard of it ([Note: quantized
+frozen weights] in python_api/quant/__init__.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_kernels import ChunkLayout
+from elastic_kernels.quant import QuantizedLayout, quantize_chunk
+
+
+def quantized_layout(policy, name: str, shape, rows_per_chunk: int) -> QuantizedLayout | None:
+    """The QuantizedLayout of weight `name` of `shape` under `policy` (None: not quantized).
+    Raises ValueError naming the weight and its shape when it cannot be stored in the format."""
+    if policy.weight_format is None:
+        return None
+    policy.check_quantizable(name, shape)
+    rows, cols = int(shape[0]), int(shape[1])
+    return QuantizedLayout(rows, cols, min(rows_per_chunk, rows), policy.weight_format, policy.block_size,
+                           policy.quant_nested)
+
+
+def _rows_of_bytes(fmt, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) of a chunk (format `fmt`, without nested scales) whose codes or
+    scales lie in bytes [lo, hi) of its blob: codes of consecutive weights first, then one
+    fp32 scale per block (blob.py's sections)."""
+    cols = fmt.cols
+    out = []
+    per_code_byte = fmt.numel // fmt.codes_bytes  # weights per code byte: 2 (nf4) or 1 (int8)
+    a, b = max(lo, fmt.codes_offset), min(hi, fmt.codes_offset + fmt.codes_bytes)
+    if a < b:
+        out.append(((a * per_code_byte) // cols, -(-(b * per_code_byte) // cols)))
+    per_scale = fmt.scales_bytes // fmt.num_blocks
+    a, b = max(lo, fmt.scales_offset) - fmt.scales_offset, min(hi, fmt.scales_offset + fmt.scales_bytes) - fmt.scales_offset
+    if a < b:
+        blk0, blk1 = a // per_scale, -(-b // per_scale)
+        out.append(((blk0 * fmt.block_size) // cols, -(-(blk1 * fmt.block_size) // cols)))
+    return out
+
+
+def _sub_blob_bytes(fmt, r0: int, r1: int, sub: torch.Tensor, lo: int, hi: int, dest: torch.Tensor) -> None:
+    """Write into dest (bytes [lo, hi) of the chunk's blob) the bytes that the blob `sub` of
+    the chunk's rows [r0, r1) determines (blocks are independent without nested scales: the
+    codes and scales of those rows are the same bytes in either blob)."""
+    g = fmt.with_rows(r1 - r0)
+    per_code_byte = fmt.numel // fmt.codes_bytes
+    per_scale = fmt.scales_bytes // fmt.num_blocks
+    sections = (
+        (fmt.codes_offset, fmt.codes_bytes, g.codes_offset, r0 * fmt.cols // per_code_byte, g.codes_bytes),
+        (fmt.scales_offset, fmt.scales_bytes, g.scales_offset, r0 * fmt.cols // fmt.block_size * per_scale,
+         g.scales_bytes),
+    )
+    for off, size, sub_off, first, sub_size in sections:
+        # Bytes [first, first + sub_size) of this section are the sub-blob's section.
+        a = max(lo, off + first)
+        b = min(hi, off + size, off + first + sub_size)
+        if a < b:
+            src = sub_off + (a - off - first)
+            dest[a - lo : b - lo] = sub[src : src + (b - a)]
+
+
+def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device):
+    """`read(b, e)`: bytes [b, e) of the weight's image, within one chunk's blob, quantized
+    from the rows `read_rows(r0, r1)` returns (cast to `dtype`, the weight's own dtype, on
+    `device`). Reads and quantizes only the rows those bytes depend on (every row of the chunk
+    with nested scales); nothing is kept between calls."""
+    formats = qlayout.formats
+    full = qlayout.full_blob_bytes
+
+    def rows_as(r0: int, r1: int) -> torch.Tensor:
+        w = read_rows(r0, r1)
+        return w.reshape(r1 - r0, qlayout.cols).to(device=device, dtype=dtype)
+
+    def read(b: int, e: int) -> torch.Tensor:
+        c = b // full
+        fmt = formats[c]
+        lo, hi = b - c * full, e - c * full
+        if not 0 <= lo < hi <= fmt.total_bytes:
+            raise ValueError(f"image bytes [{b}, {e}) are not within chunk {c}'s blob")
+        base = c * qlayout.rows_per_chunk
+        if fmt.nested:
+            return quantize_chunk(rows_as(base, base + fmt.rows), fmt)[lo:hi]
+        out = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        for r0, r1 in _rows_of_bytes(fmt, lo, hi):
+            sub = quantize_chunk(rows_as(base + r0, base + r1), fmt.with_rows(r1 - r0))
+            _sub_blob_bytes(fmt, r0, r1, sub, lo, hi, out)
+        return out
+
+    return read
+
+
+def quantized_shard(qlayout: QuantizedLayout, storage: ChunkLayout, read_rows, rank: int, dtype: torch.dtype,
+                    device) -> torch.Tensor:
+    """Rank `rank`'s shard (1-D uint8, `storage.shard_numel` bytes) of the weight's image,
+    i.e. `storage.shard(qlayout.quantize(weight), rank)`, without the image: chunk by chunk,
+    each rank quantizes only what its slice of each blob needs (`image_reader`)."""
+    return storage.shard_from_rows(image_reader(qlayout, read_rows, dtype, device), rank, torch.uint8, device)

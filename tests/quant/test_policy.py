@@ -1,0 +1,94 @@
+"""ElasticPolicy's weight format fields: their checks, and the errors a weight that cannot be
+stored in the format gets before anything is sharded or gathered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from python_api import ElasticPolicy
+from python_api.config import DEFAULT_QUANT_BLOCK, MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
+
+
+def test_policy_constants_are_the_kernels_layers():
+    """config.py repeats the kernels layer's formats and block limits (it stays torch-free)."""
+    from elastic_kernels.quant import FORMATS, default_block_size
+    from elastic_kernels.quant._common import MAX_BLOCK, MIN_BLOCK
+
+    assert WEIGHT_FORMATS == FORMATS
+    assert {f: default_block_size(f) for f in FORMATS} == DEFAULT_QUANT_BLOCK
+    assert (MIN_QUANT_BLOCK, MAX_QUANT_BLOCK) == (MIN_BLOCK, MAX_BLOCK)
+
+
+def test_default_is_unquantized():
+    p = ElasticPolicy()
+    assert p.weight_format is None and p.block_size is None and p.quant_nested is False
+    assert ElasticPolicy(weight_format="nf4").block_size == 64
+    assert ElasticPolicy(weight_format="int8").block_size == 256
+    assert ElasticPolicy(weight_format="int8", quant_block_size=128).block_size == 128
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight_format="fp8"), r"weight_format must be None or one of \['nf4', 'int8'\], got 'fp8'"),
+    (dict(weight_format="NF4"), r"weight_format must be None or one of"),
+    (dict(weight_format="nf4", quant_block_size=48), r"quant_block_size must be None or a power of two in \[32, 4096\], got 48"),
+    (dict(weight_format="nf4", quant_block_size=16), r"power of two in \[32, 4096\], got 16"),
+    (dict(weight_format="int8", quant_block_size=8192), r"got 8192"),
+    (dict(weight_format="nf4", quant_block_size=True), r"got True"),
+    (dict(weight_format="int8", quant_nested=True), r"quant_nested is an nf4 option"),
+    (dict(weight_format="nf4", quant_nested=1), r"quant_nested must be True or False"),
+    (dict(quant_block_size=64), r"set without a weight_format"),
+    (dict(quant_nested=True), r"set without a weight_format"),
+    (dict(weight_format="nf4", weights_on="host"), r"weight_format='nf4' with the host tier"),
+    (dict(weight_format="int8", host_fraction=0.5), r"weight_format='int8' with the host tier"),
+])
+def test_bad_policy(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ElasticPolicy(**kwargs)
+
+
+def test_check_quantizable_names_weight_and_shape():
+    p = ElasticPolicy(weight_format="nf4")
+    p.check_quantizable("w", (10, 128))
+    with pytest.raises(ValueError, match=r"layers\.0\.up: weight shape \(10, 96\): its row length 96 is not a "
+                                         r"multiple of the nf4 block size 64"):
+        p.check_quantizable("layers.0.up", (10, 96))
+    with pytest.raises(ValueError, match=r"bias: weight_format='nf4' stores 2-D weights .* shape \(10,\)"):
+        p.check_quantizable("bias", (10,))
+    ElasticPolicy().check_quantizable("anything", (3, 5))  # no format: nothing to check
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 32)
+        self.b = nn.Linear(32, 48)  # row length 32: not a multiple of 64
+
+
+def test_convert_refuses_before_reading_anything(monkeypatch):
+    """The error names the weight and shape, and comes before any weight is registered
+    (nothing read, sharded or gathered; the model is left as it was)."""
+    from python_api.nn import LoRAConfig, convert_to_elastic, elasticize
+    from python_api.runtime import ElasticRuntime
+
+    registered = []
+    monkeypatch.setattr(ElasticRuntime, "register", lambda self, *a, **k: registered.append(a[1]))
+    model = _Two()
+    with pytest.raises(ValueError, match=r"^b: weight shape \(48, 32\): its row length 32 is not a multiple"):
+        convert_to_elastic(model, LoRAConfig(r=2, alpha=4, target_modules=("a", "b")),
+                           ElasticPolicy(weight_format="nf4"))
+    with pytest.raises(ValueError, match=r"^b: weight shape \(48, 32\)"):
+        elasticize(_Two().requires_grad_(False), ElasticPolicy(weight_format="nf4", replicate_below_bytes=0))
+    assert registered == []
+    assert isinstance(model.a, nn.Linear) and model.a.weight.requires_grad
+
+
+def test_block_that_divides_every_row_converts():
+    from python_api.nn import LoRAConfig, convert_to_elastic
+
+    model = convert_to_elastic(_Two(), LoRAConfig(r=2, alpha=4, target_modules=("a", "b")),
+                               ElasticPolicy(weight_format="nf4", quant_block_size=32))
+    et = model.b.et
+    assert et.weight_format == "nf4" and et.qlayout.block_size == 32 and et.shard.dtype == torch.uint8
+    assert et.nbytes == et.qlayout.total_bytes == 48 * 32 // 2 + 4 * 48 * 32 // 32
