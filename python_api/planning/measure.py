@@ -880,9 +880,9 @@ def _live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
             if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
                 continue
             storage = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - half-built or exotic tensors: not ours to count
+            ptr = storage.data_ptr()  # raises for a storage freed underneath (DeepSpeed's partitioned params)
+        except Exception:  # noqa: BLE001 - half-built, exotic or freed tensors: nothing to count
             continue
-        ptr = storage.data_ptr()
         if ptr and ptr not in seen:
             seen.add(ptr)
             total += storage.nbytes()

@@ -106,3 +106,58 @@ def test_memory_model_predicts_the_measured_peak_off_its_fitting_points():
                   f"measured {measured / 2**20:.2f} MiB ({err:+.1%}); one micro-batch predicted {step_pred:.3f} s, "
                   f"measured {step_meas:.3f} s")
             assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {measured} ({err:+.1%})"
+
+
+def _host_worker(rank, world_size):
+    """The host tier's terms of the memory model (issue 17): the frozen weights in the node's
+    host store (no device shard: the pool is the only device copy; host chunks need no receive
+    buffer) and activation offload (the offloaded tensors leave the device, credited back one
+    LoRA linear ahead of their backward), against the measured tensor peak."""
+    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from python_api.finetune.models import embedded_config, embedded_model
+    from python_api.planner.memory import Choices
+    from python_api.planner.search import plan_of
+    from python_api.planning.apply import apply_plan
+    from python_api.planning.measure import measure_peak_bytes, measure_profile
+
+    torch.set_num_threads(1)
+    cfg = embedded_config(256, 688, 4, 8, 4)
+    model = convert_to_elastic(embedded_model(cfg, 0), LoRAConfig(r=8, alpha=16, target_modules=TARGETS),
+                               ElasticPolicy(chunk_bytes=256 << 10, weights_on="host", offload_activations=True,
+                                             host_budget_bytes=1 << 30))
+    model.train()
+    gen = torch.Generator().manual_seed(rank)
+    profile = measure_profile(model, [torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=gen)],
+                              capacity_bytes=1 << 30)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    plans = {f"weights on host, keep {k:g}, offload {'on' if off else 'off'}, micro-batch {m}": plan_of(
+        profile, Choices.uniform(profile, m, k, host_fraction=1.0, offload=off), memory_bytes=1 << 30,
+        global_batch=4 * world_size) for k, off, m in [(0.0, True, 4), (0.0, False, 1), (1.0, True, 1), (0.5, True, 2)]}
+    out = {}
+    for name, plan in plans.items():
+        ids = torch.randint(0, cfg.vocab_size, (plan.micro_batch, SEQ), generator=gen)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+
+        apply_plan(model, plan)
+        for _ in range(3):
+            step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        measured = measure_peak_bytes(model, step)
+        opt.zero_grad(set_to_none=True)
+        out[name] = (plan.predicted_peak_bytes, measured)
+    return out
+
+
+def test_host_tier_memory_model_predicts_the_measured_peak():
+    """Same tolerance as above: the host tier adds only exact byte counts (offloaded tensors,
+    the pool as the only device copy); its transients are the buffers of copies in flight."""
+    reports = run_distributed(_host_worker, 2, timeout=900)
+    for rank, report in enumerate(reports):
+        for name, (predicted, measured) in report.items():
+            err = (predicted - measured) / measured
+            print(f"rank {rank} {name}: predicted peak {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
+                  f"({err:+.1%})")
+            assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {measured} ({err:+.1%})"
