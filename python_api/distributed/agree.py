@@ -16,10 +16,10 @@ ranks failed differently, "rank 0: ...; rank 2: ..." lists them all.
 `exchange` is `all_gather_object` with a timeout: a fixed-size length exchange, then the
 padded pickled payloads, both issued async and waited for at most `timeout_s` (None: the
 process group's own timeout), so a peer that died or stopped makes the call fail with
-`error_type` naming `what` instead of hanging forever (`dist.all_gather_object` has no timeout
-of its own). The tensors live where the group's backend wants them: on the current CUDA device
-for NCCL, on the CPU otherwise. Without an initialised process group, or in a group of one,
-nothing is exchanged.
+`error_type` (PeerFailure unless the caller names another) naming `what` instead of hanging
+forever (`dist.all_gather_object` has no timeout of its own). The tensors live where the
+group's backend wants them: on the current CUDA device for NCCL, on the CPU otherwise.
+Without an initialised process group, or in a group of one, nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ import pickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "digest", "exchange", "group_size", "rank0_then_agree", "ranks_text"]
+__all__ = ["PeerFailure", "agree", "agreed_message", "digest", "exchange", "group_size", "rank0_then_agree",
+           "ranks_text"]
+
+
+class PeerFailure(RuntimeError):
+    """A collective that did not complete: a peer rank died, stopped or fell behind past the
+    timeout. Not this rank's own error, so a launcher reports it as a peer's failure
+    (python_api/finetune/cli.py) rather than as an agreed error."""
 
 
 def group_size(group=None) -> int:
@@ -64,7 +71,7 @@ def _wait(work, timeout_s: float | None, what: str, error_type: type[Exception])
 
 
 def exchange(obj, group=None, *, timeout_s: float | None = None, what: str = "exchange",
-             error_type: type[Exception] = RuntimeError) -> list:
+             error_type: type[Exception] = PeerFailure) -> list:
     """The picklable `obj` of every rank of `group`, in group rank order ([Note: agreeing
     across ranks]). A collective: every rank of the group must call it. Raises `error_type`
     naming `what` when a peer does not take part within `timeout_s`."""
@@ -91,27 +98,34 @@ def ranks_text(ranks: list[int]) -> str:
 
 
 def agree(error: str | None, group=None, *, what: str = "", timeout_s: float | None = None,
-          error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = RuntimeError) -> None:
+          error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = PeerFailure) -> None:
     """Raise `error_type` on every rank of `group` if any rank passes an error text; return on
     every rank otherwise ([Note: agreeing across ranks]). `what` prefixes the message
     ("what: error"). A collective (local without a process group); if the exchange itself
     fails (a peer died or stopped), `collective_error_type` is raised instead, so that a
     caller can tell a peer's failure from an agreed error."""
     errors = exchange(error, group, timeout_s=timeout_s, what=what or "agree", error_type=collective_error_type)
+    msg = agreed_message(errors)
+    if msg is not None:
+        raise error_type(f"{what}: {msg}" if what else msg)
+
+
+def agreed_message(errors: list) -> str | None:
+    """The one message for a list of per-rank error texts (None where no rank failed): the
+    text once, with the ranks that raised it when not all did, or each rank's text."""
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if not bad:
-        return
+        return None
     if len({e for _, e in bad}) == 1:
         msg = bad[0][1]
         if len(bad) < len(errors):
             msg += f" (on {ranks_text([r for r, _ in bad])})"
-    else:
-        msg = "; ".join(f"rank {r}: {e}" for r, e in bad)
-    raise error_type(f"{what}: {msg}" if what else msg)
+        return msg
+    return "; ".join(f"rank {r}: {e}" for r, e in bad)
 
 
 def rank0_then_agree(fn, group=None, *, what: str, timeout_s: float | None = None,
-                     error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = RuntimeError
+                     error_type: type[Exception] = RuntimeError, collective_error_type: type[Exception] = PeerFailure
                      ) -> None:
     """Run `fn()` on rank 0 of `group`, then make every rank raise the same error if it failed
     ("what failed on rank 0: Type: message"), instead of leaving the others in a barrier.

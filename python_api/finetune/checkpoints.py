@@ -432,7 +432,7 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
     else:
         save_adapter(tmp, what)
     # Every rank's RNG digest to rank 0, which writes the manifest last ([Note: the checkpoint's manifest]).
-    every = exchange(digests, what=what, error_type=FinetuneError)
+    every = exchange(digests, what=what)
     agreed_write(job, manifest, what)
     agreed_write(job, swap, what)
     job.checkpoint_step = step

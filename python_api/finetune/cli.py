@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from python_api.distributed.agree import PeerFailure
 from python_api.finetune.agreement import agree_configuration, agree_error
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
@@ -76,7 +77,7 @@ def _show_load_warnings(rank: int) -> None:
 def _peer_failure(exc: BaseException) -> bool:
     """A collective that failed because of another rank (its exit, a stop, a timeout), as
     opposed to an error of this rank's own."""
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, PeerFailure)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(s in text for s in (

@@ -163,8 +163,7 @@ def gathered_optimizer_state(model: PipelinedModel, opt: torch.optim.Optimizer, 
     collective over the pp group."""
     sd = opt.state_dict()
     mine = {names[i]: entry for i, entry in sd["state"].items()}
-    every = exchange(mine, model.groups.pp_group, what="gathering the optimizer state of every stage",
-                     error_type=FinetuneError)
+    every = exchange(mine, model.groups.pp_group, what="gathering the optimizer state of every stage")
     full = {}
     for part in every:
         full.update(part)
@@ -279,7 +278,7 @@ def train_pipelined(job, engine: PipelinedEngine, counter, primary: bool) -> dic
         peak, first_step = last["peak_memory_bytes"], last["first_step"]
     heldout, logits = model.evaluate(job.windows.probe)
     every = exchange(None if logits is None or model.groups.dp_rank != 0 else logits.float().cpu(),
-                     what="the probe's logits", error_type=FinetuneError)
+                     what="the probe's logits")
     probe_logits = next(x for x in every if x is not None)
 
     def steady_of(xs):

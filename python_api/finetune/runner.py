@@ -64,7 +64,7 @@ def run(job: Job) -> dict:
     job.memory = PeakMemory(job.device)
     runs: list[dict] = []
     if job.run_id is None:  # a fresh run: rank 0's id for every rank ([Note: the checkpoint's manifest])
-        job.run_id = exchange(uuid.uuid4().hex, what="the run's id", error_type=FinetuneError)[0]
+        job.run_id = exchange(uuid.uuid4().hex, what="the run's id")[0]
     if job.rank == 0:
         print(f"{PROG}: {job.spec.description()}; {job.world_size} ranks on {job.device.type} "
               f"({dist.get_backend()}); data {job.data_info['source']}, {job.data_info['tokens']} tokens; "

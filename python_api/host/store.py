@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_kernels.host_store import HostStore, HostStoreError
-from python_api.distributed.agree import exchange
+from python_api.distributed.agree import agreed_message, exchange
 
 __all__ = [
     "SETUP_BYTES_PER_S", "HostStoreSetupError", "NodeLayout", "NodeStoreInfo", "build_node_host_store", "local_share",
@@ -188,16 +188,9 @@ def _exchange(obj, group, timeout_s: float | None, what: str) -> list:
 def _raise_if_any(errors: list, what: str) -> None:
     """Raise the same HostStoreSetupError on every rank when any entry of the exchanged list
     (an error text per rank, identical on every rank) is set."""
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if not bad:
-        return
-    if len({e for _, e in bad}) == 1:
-        msg = bad[0][1]
-        if len(bad) < len(errors):
-            msg += f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(str(r) for r, _ in bad)})"
-    else:
-        msg = "; ".join(f"rank {r}: {e}" for r, e in bad)
-    raise HostStoreSetupError(f"node_host_store ({what}) failed: {msg}")
+    msg = agreed_message(errors)
+    if msg is not None:
+        raise HostStoreSetupError(f"node_host_store ({what}) failed: {msg}")
 
 
 def _error_text(exc: BaseException) -> str:
@@ -363,10 +356,7 @@ def _map_segment(nbytes: int, layout: NodeLayout, group, timeout_s, impl: str, w
 
 
 def _attach_failure(outcomes: list[_Attach]) -> str:
-    bad = [(r, o.error) for r, o in enumerate(outcomes) if o.error]
-    if len({e for _, e in bad}) == 1:
-        return f"{bad[0][1]} (on rank{'s' if len(bad) > 1 else ''} {', '.join(str(r) for r, _ in bad)})"
-    return "; ".join(f"rank {r}: {e}" for r, e in bad)
+    return agreed_message([o.error for o in outcomes])
 
 
 def node_host_store(

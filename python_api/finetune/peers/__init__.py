@@ -62,7 +62,7 @@ def check(job: Job) -> dict[str, str]:
     returns {peer: why}. The same decision on every rank ([Note: agreeing across ranks])."""
     agree_error(_settings_error(job), job.world_size)
     reasons = {kind: missing_reason(kind, job) for kind in job.args.baselines}
-    every = exchange(reasons, what="which peers are installed", error_type=FinetuneError)
+    every = exchange(reasons, what="which peers are installed")
     skipped = {}
     for kind in job.args.baselines:
         bad = [(r, rs[kind]) for r, rs in enumerate(every) if rs[kind]]
