@@ -172,6 +172,13 @@ class HostBufferPool:
         self._file_returned()
         return self._in_use
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The buffers not in use now, those given back but not yet filed included: for a
+        measurement that must tell the pool's host memory from device tensors on a CPU-only
+        machine (python_api/planning/measure.py). Between steps only: no lock is taken."""
+        self._file_returned()
+        return [b for bufs in list(self._free.values()) for b in bufs]
+
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of at least `nbytes` bytes, or None when the budget refuses a new one."""
         cap = size_class(nbytes)

@@ -68,12 +68,22 @@ micro-batch and is the one this rule computes from an empty pool (apply_plan tri
 of free buffers of other shapes). Per layer i with every request served, what stays saved
 on the device is act - offload_freed bytes (measured: storages referenced only by the
 offloaded activations); a layer with a refused request is credited nothing (conservative:
-which part is freed is not modelled). Backward brings them back as fresh tensors, one
-linear ahead: during any backward-phase use of layer i the device also holds the moved bytes
-of the previous offloading layer (an upper bound: only its last linear is ahead), and during
-layer i's own backward all of its moved bytes (each restored copy is separate, so an input
-shared by q/k/v comes back three times: an upper bound again, since a linear's copies die
-after its backward).
+which part is freed is not modelled). Backward brings them back as fresh tensors, one LoRA
+linear ahead: when a linear's backward asks for its tensors, its own copy-back is issued (if
+the linear after it in forward order has not issued it already) and that of the linear before
+it is started, and each linear's restored copies die after its backward. So during the
+backward of a linear the device holds the restored copies of two linears, its own and the
+one before it in forward order (across layers: the last linear of the previous offloading
+layer), and `restored` is, per layer, the largest such pair over its linears; a layer that
+offloads nothing (recomputed) holds, through its whole backward phase, the copy started
+ahead for the last linear of the previous offloading layer. Each restored copy is separate,
+so an input shared by q/k/v comes back three times. This assumes autograd runs a layer's
+linears in reverse forward order (its order by sequence number); a linear out of order has
+its copy issued late, not early, and can hold a third pair member. Measured against the
+tensor peak with offload on (tests/planner/test_memory_model.py, host-tier test). Until
+2026-12-01 the model counted the previous layer's and the layer's own whole moved bytes, an
+upper bound 10-15% above the measured peak once the CPU measurement stopped counting the
+pool's idle host buffers as device tensors (NOTES.md, issue 17).
 """
 
 from __future__ import annotations
@@ -243,10 +253,40 @@ class Offload(NamedTuple):
 
     moved: tuple[int, ...]  # bytes copied device -> host after forward (and back before backward)
     credit: tuple[int, ...]  # device bytes freed between forward and backward
-    prev: tuple[int, ...]  # moved bytes of the previous layer that moved something (prefetched)
+    restored: tuple[int, ...]  # restored copies alive at once during the layer's backward phase
     # per layer, the tensors served, in forward order: (index of the weight whose LoRA linear
     # saved it, bytes); what the cost model times ([Note: activation copies in the time model])
     served: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+
+def per_linear(tensors) -> list[int]:
+    """A layer's served tensors ((owner, bytes), forward order) as bytes per LoRA linear, in
+    forward order (one linear's tensors are saved together)."""
+    out: list[int] = []
+    owner = None
+    for o, nbytes in tensors:
+        if out and o == owner:
+            out[-1] += nbytes
+        else:
+            out.append(nbytes)
+            owner = o
+    return out
+
+
+def restored_bytes(served) -> tuple[int, ...]:
+    """Per layer, the restored copies alive at once in its backward phase ([Note: activation
+    offload in the memory model]): the largest pair of consecutive linears, the first of the
+    layer paired with the last linear of the previous offloading layer; a layer without
+    served tensors holds that last linear's copy."""
+    out, last = [], 0
+    for tensors in served:
+        linears = per_linear(tensors)
+        if linears:
+            out.append(max(a + b for a, b in zip([last] + linears[:-1], linears)))
+            last = linears[-1]
+        else:
+            out.append(last)
+    return tuple(out)
 
 
 def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> Offload:
@@ -258,10 +298,8 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
     budget = profile.host_budget_bytes
     held = 0
     refused_classes: set[int] = set()
-    moved, credit, prev, served = [], [], [], []
-    last = 0
+    moved, credit, served = [], [], []
     for i, layer in enumerate(profile.layers):
-        prev.append(last)
         if recompute[i] or not layer.offload_tensors_bytes_per_token:
             moved.append(0)
             credit.append(0)
@@ -285,9 +323,7 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
         moved.append(m)
         credit.append(min(int(layer.offload_freed_bytes_per_token * tokens), int(layer.act_bytes_per_token * tokens))
                       if every and m else 0)
-        if m:
-            last = m
-    return Offload(tuple(moved), tuple(credit), tuple(prev), tuple(served))
+    return Offload(tuple(moved), tuple(credit), restored_bytes(served), tuple(served))
 
 
 def pool_pages(profile: Profile, choices: Choices) -> int:
@@ -344,9 +380,9 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     for j, u in enumerate(backward):
         buffers = window_buffers(backward, segment, j, d)
         i = u.layer
-        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0) + off.prev[i]
+        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if choices.recompute[i] else 0) + off.restored[i]
         if u.kind == BACKWARD:
-            own += off.moved[i] - off.credit[i]
+            own -= off.credit[i]
             own += int(profile.outside.workspace_bytes_per_token * T)
             if choices.recompute[i]:
                 own += int(profile.outside.recompute_workspace_bytes_per_token * T)
@@ -382,4 +418,4 @@ def peak_bytes(profile: Profile, choices: Choices) -> int:
 
 __all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "Offload", "ProfileError", "RECOMPUTE", "Use",
            "effective_host_fraction", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
-           "offload_served", "peak_bytes", "pool_budget_bytes", "pool_pages", "timeline", "window_buffers"]
+           "offload_served", "peak_bytes", "per_linear", "restored_bytes", "pool_budget_bytes", "pool_pages", "timeline", "window_buffers"]

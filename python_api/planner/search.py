@@ -111,6 +111,7 @@ from python_api.planner.memory import (
     host_chunk_count,
     is_host_chunk,
     offload_served,
+    per_linear,
     use_at,
 )
 from python_api.planner.plan import Plan, PlanningError, plan_of
@@ -394,7 +395,7 @@ class _Search:
         """act_peak with and without buffers, in one pass (the integers of memory.memory_curve)."""
         acts, inputs, acts_fwin, peak, workspace, rworkspace, out_act = self._tokens(T)
         off = self.offload_of(T, rec, offload)
-        credit, prev, moved = off.credit, off.prev, off.moved
+        credit, restored = off.credit, off.restored
         saved = [(x if r else a) - cr for x, r, a, cr in zip(inputs, rec, acts, credit)]
         before = list(accumulate(saved, initial=0))  # saved activations of the layers before i
         best = max(max(map(add, before, acts_fwin)), before[-1] + peak)
@@ -413,7 +414,7 @@ class _Search:
         prefix += [prefix[-1]] * (d + 1)  # the window of the last uses ends with the phase
         j = 0  # segments before the current use
         for i in range(len(acts) - 1, -1, -1):
-            v = before[i] + acts[i] + prev[i]
+            v = before[i] + acts[i] + restored[i]
             if rec[i]:
                 v += saved[i]
                 w = v + prefix[j + 1 + d] - prefix[j]  # the recompute use
@@ -423,7 +424,7 @@ class _Search:
                     best0 = v
                 j += 1
                 v += rworkspace
-            v += workspace + moved[i] - credit[i]  # the backward use
+            v += workspace - credit[i]  # the backward use
             if segment[i]:
                 w = v + prefix[j + 1 + d] - prefix[j]
                 j += 1
@@ -453,23 +454,27 @@ class _Search:
                 served = tuple((o, nb) for o, b in zip(layer.offload_owner_indices(), layer.offload_tensors_bytes_per_token)
                                if (nb := int(round(b * T))) > 0)
                 m = sum(nb for _, nb in served)
+                linears = per_linear(served)
+                first = linears[0] if linears else 0
+                inner = max((a + b for a, b in zip(linears, linears[1:])), default=0)
                 per.append((m, min(int(layer.offload_freed_bytes_per_token * T), int(layer.act_bytes_per_token * T))
-                            if m else 0, served))
+                            if m else 0, served, first, inner, linears[-1] if linears else 0))
             self._offload_cache[T] = per
-        moved, credit, prev, served = [], [], [], []
-        last = 0
-        for (m, c, sv), r in zip(per, rec):
-            prev.append(last)
+        moved, credit, restored, served = [], [], [], []
+        last = 0  # memory.restored_bytes, from the cached pairs
+        for (m, c, sv, first, inner, final), r in zip(per, rec):
             if r or not m:
                 moved.append(0)
                 credit.append(0)
                 served.append(())
+                restored.append(last)
             else:
                 moved.append(m)
                 credit.append(c)
                 served.append(sv)
-                last = m
-        return Offload(tuple(moved), tuple(credit), tuple(prev), tuple(served))
+                restored.append(max(last + first, inner))
+                last = final
+        return Offload(tuple(moved), tuple(credit), tuple(restored), tuple(served))
 
     # -------------------------------------------------------- windows
 

@@ -891,14 +891,17 @@ def _live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
 
 def _host_tier_storages(rt) -> set[int]:
     """Data pointers of the host tier's host memory (the store's mapping, the activation
-    offload's free buffers): host memory, not the device memory the model counts."""
+    offload's buffers not in use): host memory, not the device memory the model counts.
+    Between steps no offload buffer is in use, but those given back during the last backward
+    wait in the pool's return queue until the next request files them; they are idle too
+    (`HostBufferPool.idle_buffers`). Counted as device tensors, they overstated the CPU peak
+    by the pool's size, which grows with the micro-batch (NOTES.md, issue 17)."""
     out = set()
     if rt.host_store is not None:
         out.add(rt.host_store.tensor().untyped_storage().data_ptr())
     off = getattr(rt, "activation_offload", None)
     if off is not None:
-        for bufs in off.pool._free.values():
-            out.update(b.untyped_storage().data_ptr() for b in bufs)
+        out.update(b.untyped_storage().data_ptr() for b in off.pool.idle_buffers())
     return out
 
 

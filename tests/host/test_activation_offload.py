@@ -424,6 +424,21 @@ def test_host_buffer_pool():
     assert unbounded.acquire(1 << 20) is not None
 
 
+def test_idle_buffers_include_those_given_back_but_not_filed():
+    """What a step's backward gives back waits in the return queue until the next request;
+    idle_buffers() is every buffer not in use, those included (the CPU peak measurement
+    excludes them as host memory: python_api/planning/measure.py, _host_tier_storages)."""
+    from python_api.host.offload import HostBufferPool
+
+    pool = HostBufferPool(None, pin=False)
+    a, b, c = pool.acquire(1000), pool.acquire(3000), pool.acquire(3000)
+    pool.release(a), pool.release(b)  # c stays in use
+    assert pool._returned and not any(pool._free.values())  # given back, not filed yet
+    idle = {t.data_ptr() for t in pool.idle_buffers()}
+    assert idle == {a.data_ptr(), b.data_ptr()} and c.data_ptr() not in idle
+    assert pool.in_use_bytes == 4096 and pool.held_bytes == 1024 + 2 * 4096
+
+
 # ------------------------------------------------------------------------------ GPU
 
 

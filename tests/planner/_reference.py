@@ -80,19 +80,25 @@ def peak_bytes(profile, plan) -> int:
     base = profile.reserved_bytes + profile.static_bytes + pool + int(profile.outside.act_bytes_per_token * T)
     # activation offload: served tensors, what stays saved, what comes back ahead
     served = _served(profile, T, rec, MIN_BUFFER) if plan.offload_activations else [[] for _ in layers]
-    moved, credit = [], []
+    credit = []
     for i, layer in enumerate(layers):
         m = sum(nb for _, nb in served[i])
         wanted = [int(round(b * T)) for b in layer.offload_tensors_bytes_per_token if int(round(b * T)) > 0]
         every = m > 0 and len(served[i]) == len(wanted)  # a refused request: nothing credited
-        moved.append(m)
         credit.append(min(int(layer.offload_freed_bytes_per_token * T), int(layer.act_bytes_per_token * T))
                       if every else 0)
-    prev, last = [], 0
-    for m in moved:
-        prev.append(last)
-        if m:
-            last = m
+    # restored copies alive at once in each layer's backward phase: a linear's own and the one
+    # before it in forward order (the chain runs across layers); recomputed layers hold the
+    # copy started ahead for the previous offloading layer's last linear
+    restored, last = [], 0
+    for i in range(len(layers)):
+        linears = {}
+        for owner, nb in served[i]:
+            linears[owner] = linears.get(owner, 0) + nb
+        chain = [last] + [linears[o] for o in sorted(linears)]
+        restored.append(max(chain[k] + chain[k + 1] for k in range(len(chain) - 1)) if linears else last)
+        if linears:
+            last = linears[max(linears)]
     saved = [int((layer.input_bytes_per_token if rec[i] else layer.act_bytes_per_token) * T) - credit[i]
              for i, layer in enumerate(layers)]
     fwd, bwd = _uses(profile, plan)
@@ -111,9 +117,9 @@ def peak_bytes(profile, plan) -> int:
                 buffers += bbuf[k]
                 need -= 1
             k += 1
-        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if rec[i] else 0) + prev[i]
+        own = int(layers[i].act_bytes_per_token * T) + (saved[i] if rec[i] else 0) + restored[i]
         if kind == "backward":
-            own += moved[i] - credit[i] + int(profile.outside.workspace_bytes_per_token * T)
+            own += -credit[i] + int(profile.outside.workspace_bytes_per_token * T)
             if rec[i]:
                 own += int(profile.outside.recompute_workspace_bytes_per_token * T)
         points.append(base + sum(saved[:i]) + own + buffers)

@@ -602,8 +602,10 @@ def random_host_profile(rng: random.Random) -> Profile:
                         for w in layer.weights)
         offl = tuple(float(rng.randint(1, 64)) for _ in range(rng.randint(0, 4)))
         freed = min(layer.act_bytes_per_token, rng.uniform(0, sum(offl))) if offl else 0.0
+        owners = sorted(rng.randrange(len(weights)) for _ in offl)  # each tensor's linear, in forward order
         layers.append(dataclasses.replace(layer, weights=weights, offload_tensors_bytes_per_token=offl,
-                                          offload_freed_bytes_per_token=freed))
+                                          offload_freed_bytes_per_token=freed,
+                                          offload_tensors_weight=tuple(weights[o].name for o in owners)))
     static = prof.static_bytes if on == "device" else rng.randint(0, 10**4)
     return dataclasses.replace(
         prof, layers=tuple(layers), static_bytes=static, h2d=Link(rng.uniform(0, 1e-3), rng.uniform(1e5, 1e8)),
@@ -667,6 +669,19 @@ def test_host_traffic_by_hand():
     # a budget of one 512 B buffer serves the first (10 B, class 512) and refuses the second
     q1 = dataclasses.replace(q, host_budget_bytes=512)
     assert h2d_bytes_per_micro_batch(q1, on) == 2 * 700 + 10
+
+
+def test_restored_copies_are_pairs_of_consecutive_linears():
+    """[Note: activation offload in the memory model]: during a linear's backward its own
+    restored copy and the one started ahead for the linear before it are alive; across
+    layers the chain goes on from the previous offloading layer's last linear."""
+    from python_api.planner.memory import per_linear, restored_bytes
+
+    served = (((0, 10), (0, 1), (1, 5)), (), ((0, 7), (2, 3)), ((4, 2),))
+    assert per_linear(served[0]) == [11, 5] and per_linear(()) == []
+    # layer 0: max(0 + 11, 11 + 5); layer 1 (recomputed) holds layer 0's last linear (5);
+    # layer 2: max(5 + 7, 7 + 3); layer 3: 3 + 2
+    assert restored_bytes(served) == (16, 5, 12, 5)
 
 
 def test_host_search_bound_is_the_memory_model():
