@@ -43,17 +43,19 @@ test-noext: setup
 
 # The main job on its embedded defaults: one process per GPU (4 gloo processes on CPU where
 # there is none): the elastic run at full and at zero pool budget, with the weights in the
-# host store, planned under a 48 MiB cap per rank, and the FSDP2 baseline, into out/demo/;
-# then one process streaming its weights from the host store through a pool of 25%, 50% and
-# all of the frozen bytes, into out/demo-host/ (both replaced on each run). DEMO_ARGS adds
-# options to both, e.g. DEMO_ARGS="--steps 80".
+# host store, planned under a 48 MiB cap per rank, pipelined (pp 2, on an even number of
+# processes), and the peers FSDP2, DeepSpeed ZeRO-3 and DDP, into out/demo/; then one process
+# streaming its weights from the host store through a pool of 25%, 50% and all of the frozen
+# bytes, into out/demo-host/ (both replaced on each run). DEMO_ARGS adds options to both,
+# e.g. DEMO_ARGS="--steps 80".
 DEMO_ARGS ?=
 demo: build
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
+	pp=$$([ $$((nproc % 2)) -eq 0 ] && echo "--compare-pp 2"); \
 	echo "make demo: $$nproc processes, output in out/demo/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nproc -m python_api.finetune \
-		--baseline fsdp2 --compare-budgets 0 --compare-host --compare-planned --memory-cap 48MiB \
-		--save-dir out/demo --overwrite $(DEMO_ARGS)
+		--baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
+		--memory-cap 48MiB --save-dir out/demo --overwrite $(DEMO_ARGS)
 	@echo "make demo: 1 process, weights on host, output in out/demo-host/"
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m python_api.finetune \
 		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
