@@ -129,6 +129,7 @@ def _links(groups):
 
 def _worker(rank, world_size, args, configs):
     import copy
+    import gc
 
     import torch.distributed as dist
 
@@ -138,7 +139,7 @@ def _worker(rank, world_size, args, configs):
     from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
     from python_api.pipeline.profile import measure_step_peak_bytes, pipeline_profile
     from python_api.planner.pipeline_model import plan_pipeline, simulate
-    from python_api.planning.measure import measure_profile
+    from python_api.planning.measure import _live_tensor_bytes, measure_profile
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, args.layers, 8, 4)
@@ -164,6 +165,8 @@ def _worker(rank, world_size, args, configs):
             layout = PipelineLayout.build(world_size, args.pp, args.layers, schedule, M, pack_size=size,
                                           residency=args.residency, window=args.window)
             policy = ElasticPolicy(chunk_bytes=chunk, weights_on="host" if source == "host" else "device")
+            gc.collect()  # the previous configuration's model (its modules and hooks hold cycles)
+            before = _live_tensor_bytes()  # the batches, the profile: not this configuration's
             pipe = PipelinedModel(embedded_model(cfg, 0), lora, policy, layout, groups, micro_batch_size=MBS,
                                   seq_len=SEQ)
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
@@ -179,7 +182,7 @@ def _worker(rank, world_size, args, configs):
                     times.append(time.perf_counter() - t0)
                     idle.append(pipe.last_step["idle_fraction"])
                 st = dict(pipe.last_step)
-            peak = measure_step_peak_bytes(pipe, lambda p=pipe: p.train_step(batches[0][groups.dp_rank])) \
+            peak = measure_step_peak_bytes(pipe, lambda p=pipe: p.train_step(batches[0][groups.dp_rank])) - before \
                 if pass_ == 0 else None
             key = (schedule, size, source)
             r = results.setdefault(key, {"times": [], "idle": [], "peak": None})
