@@ -1,8 +1,17 @@
 """The frontier's arithmetic (python_api/finetune/peers/frontier.py) on hand-made points: the
 Pareto set of (memory, tokens/s) and the fastest peer at less or equal memory, each against
-the answer worked out by hand below."""
+the answer worked out by hand below; and bench/bench_frontier.py itself, run on a tiny model on
+2 gloo ranks, its rows and picture checked against a recomputation from its own columns."""
 
 from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
 
 from python_api.finetune.peers.frontier import best_peer_at_or_below, pareto, system_of
 
@@ -34,3 +43,110 @@ def test_best_peer_is_the_fastest_that_fits_and_ties_go_to_less_memory():
 def test_every_elastic_variant_is_one_system():
     assert {system_of(k) for k in ("elastic", "planned")} == {"elastic"}
     assert [system_of(k) for k in ("fsdp2", "deepspeed", "ddp")] == ["fsdp2", "deepspeed", "ddp"]
+
+
+# ------------------------------------------------------------------ the benchmark script itself
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Two points per system that has two settings (DDP has one), on the tiny preset with 4 layers
+# (with 2, the working set of two decoder layers is the whole model and budget 0 keeps it all);
+# 2 steps per pass (the first is warm-up), 2 passes. About 3 min on this 2-core VM.
+FRONTIER_ARGS = ["--preset", "tiny", "--num-layers", "4", "--steps", "2", "--passes", "2", "--budgets", "0,all", "--host-budgets", "",
+                 "--planned-caps", "0", "--peers", "fsdp2,deepspeed,ddp", "--fsdp2-reshard", "true,false",
+                 "--ds-grid", "defaults,per-use"]
+EXPECTED = {("elastic", "budget 0"), ("elastic", "budget all"), ("fsdp2", "reshard"), ("fsdp2", "no reshard"),
+            ("deepspeed", "defaults"), ("deepspeed", "per-use"), ("ddp", "replicated")}
+
+
+def _dominated(i, pts):
+    """Brute force: point i is off the front if another point needs no more memory and is no
+    slower, and is better in one of the two (or is an earlier equal point)."""
+    mi, ti = pts[i]
+    return any(mj <= mi and tj >= ti and (mj < mi or tj > ti or j < i)
+               for j, (mj, tj) in enumerate(pts) if j != i)
+
+
+@pytest.fixture(scope="module")
+def frontier_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("frontier")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(REPO, "bench", "bench_frontier.py"), *FRONTIER_ARGS, "--results", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"bench_frontier.py did not finish within 600 s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, f"bench_frontier.py exited with {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    with open(out / "frontier.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return out, rows, stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.needs_ext
+def test_frontier_script_writes_one_row_per_configuration_and_its_picture(frontier_run):
+    out, rows, stdout = frontier_run
+    assert {(r["system"], r["config"].split(" (")[0]) for r in rows} == EXPECTED
+    assert len(rows) == len(EXPECTED)
+    for r in rows:
+        assert (r["preset"], r["world_size"], r["backend"], r["passes"], r["steps"]) == ("tiny", "2", "gloo", "2", "2")
+        assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0
+        assert float(r["peak_memory_mib"]) > 0 and float(r["peak_memory_mib"]) == float(r["peak_tensor_mib"])
+        assert float(r["peak_rss_mib"]) > 0
+        # the same base weights, initial adapters, batches and AdamW: the losses agree to fp32
+        # rounding ([Note: the peers' tolerances] in test_peers.py)
+        assert float(r["max_abs_loss_diff"]) <= 1e-5, r
+    png = out / "frontier_tiny.png"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(png).shape[:2]
+    assert (h, w) == (720, 1200)  # figsize 10 x 6 at 120 dpi
+    assert "largest |loss - elastic loss| of any run" in stdout
+    assert "more than fp32 rounding" not in stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.needs_ext
+def test_frontier_script_counts_the_gathers_each_system_must_make(frontier_run):
+    _, rows, _ = frontier_run
+    by = {(r["system"], r["config"].split(" (")[0]): r for r in rows}
+    mib = {k: float(r["allgather_mib_per_step"]) for k, r in by.items()}
+    # no weight communication once everything is cached, and none at all for DDP
+    assert mib[("elastic", "budget all")] == 0.0 and mib[("ddp", "replicated")] == 0.0
+    assert float(by[("elastic", "budget all")]["allgather_mib_first_step"]) > 0  # it filled the pool once
+    # budget 0 regathers every step; FSDP2 resharding gathers for the backward again
+    assert mib[("elastic", "budget 0")] > 0
+    assert mib[("fsdp2", "reshard")] > mib[("fsdp2", "no reshard")] > 0
+    # DeepSpeed per use (no persistence, no reuse, no prefetch) gathers each frozen weight twice
+    assert mib[("deepspeed", "per-use")] > 0
+    assert float(by[("deepspeed", "per-use")]["allgather_calls_per_step"]) > float(
+        by[("fsdp2", "reshard")]["allgather_calls_per_step"])
+
+
+@pytest.mark.distributed
+@pytest.mark.needs_ext
+def test_frontier_script_marks_the_front_and_the_best_peer_below(frontier_run):
+    """The script's on_frontier and vs_best_peer columns against a brute-force recomputation
+    from its own tokens/s and memory columns."""
+    _, rows, _ = frontier_run
+    for system in {r["system"] for r in rows}:
+        mine = [r for r in rows if r["system"] == system]
+        pts = [(float(r["peak_memory_mib"]), float(r["tokens_per_s"])) for r in mine]
+        for i, r in enumerate(mine):
+            assert (r["on_frontier"] == "True") == (not _dominated(i, pts)), (system, r["config"])
+    peers = [r for r in rows if r["system"] != "elastic"]
+    for r in (r for r in rows if r["system"] == "elastic"):
+        fits = [p for p in peers if float(p["peak_memory_mib"]) <= float(r["peak_memory_mib"])]
+        if not fits:
+            assert r["best_peer_at_or_below"] == "" and r["vs_best_peer"] == ""
+            continue
+        best = max(float(p["tokens_per_s"]) for p in fits)
+        names = {f"{p['system']}: {p['config']}" for p in fits if float(p["tokens_per_s"]) == best}
+        assert r["best_peer_at_or_below"] in names
+        assert float(r["vs_best_peer"]) == pytest.approx(float(r["tokens_per_s"]) / best, rel=1e-5)
