@@ -123,20 +123,30 @@ def _ds_setting(name: str, job):
 
 
 def _planned_caps(job, n: int) -> list[int]:
-    """n caps from just above the least memory any plan needs to what keeping everything
-    needs (the planner's memory model on a profile measured here)."""
+    """n caps from just above the least memory a planned run needs to what keeping everything
+    needs (the planner's memory model on a profile measured here). A planned run profiles the
+    model under its cap first, streaming every weight without recomputing, down to one
+    sequence ([Note: profiling a smaller micro-batch] in python_api/finetune/planning.py),
+    which can need more than the least plan (one that recomputes): the lowest cap is the
+    larger of the two, the profiler's figure (ProfileBoundError.needed_bytes, asked for with a
+    bound of one byte) taken 5% over, as it varies a little between runs."""
     from python_api.finetune.engines import ElasticEngine
     from python_api.planner.search import least_memory, plan_from_profile
-    from python_api.planning.measure import measure_profile
+    from python_api.planning.measure import ProfileBoundError, measure_profile
 
     args = job.args
     engine = ElasticEngine(job, None)
     batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
     profile = measure_profile(engine.model, [batch], capacity_bytes=1 << 40)
+    try:
+        measure_profile(engine.model, [batch[:1]], capacity_bytes=1 << 40, memory_bytes=1)
+        raise AssertionError("measure_profile profiled within a bound of one byte")
+    except ProfileBoundError as exc:
+        profiling = int(exc.needed_bytes * 1.05)
     del engine
     gc.collect()
     global_batch = job.world_size * args.micro_batch * args.grad_accum
-    least = int(least_memory(profile, global_batch) * 1.02)
+    least = max(int(least_memory(profile, global_batch) * 1.02), profiling)
     full = int(plan_from_profile(profile, profile.capacity_bytes, global_batch).predicted_peak_bytes / 0.95) + 1
     if n == 1:
         return [full]

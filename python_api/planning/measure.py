@@ -443,7 +443,12 @@ def _residency_peak(profile: Profile, resident: list[int], micro_batch: int, rec
 
 class ProfileBoundError(ValueError):
     """The profiling bound is below what streaming every weight needs at the micro-batch given
-    (the memory model's figure, the same on every rank): profile a smaller micro-batch."""
+    (the memory model's figure, the same on every rank): profile a smaller micro-batch.
+    `needed_bytes` is that figure, `bound_bytes` the bound."""
+
+    def __init__(self, message: str, needed_bytes: int, bound_bytes: int):
+        super().__init__(message)
+        self.needed_bytes, self.bound_bytes = needed_bytes, bound_bytes
 
 
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
@@ -543,7 +548,7 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                 raise ProfileBoundError(
                     f"measure_profile: streaming every weight at this micro-batch ({B} x {batch.shape[1]} tokens) "
                     f"needs {least} bytes per rank by the memory model, above the profiling bound memory_bytes = "
-                    f"{bound}: profile with a smaller micro-batch, or give more memory")
+                    f"{bound}: profile with a smaller micro-batch, or give more memory", least, bound)
             # 2. Rounds of resident units, timed.
             fits: dict[int, tuple] = {}  # unit -> (fwd fixed, fwd per token, bwd fixed, bwd per token)
             outside = None
