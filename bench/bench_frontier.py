@@ -44,6 +44,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -320,7 +321,7 @@ def picture(rows: list[dict], path: str, caption: str) -> None:
                         "memory": None if r["peak_memory_mib"] is None else r["peak_memory_mib"] * 2**20,
                         "tokens_per_s": r["tokens_per_s"]} for r in rows],
                   memory_label="peak memory MiB per rank (tensor peak on CPU, max_memory_allocated on GPU)")
-    ax.set_title(caption, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(caption, 130)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -82,10 +82,11 @@ def _worker(rank, world_size):
 
     before = [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     too_small = None
+    too_small_bound = int(bounded_report["least_bytes"] * 0.9)
     try:
-        measure_profile(model, [ids], capacity_bytes=int(bounded_report["least_bytes"] * 0.9), steps=1)
+        measure_profile(model, [ids], capacity_bytes=too_small_bound, steps=1)
     except ProfileBoundError as exc:
-        too_small = str(exc)
+        too_small = (str(exc), exc.needed_bytes, exc.bound_bytes, too_small_bound, bounded_report["least_bytes"])
     restored = before == [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     # Replay every residency profiling used and measure a step's tensor peak under it.
     measured = []
@@ -206,5 +207,11 @@ def test_a_bound_below_streaming_is_refused_by_name(reports):
     micro-batch), on every rank alike, and leaves the residency as it found it."""
     for r in reports:
         assert r["too_small"] is not None, "a bound below streaming every weight was accepted"
-        assert "streaming every weight at this micro-batch" in r["too_small"], r["too_small"]
+        message, needed, bound, asked, least = r["too_small"]
+        assert "streaming every weight at this micro-batch" in message, message
+        # the error carries the figures it names: the bound asked for (the MIN over ranks of
+        # the same value) and what the model says streaming needs, the same figure the
+        # bounded run reported as its least_bytes (the same model on the same counts)
+        assert bound == asked and needed > bound and f"needs {needed} bytes" in message, (message, needed, bound)
+        assert needed == pytest.approx(least, rel=0.05), (needed, least)
         assert r["restored"], "the residency changed after the refused profile"
