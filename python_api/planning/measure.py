@@ -444,9 +444,10 @@ def _residency_peak(profile: Profile, resident: list[int], micro_batch: int, rec
 class ProfileBoundError(ValueError):
     """The profiling bound is below what streaming every weight needs at the micro-batch given
     (the memory model's figure, the same on every rank): profile a smaller micro-batch.
-    `needed_bytes` is that figure, `bound_bytes` the bound."""
+    `needed_bytes` is that figure, `bound_bytes` the bound (optional arguments: unpickling
+    calls the class with the message alone, then restores them)."""
 
-    def __init__(self, message: str, needed_bytes: int, bound_bytes: int):
+    def __init__(self, message: str, needed_bytes: int | None = None, bound_bytes: int | None = None):
         super().__init__(message)
         self.needed_bytes, self.bound_bytes = needed_bytes, bound_bytes
 

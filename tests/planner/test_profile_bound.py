@@ -215,3 +215,14 @@ def test_a_bound_below_streaming_is_refused_by_name(reports):
         assert bound == asked and needed > bound and f"needs {needed} bytes" in message, (message, needed, bound)
         assert needed == pytest.approx(least, rel=0.05), (needed, least)
         assert r["restored"], "the residency changed after the refused profile"
+
+
+def test_profile_bound_error_keeps_its_figures_through_pickling():
+    """The error crosses process boundaries (a spawned rank's exception, multiprocessing):
+    unpickled, it has the same message and figures."""
+    import pickle
+
+    from python_api.planning.measure import ProfileBoundError
+
+    exc = pickle.loads(pickle.dumps(ProfileBoundError("needs 5 bytes", 5, 3)))
+    assert (str(exc), exc.needed_bytes, exc.bound_bytes) == ("needs 5 bytes", 5, 3)
