@@ -1,5 +1,6 @@
 """The distributed test helper itself: results come back, failures and hangs fail fast."""
 
+import os
 import time
 
 import pytest
@@ -48,3 +49,25 @@ def test_hang_fails_within_timeout():
     with pytest.raises(AssertionError, match=r"did not finish within 8s"):
         run_distributed(_sleep_forever, 2, timeout=8)
     assert time.monotonic() - start < 25
+
+
+def _state_of_rank(rank, world_size, key):
+    import sys
+
+    seen = os.environ.get(key)
+    leftover = getattr(sys, "_elastic_dist_test_mark", None)
+    sys._elastic_dist_test_mark = rank  # a fresh rank never sees the previous call's mark
+    return seen, leftover, os.getpid()
+
+
+def test_ranks_are_fresh_processes_with_the_callers_environment(monkeypatch):
+    """[Note: ranks start from a fork server]: a variable set after the server started reaches
+    the ranks, and no state (a module attribute, the process) survives from one call to the next."""
+    monkeypatch.setenv("ELASTIC_DIST_TEST_VAR", "first")
+    first = run_distributed(_state_of_rank, 2, "ELASTIC_DIST_TEST_VAR")
+    monkeypatch.setenv("ELASTIC_DIST_TEST_VAR", "second")
+    second = run_distributed(_state_of_rank, 2, "ELASTIC_DIST_TEST_VAR")
+    assert [s[:2] for s in first] == [("first", None)] * 2
+    assert [s[:2] for s in second] == [("second", None)] * 2
+    pids = {s[2] for s in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids
