@@ -13,7 +13,8 @@ runs every case, for nf4, nested nf4 and int8 (block 64), with every linear unde
   the analytic blob sizes, each weight's image padded to 512 bytes;
 - traffic: H2D bytes per step equal the analytic blob sizes of the host chunks missed, and
   all-gathered bytes those of the peer chunks, at pool budgets 0, partial and all;
-- load_state_dict into a host weight re-quantizes the new value into the store; the rows with
+- load_elastic fills the store from the files' rows; load_state_dict into a host weight
+  re-quantizes the new value into the store; the rows with
   NaN or Inf are counted by the rank that quantized them into the store;
 - the planner: a plan measured on a weights_on="host" nf4 model predicts its H2D bytes
   exactly (its chunk bytes are the blobs'), with activation offload off and on;
@@ -48,7 +49,7 @@ def _host_chunk(c: int, f: float) -> bool:
     return f >= 1.0 or (f > 0 and int((c + 1) * f) > int(c * f))
 
 
-def _worker(rank, world_size, cases, offload_fmt):
+def _worker(rank, world_size, cases, offload_fmt, path):
     from elastic_kernels.quant import QuantizedLayout
 
     out = []
@@ -74,6 +75,7 @@ def _worker(rank, world_size, cases, offload_fmt):
     losses, grads, per_step, _ = _train(quant_llama(), policy, fmt, block, nested)
     out.append((losses, grads, [s["d2h_bytes"] for s in per_step], None))
     out.append(_nonfinite(rank))
+    out.append(_loaded(path))
     out.append(_planned(rank))
     return out
 
@@ -93,6 +95,25 @@ def _load_new_weights(rt, fmt, block, nested) -> bool:
         ql = QuantizedLayout(et.layout.rows, et.layout.cols, et.layout.rows_per_chunk, fmt, block, nested)
         ok &= torch.equal(rt.host_store.view(et.store_offset, torch.uint8, (ql.total_bytes,)), ql.quantize(w))
         ok &= torch.equal(rt.full_weight(et), dequantized(w, et.layout.rows_per_chunk, fmt, block, nested))
+    return ok
+
+
+def _loaded(path) -> bool:
+    """load_elastic from safetensors with weights_on="host": the ranks fill the store from the
+    rows they read of the files, quantized as the in-memory model's weights are."""
+    from elastic_kernels.quant import QuantizedLayout
+    from python_api import ElasticPolicy, load_elastic
+    from python_api.nn import LoRAConfig
+
+    model = load_elastic(path, LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
+                         ElasticPolicy(chunk_bytes=CHUNK, weight_format="nf4", quant_nested=True, weights_on="host",
+                                       replicate_below_bytes=0))
+    rt, original = model._elastic_runtime, quant_llama()
+    ok = len(rt.tensors) == 2 * 7 + 1
+    for et in rt.tensors:
+        ql = QuantizedLayout(et.layout.rows, et.layout.cols, et.layout.rows_per_chunk, "nf4", None, True)
+        ok &= torch.equal(rt.host_store.view(et.store_offset, torch.uint8, (ql.total_bytes,)),
+                          ql.quantize(original.get_submodule(et.name).weight.detach()))
     return ok
 
 
@@ -187,16 +208,18 @@ def _rows(name: str) -> int:
     return _ROWS[name]
 
 
-def test_host_tier_with_quantized_weights():
+def test_host_tier_with_quantized_weights(tmp_path):
     # Every source and budget on nf4; weights_on="host" at budget 0 and the split at a partial
     # budget on the other formats (what differs between formats is the blob, not the sources).
     cases = [(fmt, block, nested, label, on, hf, budget)
              for fmt, block, nested in FORMATS for label, on, hf, budget in SOURCES
              if fmt == "nf4" and not nested or label in ("host-budget0", "split-partial")]
-    results = run_distributed(_worker, WORLD, cases, FORMATS[0], timeout=600)
+    quant_llama().save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="60KB")
+    results = run_distributed(_worker, WORLD, cases, FORMATS[0], str(tmp_path), timeout=600)
     refs = {f: _reference(ALL, *f) for f in FORMATS}
     for rank, res in enumerate(results):
-        *per_case, offload, nonfinite, (chunk_bytes, planned) = res
+        *per_case, offload, nonfinite, loaded, (chunk_bytes, planned) = res
+        assert loaded, f"rank {rank}: load_elastic did not fill the store with the weights' images"
         assert nonfinite == {"model.layers.1.mlp.down_proj": 2 if rank == 0 else 1}, (rank, nonfinite)
         for (fmt, block, nested, label, on, hf, budget), (losses, grads, steps, stored) in zip(cases, per_case):
             what = f"rank {rank} {fmt}{'-nested' if nested else ''} {label}"
