@@ -98,11 +98,10 @@ class ElasticPolicy:
                        today's behaviour), "nf4" (QLoRA's NF4, bitsandbytes' bit for bit) or
                        "int8" (blockwise symmetric absmax int8). A quantized weight is quantized
                        once when it is registered and lives quantized in the shard, the pool's
-                       pages and the all-gathers; each use dequantizes it into the compute
-                       dtype right before the GEMM ([Note: quantized frozen weights] in
-                       python_api/quant/__init__.py). It changes the model's numerics: the
-                       user's choice, never the planner's. Not with the host tier (weights_on=
-                       "host" or host_fraction > 0): refused.
+                       pages, the all-gathers, the host store and the host -> page copies;
+                       each use dequantizes it into the compute dtype right before the GEMM
+                       ([Note: quantized frozen weights] in python_api/quant/__init__.py). It
+                       changes the model's numerics: the user's choice, never the planner's.
     quant_block_size   weights per quantization block (a power of two in [32, 4096] that divides
                        every quantized weight's row length); None: the format's default (nf4 64,
                        as bitsandbytes; int8 256, [Note: int8 block size] in
@@ -213,13 +212,6 @@ class ElasticPolicy:
             raise ValueError(
                 f"ElasticPolicy.quant_nested is an nf4 option (double quantization of its scales); "
                 f"weight_format={fmt!r} has no nested scales")
-        if self.uses_host_store:
-            # [Note: quantized frozen weights]: the host store holds full-precision rows today.
-            raise ValueError(
-                f"ElasticPolicy: weight_format={fmt!r} with the host tier (weights_on={self.weights_on!r}, "
-                f"host_fraction={self.host_fraction!r}) is not supported: the host store keeps weights in full "
-                f"precision, so host copies would not move quantized chunks; use weights_on='device' and "
-                f"host_fraction 0/None with a quantized format")
 
     @property
     def block_size(self) -> int | None:

@@ -452,9 +452,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")
         if args.quant_nested and args.weight_format != "nf4":
             p.error("--quant-nested is an nf4 option (double quantization of its scales)")
-        if args.weights_on == "host" or args.host_fraction or args.compare_host:
-            p.error(f"--weight-format {args.weight_format}: not supported with the host tier (--weights-on host, "
-                    "--host-fraction, --compare-host): the host store holds full-precision weights")
         if args.pp == "auto" or args.pp > 1 or args.compare_pp is not None:
             p.error(f"--weight-format {args.weight_format}: not supported with --pp / --compare-pp yet (pipeline "
                     "packs are not tested with quantized weights)")

@@ -8,7 +8,8 @@ A chunk missing from the pool is filled from one of two sources:
 - the host store: one whole copy per node of every frozen weight in shared host memory
   (elastic_kernels.HostStore, page-locked on CUDA machines; python_api/host/store.py maps it
   on every local rank), copied into the page on the runtime's copy stream; the chunk's real
-  bytes (rows x cols x element size, no padding) cross the host link.
+  bytes as stored cross the host link: rows x cols x element size (no padding), or a quantized
+  weight's blob of the chunk (exactly `QuantizedLayout.blob_bytes[c]`).
 Which source serves chunk c of a weight with n chunks is a pure function of c and the policy's
 effective host fraction f (`ElasticPolicy.source_fraction`): c is a *host chunk* iff
 floor((c + 1) f) > floor(c f). That spreads the floor(n f) host chunks evenly over the weight,
@@ -19,10 +20,30 @@ python_api/runtime/_residency.py). With
 device memory holds only the pool, which then streams a window of layers ahead of compute
 (`prefetch_depth`). The pool caches a chunk the same way whatever its source.
 
-Host store layout: the weights in registration order, each whole and row-major (so chunk c,
-rows [r0, r1), is one contiguous byte range), each starting at a multiple of PAGE_ALIGN (512) bytes.
-Local ranks fill it in parallel, each a contiguous share of every weight's rows, then meet
-at a barrier (python_api/host/store.py `node_host_store`).
+Host store layout: the weights in registration order, each whole and as stored, each starting
+at a multiple of PAGE_ALIGN (512) bytes: row-major (so chunk c, rows [r0, r1), is one contiguous
+byte range), or for a quantized weight its image (its chunks' blobs concatenated, blob c at
+byte c x full blob: [Note: quantized chunk blob] in elastic_kernels/quant/blob.py), the same
+bytes its shards, its pool pages and its all-gathers hold. Local ranks fill it in parallel, then
+meet at a barrier (python_api/host/store.py `node_host_store`).
+
+[Note: filling the host store]
+Local rank i of L owns rows [i R / L, (i + 1) R / L) of every weight of R rows and writes what
+those rows determine (`ElasticTensor.fill_host_share`), reading only them (from the weight, or
+from its file through the loader's reader):
+- a full-precision weight: those rows, cast to the weight's dtype;
+- a quantized weight ([Note: quantized frozen weights] in python_api/quant/__init__.py):
+  quantized once, here, by the rank that reads them, and only they are
+  (`python_api.quant.fill_image_share`): without nested scales the codes and scales of exactly
+  its rows (blocks never straddle rows, so the shares' bytes are disjoint); with nested scales
+  a chunk's statistics need all its rows, so the rank owning a chunk's first row quantizes
+  that whole chunk. The store never holds a full-precision copy, and each row of a node's
+  store is read and quantized once, by one local rank (a rank with a device shard as well,
+  host_fraction < 1, quantizes its shard's rows again for the shard, as without the host
+  tier). The rows are quantized on the rank's device, by the same code as its
+  shard (`quantized_shard`), then copied into the store, so a chunk's blob is the same bytes
+  whichever source fills the page (a CPU and a GPU reduction may round the nested scales'
+  mean differently: one device, one rounding).
 
 [Note: host copies are stream ordered]
 On CUDA the copies of one use run on the runtime's copy stream, which first waits for the

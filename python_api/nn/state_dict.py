@@ -198,9 +198,7 @@ def _store_barrier(rt: ElasticRuntime, err: str | None, what: str) -> None:
 def write_host_store(et: ElasticTensor, full: torch.Tensor) -> None:
     """Write the whole weight `full` into the node's host store (the node's first local rank,
     between the barriers of [Note: one writer per node])."""
-    rt = et.runtime
-    rt.host_store.view(et.store_offset, et.dtype, (et.layout.rows, et.layout.cols)).copy_(
-        full.reshape(et.layout.rows, et.layout.cols))
+    et.write_host(full)  # as stored: its quantized image for a quantized weight
 
 
 def install_hooks(model: nn.Module) -> None:

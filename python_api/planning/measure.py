@@ -307,7 +307,7 @@ def _h2d_points(rt, sizes_chunks: list[list]) -> list[tuple[int, float]]:
     points = []
     for group in sizes_chunks:
         if rt.host_store is not None:
-            pairs = [(et.host_chunk(c), torch.empty(et.layout.chunk_shape(c), dtype=et.dtype, device=device))
+            pairs = [(et.host_chunk(c), torch.empty(et.chunk_shape(c), dtype=et.storage_dtype, device=device))
                      for et, c in group]
 
             def copy(pairs=pairs):

@@ -37,15 +37,19 @@ stored quantized, and only quantized:
   chunk-by-chunk path of `ElasticLinear`), into a workspace the runtime recycles across uses;
   then the unquantized path runs unchanged (the paged GEMMs on the workspace's chunk views).
   The dequantized weight lives for one use only.
-- Refused: the host tier (`weights_on="host"`, `host_fraction > 0`): the host store holds
-  full-precision rows; quantized host chunks are not built yet (ElasticPolicy says so).
+- The host tier (`weights_on="host"`, `host_fraction > 0`): the node's host store holds each
+  weight's image too, filled by the local ranks, each quantizing only the rows it fills
+  ([Note: filling the host store] in python_api/host/sources.py); a host chunk's copy moves its
+  blob into the page (H2D bytes per chunk = the analytic blob size, no slice padding), and the
+  use dequantizes it as it does a gathered one. `load_state_dict` into a host weight
+  re-quantizes it into the store.
 - Merging and export: `full_weight` gathers the image and returns the dequantized weight in
   the weight's dtype; `merge_adapters` adds s·B·A to it (and warns, as PEFT does, that merging
   into a quantized base rounds); a state dict of a quantized model holds the dequantized
   weights, and loading a state dict into one re-quantizes them.
 """
 
-from python_api.quant.weights import quantized_layout, quantized_shard
+from python_api.quant.weights import fill_image_share, quantized_layout, quantized_shard
 from python_api.quant.workspace import DequantWorkspace, dequantize_use
 
-__all__ = ["DequantWorkspace", "dequantize_use", "quantized_layout", "quantized_shard"]
+__all__ = ["DequantWorkspace", "dequantize_use", "fill_image_share", "quantized_layout", "quantized_shard"]

@@ -59,6 +59,17 @@ def _sub_blob_bytes(fmt, r0: int, r1: int, sub: torch.Tensor, lo: int, hi: int, 
             dest[a - lo : b - lo] = sub[src : src + (b - a)]
 
 
+def _rows_as(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device):
+    """`rows_as(r0, r1)`: rows [r0, r1) of the weight from `read_rows`, [r1 - r0, cols] in
+    `dtype` (the weight's own) on `device` (where every rank's quantizer runs)."""
+
+    def rows_as(r0: int, r1: int) -> torch.Tensor:
+        w = read_rows(r0, r1)
+        return w.reshape(r1 - r0, qlayout.cols).to(device=device, dtype=dtype)
+
+    return rows_as
+
+
 def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device):
     """`read(b, e)`: bytes [b, e) of the weight's image, within one chunk's blob, quantized
     from the rows `read_rows(r0, r1)` returns (cast to `dtype`, the weight's own dtype, on
@@ -66,10 +77,7 @@ def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device
     with nested scales); nothing is kept between calls."""
     formats = qlayout.formats
     full = qlayout.full_blob_bytes
-
-    def rows_as(r0: int, r1: int) -> torch.Tensor:
-        w = read_rows(r0, r1)
-        return w.reshape(r1 - r0, qlayout.cols).to(device=device, dtype=dtype)
+    rows_as = _rows_as(qlayout, read_rows, dtype, device)
 
     def read(b: int, e: int) -> torch.Tensor:
         c = b // full
@@ -95,3 +103,34 @@ def quantized_shard(qlayout: QuantizedLayout, storage: ChunkLayout, read_rows, r
     i.e. `storage.shard(qlayout.quantize(weight), rank)`, without the image: chunk by chunk,
     each rank quantizes only what its slice of each blob needs (`image_reader`)."""
     return storage.shard_from_rows(image_reader(qlayout, read_rows, dtype, device), rank, torch.uint8, device)
+
+
+def fill_image_share(qlayout: QuantizedLayout, read_rows, r0: int, r1: int, dest: torch.Tensor, dtype: torch.dtype,
+                     device) -> None:
+    """Write into `dest` (the weight's whole image, 1-D uint8, e.g. its place in the host store)
+    the bytes that a local rank whose share is rows [r0, r1) of the weight fills ([Note:
+    filling the host store] in python_api/host/sources.py): without nested scales the codes
+    and scales of exactly those rows, quantizing only them (blocks are independent); with
+    nested scales the whole blobs of the chunks whose first row is in [r0, r1) (their statistics
+    need every row of the chunk). Shares that partition the rows write disjoint bytes covering
+    the whole image. Quantized on `device`, one chunk's rows at a time, as the shards are
+    (`quantized_shard`), so the store holds the same bytes as the shards and the pool."""
+    if tuple(dest.shape) != (qlayout.total_bytes,) or dest.dtype != torch.uint8:
+        raise ValueError(f"fill_image_share: dest must be the image, ({qlayout.total_bytes},) uint8, "
+                         f"got {tuple(dest.shape)} {dest.dtype}")
+    if not 0 <= r0 <= r1 <= qlayout.rows:
+        raise ValueError(f"fill_image_share: rows [{r0}, {r1}) are not within the weight's {qlayout.rows} rows")
+    rows_as = _rows_as(qlayout, read_rows, dtype, device)
+    formats, rpc, full = qlayout.formats, qlayout.rows_per_chunk, qlayout.full_blob_bytes
+    for c in range(r0 // rpc, -(-r1 // rpc)):
+        fmt = formats[c]
+        base = c * rpc
+        blob = dest[c * full : c * full + fmt.total_bytes]
+        if fmt.nested:
+            if r0 <= base < r1:
+                blob.copy_(quantize_chunk(rows_as(base, base + fmt.rows), fmt))
+            continue
+        a, b = max(r0, base) - base, min(r1, base + fmt.rows) - base
+        if a < b:
+            sub = quantize_chunk(rows_as(base + a, base + b), fmt.with_rows(b - a)).to(blob.device)
+            _sub_blob_bytes(fmt, a, b, sub, 0, fmt.total_bytes, blob)

@@ -93,15 +93,10 @@ class _Registration:
             et.store_offset = off
 
         def fill(store, local_rank: int, local_world: int) -> None:
-            # Each local rank writes a contiguous share of every weight's rows.
+            # Each local rank writes its share of every weight, as stored ([Note: filling the
+            # host store] in python_api/host/sources.py).
             for et in self.tensors:
-                rows = et.layout.rows
-                r0, r1 = rows * local_rank // local_world, rows * (local_rank + 1) // local_world
-                if r0 == r1:
-                    continue
-                cols = et.layout.cols
-                dst = store.view(et.store_offset + r0 * cols * et.element_size, et.dtype, (r1 - r0, cols))
-                dst.copy_(et._reader(r0, r1).reshape(r1 - r0, cols).to(dtype=et.dtype))
+                et.fill_host_share(store, local_rank, local_world)
 
         self.host_store, self.host_node = build_node_host_store(
             size, group=self.group, fill=fill, timeout_s=self.policy.collective_timeout_s, device=self.device,

@@ -24,7 +24,7 @@ import torch
 
 from elastic_kernels import ChunkLayout, PagePool
 from python_api.host.sources import host_chunks
-from python_api.quant import quantized_layout, quantized_shard
+from python_api.quant import fill_image_share, quantized_layout, quantized_shard
 
 
 class Residency(enum.IntEnum):
@@ -88,8 +88,9 @@ class ElasticTensor:
         # [Note: chunk sources] in python_api/host/sources.py
         self.from_host = host_chunks(self.layout.num_chunks, policy.source_fraction)
         self.store_offset: int | None = None  # byte offset in the runtime's host store
-        # Quantized only: non-finite values in the rows this rank read to quantize its shard.
-        self.nonfinite_read = 0
+        # Quantized only: row -> its non-finite values, over the rows this rank read to quantize
+        # (its shard, its share of the host store); a row read twice counts once.
+        self._bad_rows: dict[int, int] = {}
         # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
         self._reader = None
         with torch.no_grad():
@@ -125,26 +126,34 @@ class ElasticTensor:
             return (self.storage.chunk_numel_of(c),)
         return self.layout.chunk_shape(c)
 
+    def _counted(self, rows):
+        """`rows`, recording the non-finite values of every row it reads (`nonfinite_read`):
+        the quantized image holds no value a finiteness check could read (its scales of a NaN
+        block are NaN, its codes are not), so the rows are checked as they are quantized."""
+        bad = self._bad_rows
+
+        def counted(b, e):
+            w = rows(b, e)
+            if w.is_floating_point():
+                per_row = (~torch.isfinite(w.reshape(e - b, -1))).sum(dim=1)
+                for i in per_row.nonzero().flatten().tolist():
+                    bad[b + i] = int(per_row[i])
+            return w
+
+        return counted
+
+    @property
+    def nonfinite_read(self) -> int:
+        """Quantized only: the non-finite values in the rows this rank read to quantize (its
+        shard, its share of the host store)."""
+        return sum(self._bad_rows.values())
+
     def shard_of(self, rows) -> torch.Tensor:
         """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
         as stored (quantized when the policy says so): only the rows the shard needs are read."""
         rt = self.runtime
         if self.qlayout is not None:
-            # The image holds no value a finiteness check could read (its scales of a NaN block are
-            # NaN, its codes are not): count the non-finite values of the rows quantized instead.
-            bad_rows: dict[int, int] = {}  # row -> its non-finite values (a row may be read twice)
-
-            def counted(b, e):
-                w = rows(b, e)
-                if w.is_floating_point():
-                    per_row = (~torch.isfinite(w.reshape(e - b, -1))).sum(dim=1)
-                    for i in per_row.nonzero().flatten().tolist():
-                        bad_rows[b + i] = int(per_row[i])
-                return w
-
-            shard = quantized_shard(self.qlayout, self.storage, counted, rt.rank, self.dtype, rt.device)
-            self.nonfinite_read = sum(bad_rows.values())
-            return shard
+            return quantized_shard(self.qlayout, self.storage, self._counted(rows), rt.rank, self.dtype, rt.device)
         return self.layout.shard_from_rows(
             lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device)
 
@@ -152,6 +161,7 @@ class ElasticTensor:
         """This rank's shard of the whole weight `weight` (its value in any dtype), as stored."""
         if self.qlayout is not None:
             w = weight.detach()
+            self._bad_rows = {}  # a new value: what was read of the old one no longer counts
             return self.shard_of(lambda b, e: w[b:e])
         return self.layout.shard(weight.detach().to(device=self.runtime.device, dtype=self.dtype), self.runtime.rank)
 
@@ -197,11 +207,39 @@ class ElasticTensor:
         return self.storage.chunk_numel_of(c) * self.element_size
 
     def host_chunk(self, c: int) -> torch.Tensor:
-        """Chunk c as a view of the host store."""
-        rt = self.runtime
-        r0, _ = self.layout.chunk_rows(c)
-        offset = self.store_offset + r0 * self.layout.cols * self.element_size
-        return rt.host_store.view(offset, self.dtype, self.layout.chunk_shape(c))
+        """Chunk c as a view of the host store, as stored: [rows, cols] of the weight's dtype,
+        or a quantized weight's blob (1-D uint8): what a host copy moves into its page."""
+        st = self.storage
+        r0, _ = st.chunk_rows(c)
+        offset = self.store_offset + r0 * st.cols * self.element_size
+        return self.runtime.host_store.view(offset, self.storage_dtype, self.chunk_shape(c))
+
+    def fill_host_share(self, store, local_rank: int, local_world: int) -> None:
+        """Write local rank `local_rank` of `local_world`'s share of this weight into the node's
+        host `store` (at `store_offset`), reading the rows through the reader kept since
+        registration ([Note: filling the host store] in python_api/host/sources.py)."""
+        rows = self.layout.rows
+        r0, r1 = rows * local_rank // local_world, rows * (local_rank + 1) // local_world
+        if self.qlayout is not None:
+            dest = store.view(self.store_offset, torch.uint8, (self.nbytes,))
+            fill_image_share(self.qlayout, self._counted(self._reader), r0, r1, dest, self.dtype, self.runtime.device)
+            return
+        if r0 == r1:
+            return
+        cols = self.layout.cols
+        dst = store.view(self.store_offset + r0 * cols * self.element_size, self.dtype, (r1 - r0, cols))
+        dst.copy_(self._reader(r0, r1).reshape(r1 - r0, cols).to(dtype=self.dtype))
+
+    def write_host(self, full: torch.Tensor) -> None:
+        """Write the whole weight `full` (its value, in this weight's dtype) into the host store,
+        as stored (its quantized image when quantized)."""
+        store = self.runtime.host_store
+        if self.qlayout is not None:
+            image = self.qlayout.quantize(full.reshape(self.layout.rows, self.layout.cols).to(self.runtime.device))
+            store.view(self.store_offset, torch.uint8, (self.nbytes,)).copy_(image)
+            return
+        store.view(self.store_offset, self.dtype, (self.layout.rows, self.layout.cols)).copy_(
+            full.reshape(self.layout.rows, self.layout.cols))
 
     def chunk_view(self, page: torch.Tensor, c: int) -> torch.Tensor:
         """Chunk c in `page`: [rows, cols] of the weight's dtype, or for a quantized weight its

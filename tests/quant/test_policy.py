@@ -40,8 +40,6 @@ def test_default_is_unquantized():
     (dict(weight_format="nf4", quant_nested=1), r"quant_nested must be True or False"),
     (dict(quant_block_size=64), r"set without a weight_format"),
     (dict(quant_nested=True), r"set without a weight_format"),
-    (dict(weight_format="nf4", weights_on="host"), r"weight_format='nf4' with the host tier"),
-    (dict(weight_format="int8", host_fraction=0.5), r"weight_format='int8' with the host tier"),
 ])
 def test_bad_policy(kwargs, match):
     with pytest.raises(ValueError, match=match):
