@@ -29,6 +29,7 @@ from python_api.planner.profile import (
     OutsideProfile,
     Profile,
     ProfileError,
+    WeightFormat,
     WeightProfile,
 )
 from python_api.planner.search import least_memory, plan_from_profile, plan_with_residency
@@ -36,7 +37,7 @@ from python_api.planner.shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, s
 
 __all__ = [
     "DEVICES", "SHAPES", "Choices", "DeviceSpec", "LayerPlan", "LayerProfile", "Link", "MemoryCurve", "ModelShape",
-    "OutsideProfile", "Plan", "PlanningError", "Profile", "ProfileError", "StepCost", "WeightPlan", "WeightProfile",
+    "OutsideProfile", "Plan", "PlanningError", "Profile", "ProfileError", "StepCost", "WeightFormat", "WeightPlan", "WeightProfile",
     "allgather_bytes_per_micro_batch", "allgather_bytes_per_step", "least_memory", "h2d_bytes_per_micro_batch", "h2d_bytes_per_step",
     "memory_curve", "plan_from_profile", "plan_of",
     "plan_with_residency", "pool_budget_bytes", "pool_pages", "step_cost", "synthetic_profile", "timeline",

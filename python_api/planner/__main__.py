@@ -2,7 +2,7 @@
 
     python -m python_api.planner --shape llama2-70b --ranks 8 --memory 40GB [--seq-len 4096]
         [--global-batch G] [--device-spec a100-40g-pcie|h100-sxm] [--host-tier] [--weights-on device|host]
-        [--json]
+        [--weight-format none|nf4|int8 [--quant-block-size B] [--quant-nested]] [--json]
 
 prints the plan table (or the plan as JSON) and `planning_seconds`.
 """
@@ -64,12 +64,20 @@ def main(argv: list[str] | None = None) -> int:
                              "the planner also chooses the host fraction and activation offload")
     parser.add_argument("--weights-on", choices=("device", "host"), default="device",
                         help="where the frozen weights' source of truth lives (host implies --host-tier)")
+    parser.add_argument("--weight-format", choices=("none", "nf4", "int8"), default="none",
+                        help="the frozen weights stored quantized (the plan keeps this format: the planner never "
+                             "chooses it)")
+    parser.add_argument("--quant-block-size", type=_positive_int, default=None,
+                        help="weights per quantization block (default: 64 for nf4, 256 for int8)")
+    parser.add_argument("--quant-nested", action="store_true", help="nf4: double quantization of the scales")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     global_batch = args.global_batch if args.global_batch is not None else 8 * args.ranks
     try:
         profile = synthetic_profile(args.shape, args.ranks, args.seq_len, args.device_spec, host_tier=args.host_tier,
-                                    weights_on=args.weights_on)
+                                    weights_on=args.weights_on,
+                                    weight_format=None if args.weight_format == "none" else args.weight_format,
+                                    quant_block_size=args.quant_block_size, quant_nested=args.quant_nested)
         plan = plan_from_profile(profile, args.memory, global_batch, margin=args.margin,
                                  prefetch_depth=args.prefetch_depth, granularity=args.granularity)
     except (PlanningError, ProfileError, ValueError) as exc:

@@ -14,8 +14,9 @@ when the pool never evicts a kept chunk (the plan's budget guarantees it).
 One micro-batch is the forward uses of the units, the outside compute (embeddings, head,
 loss: (outside fwd + bwd per token) x T), then the backward-phase uses ([Note: the timeline of
 an iteration]), with T = micro_batch x seq_len tokens. Each use u has compute c(u)
-    forward, recompute   fwd_s_fixed + fwd_s_per_token x T   (a recompute is the forward again)
-    backward             bwd_s_fixed + bwd_s_per_token x T
+    forward, recompute   fwd_s_fixed + fwd_s_per_token x T + dequant_fwd_s   (a recompute is the forward again)
+    backward             bwd_s_fixed + bwd_s_per_token x T + dequant_bwd_s
+(the dequant terms: quantized weights only, [Note: dequantization in the time model])
 and what it misses arrives over two links, each a FIFO queue served in the order the runtime
 issues to it:
   - the communication stream (NCCL; the gloo worker on CPU): every all-gather of the rank,
@@ -50,6 +51,30 @@ Granularity: a unit's compute waits for its whole gather (the runtime starts a w
 as its own chunks arrived, so the model is an upper bound there); one latency per use and
 link (the runtime issues one collective per 32 MiB per rank and one copy per host chunk; the
 measured links are fitted on the same shapes, python_api/planning/measure.py).
+
+[Note: dequantization in the time model]
+A use of a quantized weight dequantizes its chunks into the compute dtype right before its
+GEMMs (python_api/quant/workspace.py), on the compute stream: it is compute, which no link
+hides, and it happens at every use whatever the residency (a kept chunk stays quantized in its
+page; the dequantized copy lives for one use). So a use's compute is its unit's plus the
+dequantization: a forward or recompute use dequantizes every weight of the unit
+(LayerProfile.dequant_fwd_s), a backward use the weights with a backward use (dequant_bwd_s:
+dgrad reads W again, in the same dtype). Per weight, `dequant_s` is one use's dequantization
+of all its chunks (one call for a LoRA linear; one per chunk for a plain ElasticLinear, which
+computes chunk by chunk). What changes it with the plan is the number of uses, never the
+residency: a recomputed layer dequantizes once more, and each of the accumulation x micro-
+batches dequantizes once, so a larger micro-batch amortizes it over more tokens. Longer
+compute can hide more of a gather, so the step grows by at most the dequant of its uses
+(exactly that when nothing is exposed), and fewer missing bytes still never make it slower.
+Not counted twice: a measured profile times each unit with its dequantization inside (the
+unit's hooks enclose it) and, apart, the dequant op itself on the weight's shapes and dtype
+(python_api/planning/measure.py), and stores the unit's times net of it (taken off the fixed
+part; any rest off the per-token part, so the time at the profiled micro-batch is unchanged);
+the model adds it back per use. At the profiled micro-batch a plan's compute is thus what was
+measured; the explicit term makes the per-use part right at other micro-batches and
+recompute counts (instead of leaving it to the two-point fit), and lets a synthetic profile
+(shapes.py: the device's dequant rate) or a hand-written one state it. A profile without a
+weight format has no dequant term (older measured ones hold any dequant in their layer times).
 
 [Note: chunk sources and the host link]
 With a host fraction f (`Choices.host_fraction`; 1 in effect with weights_on="host", 0 at
@@ -132,8 +157,15 @@ def allgather_bytes_per_step(profile: Profile, choices: Choices, accumulation: i
 
 
 def use_compute_s(profile: Profile, u: Use, tokens: int) -> float:
+    """The use's compute, its dequantization included ([Note: dequantization in the time model])."""
     layer = profile.layers[u.layer]
     return layer.fwd_s(tokens) if u.kind in (FORWARD, RECOMPUTE) else layer.bwd_s(tokens)
+
+
+def use_dequant_s(profile: Profile, u: Use) -> float:
+    """The part of the use's compute that dequantizes its weights."""
+    layer = profile.layers[u.layer]
+    return layer.dequant_fwd_s if u.kind in (FORWARD, RECOMPUTE) else layer.dequant_bwd_s
 
 
 # ---------------------------------------------------------------- the simulation
@@ -314,6 +346,7 @@ class StepCost:
     allreduce_s: float  # the adapter-gradient all-reduce, once
     step_s: float
     exposed_per_use: tuple[tuple[str, float], ...]  # (use label, seconds) for one micro-batch
+    dequant_s: float = 0.0  # of compute_s + recompute_s: dequantizing quantized weights, all uses and micro-batches
 
 
 def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost:
@@ -332,8 +365,9 @@ def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost
                     for u, e in zip(forward + backward, fw + bw))
     allreduce = profile.allreduce.time(profile.adapter_grad_bytes) if profile.world_size > 1 else 0.0
     step = accumulation * total + allreduce
+    dequant = sum(use_dequant_s(profile, u) for u in forward + backward)
     return StepCost(accumulation * compute, accumulation * recompute, accumulation * exposed, allreduce, step,
-                    per_use)
+                    per_use, accumulation * dequant)
 
 
 def step_time_s(profile: Profile, choices: Choices, accumulation: int) -> float:

@@ -1,7 +1,13 @@
 """The `Plan`: what the planner chose, per layer and weight, with the models' predictions; its
 JSON form (what the CLI writes and `Plan.load` reads), its table, and `plan_of` (a plan for
 given choices, predicted by the memory and cost models). The search that picks the choices:
-search.py."""
+search.py.
+
+A plan records the weight format of the profile it was made for (`weight_format`: None for
+weights stored as they are). The format is the user's choice, never a planner dimension (it
+changes the model's numerics): every plan of a profile has the profile's format, and
+`check_profile` / `python_api.planning.apply_plan` refuse a plan whose format is not the
+profile's / the model's."""
 
 from __future__ import annotations
 
@@ -10,7 +16,16 @@ from dataclasses import dataclass
 
 from python_api.planner.cost import allgather_bytes_per_step, h2d_bytes_per_step, step_cost
 from python_api.planner.memory import Choices, effective_host_fraction, memory_curve, pool_budget_bytes
-from python_api.planner.profile import Profile, ProfileError, check_bool, check_int, check_keys, check_num, check_str
+from python_api.planner.profile import (
+    Profile,
+    ProfileError,
+    WeightFormat,
+    check_bool,
+    check_int,
+    check_keys,
+    check_num,
+    check_str,
+)
 
 PLAN_VERSION = 1
 
@@ -39,6 +54,8 @@ _PLAN_FIELDS = ("version", "world_size", "memory_bytes", "global_batch", "micro_
                 "predicted_allgather_bytes_per_step", "predicted_step_time_s", "planning_seconds", "profile_source")
 # Optional in a plan document (absent in plans written before the host tier): their defaults.
 _PLAN_HOST_FIELDS = {"host_fraction": 0.0, "offload_activations": False, "predicted_h2d_bytes_per_step": 0}
+# Optional too (absent in plans written before quantized weights: unquantized), always written.
+_PLAN_FORMAT_FIELD = "weight_format"
 # What the CLI adds to the plan it writes (python_api/finetune/planning.py `plan_document`):
 # the run's record of the plan, not part of it; read and checked for shape, not kept.
 _PLAN_RUN_FIELDS = ("adaptations", "profile_seconds")
@@ -67,6 +84,7 @@ class Plan:
     host_fraction: float = 0.0  # share of missing chunks from the host store (runtime's host_fraction)
     offload_activations: bool = False
     predicted_h2d_bytes_per_step: int = 0  # host-chunk copies + activations brought back, per rank
+    weight_format: WeightFormat | None = None  # the profile's (the user's choice); None: unquantized
 
     def __post_init__(self):
         self.validate()
@@ -88,6 +106,9 @@ class Plan:
             raise ProfileError(f"plan.host_fraction must be in [0, 1], got {self.host_fraction}")
         check_bool("plan.offload_activations", self.offload_activations)
         check_int("plan.predicted_h2d_bytes_per_step", self.predicted_h2d_bytes_per_step)
+        if self.weight_format is not None and not isinstance(self.weight_format, WeightFormat):
+            raise ProfileError(f"plan.weight_format must be a WeightFormat or None, got "
+                               f"{type(self.weight_format).__name__}")
         if self.micro_batch * self.accumulation * self.world_size != self.global_batch:
             raise ProfileError(
                 f"plan: micro_batch x accumulation x world_size ({self.micro_batch} x {self.accumulation} x "
@@ -134,6 +155,9 @@ class Plan:
         """Raise unless the plan was made for `profile`'s units, weights and chunk counts."""
         if profile.world_size != self.world_size:
             raise ProfileError(f"plan is for world_size {self.world_size}, the profile has {profile.world_size}")
+        if profile.weight_format != self.weight_format:
+            raise ProfileError(f"plan is for weights stored {format_name(self.weight_format)}, the profile's are "
+                               f"{format_name(profile.weight_format)}: plan from this profile")
         if len(profile.layers) != len(self.layers):
             raise ProfileError(f"plan has {len(self.layers)} layers, the profile {len(profile.layers)}")
         for lp, layer in zip(self.layers, profile.layers):
@@ -148,7 +172,8 @@ class Plan:
         gib = float(1 << 30)
         recomputed = sum(layer.recompute for layer in self.layers)
         lines = [
-            f"plan for {self.world_size} rank(s), profile {self.profile_source}",
+            f"plan for {self.world_size} rank(s), profile {self.profile_source}, weights "
+            f"{format_name(self.weight_format)}",
             f"  global batch {self.global_batch} = micro-batch {self.micro_batch} x accumulation "
             f"{self.accumulation} x {self.world_size} rank(s); prefetch depth {self.prefetch_depth}",
             f"  memory {self.memory_bytes / gib:.2f} GiB per rank; pool budget {self.pool_budget_bytes / gib:.2f} GiB "
@@ -181,6 +206,7 @@ class Plan:
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in _PLAN_FIELDS if k != "layers"}
         out.update({k: getattr(self, k) for k in _PLAN_HOST_FIELDS})
+        out[_PLAN_FORMAT_FIELD] = None if self.weight_format is None else self.weight_format.to_dict()
         out["layers"] = [
             {"name": layer.name, "recompute": layer.recompute,
              "weights": [{"name": w.name, "keep_chunks": w.keep_chunks, "persist_chunks": w.persist_chunks,
@@ -196,7 +222,7 @@ class Plan:
     def from_dict(cls, d) -> Plan:
         """The plan of a document: one `to_dict` wrote, or the CLI's plan.json (whose run
         record, adaptations and profile_seconds, is checked and left out)."""
-        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS) + _PLAN_RUN_FIELDS)
+        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS) + (_PLAN_FORMAT_FIELD,) + _PLAN_RUN_FIELDS)
         if "adaptations" in d and not (isinstance(d["adaptations"], list)
                                        and all(isinstance(e, dict) for e in d["adaptations"])):
             raise ProfileError(f"plan.adaptations must be a list of objects, got {d['adaptations']!r:.80}")
@@ -222,6 +248,8 @@ class Plan:
                                     check_bool(f"{where}.recompute", x["recompute"]), tuple(weights)))
         kwargs = {k: d[k] for k in _PLAN_FIELDS if k != "layers"}
         kwargs.update({k: d.get(k, default) for k, default in _PLAN_HOST_FIELDS.items()})
+        fmt = d.get(_PLAN_FORMAT_FIELD)
+        kwargs[_PLAN_FORMAT_FIELD] = None if fmt is None else WeightFormat.from_dict("plan.weight_format", fmt)
         return cls(layers=tuple(layers), **kwargs)
 
     @classmethod
@@ -241,6 +269,10 @@ class Plan:
     def load(cls, path: str) -> Plan:
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+def format_name(fmt: WeightFormat | None) -> str:
+    return "unquantized" if fmt is None else fmt.describe()
 
 
 def plan_of(profile: Profile, choices: Choices, *, memory_bytes: int, global_batch: int,
@@ -274,6 +306,7 @@ def plan_of(profile: Profile, choices: Choices, *, memory_bytes: int, global_bat
         host_fraction=effective_host_fraction(profile, choices.host_fraction) if profile.host_store else 0.0,
         offload_activations=bool(choices.offload),
         predicted_h2d_bytes_per_step=h2d_bytes_per_step(profile, choices, accumulation),
+        weight_format=profile.weight_format,  # the user's choice, as profiled: never the planner's
     )
 
 

@@ -35,6 +35,16 @@ moves them (what `ActivationOffload` copies: lora_x, xa and the dropout mask of 
 LoRA linear), and `offload_freed_bytes_per_token` the device bytes that leaves free (an input
 shared by q/k/v is copied three times but freed once). See [Note: chunk sources and the host
 link] in cost.py and [Note: activation offload in the memory model] in memory.py.
+
+Quantized frozen weights (optional; absent = stored as they are, and older documents load
+unchanged): `weight_format` ({"name": "nf4" | "int8", "block_size", "nested"}) records the
+format the runtime stores the weights in, the user's choice (ElasticPolicy.weight_format): the
+byte fields of every weight are then its quantized chunks' (blobs), and per weight `dequant_s`
+is the seconds one use of it spends dequantizing its chunks into the compute dtype, added to
+every use's compute ([Note: dequantization in the time model] in cost.py). A document without
+them has no format and a dequant time of 0: measured before this field existed, its layer
+times already hold any dequantization (they were timed with it inside), so nothing is lost or
+counted twice. The planner never changes the format: a plan records it (plan.py).
 """
 
 from __future__ import annotations
@@ -42,8 +52,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from python_api.config import MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
 
 PROFILE_VERSION = 1
+
+# Scales per nested (fp32) scale of NF4's double quantization (elastic_kernels/quant/nf4.py
+# NESTED_BLOCK; repeated because the planner is torch-free, tests/quant/test_planner_quant.py
+# checks that the blob sizes below equal the kernels layer's).
+NF4_NESTED_BLOCK = 256
 
 
 class ProfileError(ValueError):
@@ -118,6 +136,62 @@ class Link:
 
 
 @dataclass(frozen=True)
+class WeightFormat:
+    """How the frozen weights are stored: `name` "nf4" or "int8", `block_size` weights per
+    quantization block, `nested` (nf4 only) double quantization of the scales. The user's
+    choice (ElasticPolicy.weight_format, quant_block_size, quant_nested), never the planner's:
+    it changes the model's numerics. [Note: quantized chunk blob] in
+    elastic_kernels/quant/blob.py says the bytes."""
+
+    name: str
+    block_size: int
+    nested: bool = False
+
+    def __post_init__(self):
+        if self.name not in WEIGHT_FORMATS:
+            raise ProfileError(f"weight_format.name must be one of {list(WEIGHT_FORMATS)}, got {self.name!r}")
+        b = self.block_size
+        if not _is_int(b) or not MIN_QUANT_BLOCK <= b <= MAX_QUANT_BLOCK or b & (b - 1):
+            raise ProfileError(f"weight_format.block_size must be a power of two in [{MIN_QUANT_BLOCK}, "
+                               f"{MAX_QUANT_BLOCK}], got {b!r}")
+        check_bool("weight_format.nested", self.nested)
+        if self.nested and self.name != "nf4":
+            raise ProfileError(f"weight_format.nested is an nf4 option; {self.name} has no nested scales")
+
+    @classmethod
+    def of_policy(cls, policy) -> WeightFormat | None:
+        """The format an ElasticPolicy stores the weights in (None: unquantized)."""
+        if policy.weight_format is None:
+            return None
+        return cls(policy.weight_format, policy.block_size, bool(policy.quant_nested))
+
+    def blob_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of the blob of a chunk of `rows` x `cols` weights (codes, then scales; nested:
+        scale codes, nested fp32 scales and the offset), as NF4ChunkFormat / Int8ChunkFormat."""
+        if cols % self.block_size:
+            raise ValueError(f"a row of {cols} weights is not a whole number of {self.name} blocks of "
+                             f"{self.block_size}: blocks never straddle rows")
+        numel = rows * cols
+        blocks = numel // self.block_size
+        if self.name == "int8":
+            return numel + 4 * blocks
+        if self.nested:
+            return numel // 2 + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4
+        return numel // 2 + 4 * blocks
+
+    def describe(self) -> str:
+        return f"{self.name} (block {self.block_size}{', nested scales' if self.nested else ''})"
+
+    @classmethod
+    def from_dict(cls, where: str, d) -> WeightFormat:
+        check_keys(where, d, ("name", "block_size"), ("nested",))
+        return cls(check_str(f"{where}.name", d["name"]), d["block_size"], d.get("nested", False))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class WeightProfile:
     """One frozen weight of a unit, by its chunk layout (see the module docstring)."""
 
@@ -127,6 +201,7 @@ class WeightProfile:
     chunk_bytes: int
     backward: bool = True
     last_chunk_bytes: int | None = None  # None: chunk_bytes (the last chunk is full)
+    dequant_s: float = 0.0  # one use's dequantization of every chunk (quantized weights; 0: none)
 
     @property
     def last_bytes(self) -> int:
@@ -139,7 +214,8 @@ class WeightProfile:
 
     @classmethod
     def from_dict(cls, where: str, d) -> WeightProfile:
-        check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"), ("backward", "last_chunk_bytes"))
+        check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"),
+                   ("backward", "last_chunk_bytes", "dequant_s"))
         last = d.get("last_chunk_bytes")
         out = cls(
             name=check_str(f"{where}.name", d["name"]),
@@ -148,6 +224,7 @@ class WeightProfile:
             chunk_bytes=check_int(f"{where}.chunk_bytes", d["chunk_bytes"], 1),
             backward=check_bool(f"{where}.backward", d.get("backward", True)),
             last_chunk_bytes=None if last is None else check_int(f"{where}.last_chunk_bytes", last, 1),
+            dequant_s=check_num(f"{where}.dequant_s", d.get("dequant_s", 0.0)),
         )
         if out.last_bytes > out.chunk_bytes:
             raise ProfileError(f"{where}.last_chunk_bytes ({out.last_bytes}) exceeds chunk_bytes ({out.chunk_bytes})")
@@ -157,12 +234,17 @@ class WeightProfile:
         out = asdict(self)
         if self.last_chunk_bytes is None:
             del out["last_chunk_bytes"]
+        if not self.dequant_s:
+            del out["dequant_s"]
         return out
 
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One unit (gathered as a whole). Times per call: fixed + per_token x tokens.
+    """One unit (gathered as a whole). Times per call: fixed + per_token x tokens, plus the
+    dequantization of its quantized weights (`dequant_fwd_s` per forward or recompute use,
+    `dequant_bwd_s` per backward use: [Note: dequantization in the time model] in cost.py),
+    which the fixed and per-token parts do not hold.
 
     act_bytes_per_token    saved for backward when the layer is not recomputed (and, during
                            its own forward or backward, the working activations of the layer)
@@ -192,11 +274,23 @@ class LayerProfile:
     def chunks(self) -> int:
         return sum(w.chunks for w in self.weights)
 
+    @cached_property
+    def dequant_fwd_s(self) -> float:
+        """Dequantization in one forward (or recompute) use: every weight of the unit."""
+        return sum(w.dequant_s for w in self.weights)
+
+    @cached_property
+    def dequant_bwd_s(self) -> float:
+        """Dequantization in one backward use: the weights with a backward use."""
+        return sum(w.dequant_s for w in self.weights if w.backward)
+
     def fwd_s(self, tokens: int) -> float:
-        return self.fwd_s_fixed + self.fwd_s_per_token * tokens
+        """One forward (or recompute) use's compute, its dequantization included."""
+        return self.fwd_s_fixed + self.fwd_s_per_token * tokens + self.dequant_fwd_s
 
     def bwd_s(self, tokens: int) -> float:
-        return self.bwd_s_fixed + self.bwd_s_per_token * tokens
+        """One backward use's compute, its dequantization included."""
+        return self.bwd_s_fixed + self.bwd_s_per_token * tokens + self.dequant_bwd_s
 
     @classmethod
     def from_dict(cls, where: str, d) -> LayerProfile:
@@ -315,6 +409,7 @@ class Profile:
     weights_on: str = "device"  # "host": no device shard, every chunk from the host store
     host_budget_bytes: int | None = None  # the activation offload's host buffer cap (None: none)
     copy: Link | None = None  # device memory copies (a gather's pack and unpack); None: not timed
+    weight_format: WeightFormat | None = None  # None: the frozen weights are stored unquantized
 
     @property
     def has_host_tier(self) -> bool:
@@ -356,6 +451,9 @@ class Profile:
             raise ProfileError('profile.weights_on is "host" but host_store is false: the weights live in the store')
         if self.host_budget_bytes is not None:
             check_int("profile.host_budget_bytes", self.host_budget_bytes)
+        if self.weight_format is not None and not isinstance(self.weight_format, WeightFormat):
+            raise ProfileError(f"profile.weight_format must be a WeightFormat or None, got "
+                               f"{type(self.weight_format).__name__}")
         if not isinstance(self.outside, OutsideProfile):
             raise ProfileError(f"profile.outside must be an OutsideProfile, got {type(self.outside).__name__}")
         if not isinstance(self.layers, tuple) or not self.layers:
@@ -390,6 +488,10 @@ class Profile:
                     raise ProfileError(f"{where} must follow the weights' (forward) order, got {list(owners)}")
             for j, w in enumerate(layer.weights):
                 where = f"profile.layers[{i}] ({layer.name}).weights[{j}] ({w.name})"
+                check_num(f"{where}.dequant_s", w.dequant_s)
+                if w.dequant_s and self.weight_format is None:
+                    raise ProfileError(f"{where}.dequant_s is {w.dequant_s} but profile.weight_format is absent: "
+                                       "only a quantized weight is dequantized")
                 if w.chunk_bytes > self.page_bytes:
                     raise ProfileError(f"{where}.chunk_bytes ({w.chunk_bytes}) exceeds profile.page_bytes "
                                        f"({self.page_bytes}): a chunk must fit in one page")
@@ -445,6 +547,8 @@ class Profile:
             out["host_budget_bytes"] = self.host_budget_bytes
         if self.copy is not None:
             out["copy"] = asdict(self.copy)
+        if self.weight_format is not None:
+            out["weight_format"] = self.weight_format.to_dict()
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -453,7 +557,7 @@ class Profile:
     @classmethod
     def from_dict(cls, d) -> Profile:
         check_keys("profile", d, _SCALARS + ("allgather", "allreduce", "layers", "outside"),
-                   ("h2d", "host_store", "weights_on", "host_budget_bytes", "copy"))
+                   ("h2d", "host_store", "weights_on", "host_budget_bytes", "copy", "weight_format"))
         layers = d["layers"]
         if not isinstance(layers, list):
             raise ProfileError(f"profile.layers must be a list, got {type(layers).__name__}")
@@ -477,6 +581,8 @@ class Profile:
             weights_on=d.get("weights_on", "device"),
             host_budget_bytes=d.get("host_budget_bytes"),
             copy=None if d.get("copy") is None else Link.from_dict("profile.copy", d["copy"]),
+            weight_format=(None if d.get("weight_format") is None
+                           else WeightFormat.from_dict("profile.weight_format", d["weight_format"])),
         )
 
     @classmethod

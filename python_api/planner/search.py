@@ -301,7 +301,7 @@ def _recompute_order(profile: Profile) -> list[int]:
     """Recomputable layers that free memory, by bytes freed per second of recompute."""
     def key(i):
         layer = profile.layers[i]
-        cost = layer.fwd_s_per_token * profile.seq_len + layer.fwd_s_fixed
+        cost = layer.fwd_s(profile.seq_len)  # a recompute's dequantization included
         freed = layer.act_bytes_per_token - layer.input_bytes_per_token
         return (-(freed / cost) if cost > 0 else float("-inf"), i)
 

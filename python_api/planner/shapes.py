@@ -43,6 +43,21 @@ PCIe link at an achieved rate (`DeviceSpec.h2d_bytes_per_s`: A100 PCIe Gen4 x16 
 SXM Gen5 x16 ~50 GB/s, 10 us per copy batch), each GPU with its own link (no sharing of a
 PCIe switch or of host memory bandwidth is modelled); the store exists (`host_store`), with
 weights_on="host" no shard is in static_bytes; the host budget is `host_budget_bytes`.
+Quantized weights (`weight_format="nf4" | "int8"`, with `quant_block_size` and `quant_nested`
+as ElasticPolicy has them; the user's choice): each weight is cut into the same chunks of whole
+rows as in bf16 (rows_per_chunk from the bf16 row), and every chunk is its blob
+(WeightFormat.blob_bytes: nf4 0.5 byte per weight + 4 per block of 64; int8 1 byte + 4 per
+block of 256), so chunk, slice, last-chunk and page bytes, the shards in static_bytes and
+every link's bytes follow the format. Each use dequantizes a weight into bf16 (one launch per
+LoRA projection; lm_head, a plain ElasticLinear, one per chunk): dequant_s = launches x
+`DeviceSpec.dequant_latency_s` + (rows x cols x 2 bytes of output) / `dequant_bytes_per_s`.
+The rate is an ASSUMPTION, not a measurement: 80% of the device copy bandwidth (the copy
+link's rate, HBM / 2), the goal issue 20 sets for our Triton dequant kernel (bench/
+bench_quant.py under `make gpu-check`; no GPU figure is measured yet, NOTES.md). A memory-
+bound kernel that reads 0.28 (nf4) / 0.52 (int8) byte per byte of bf16 it writes moves less
+than a copy of its output (2 bytes per byte), so the goal is not optimistic if the kernel is
+bandwidth-bound. Launch latency 5 us, as a copy kernel's. The recycled dequant workspace
+(python_api/quant/workspace.py: the largest weight one call dequantizes, in bf16) is static.
 What activation offload moves per decoder layer and token: each of the 7 LoRA linears' input
 (bf16: q, k, v each copy the normed hidden state, o the attention output, gate and up the
 normed hidden state, down silu(g) x u) and x A^T (fp32, r values), no dropout mask:
@@ -56,8 +71,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from python_api.config import PAGE_ALIGN
-from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+from python_api.config import DEFAULT_QUANT_BLOCK, PAGE_ALIGN, WEIGHT_FORMATS
+from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
 
 BF16 = 2  # bytes per element of the frozen weights and activations
 DEFAULT_CHUNK_BYTES = 4 << 20  # ElasticPolicy.chunk_bytes default
@@ -109,6 +124,10 @@ class DeviceSpec:
     h2d_bytes_per_s: float = 25e9  # host <-> device copies over the GPU's PCIe link (achieved; assumption)
     h2d_latency_s: float = 10e-6
     copy_latency_s: float = 5e-6  # one device-to-device copy kernel (a gather's pack or unpack)
+    # Dequantization of quantized weights, bytes of bf16 output per second; None: 80% of the
+    # copy rate, an assumption ([Note: synthetic profile assumptions], quantized weights).
+    dequant_bytes_per_s: float | None = None
+    dequant_latency_s: float = 5e-6  # one dequant kernel launch
 
     def h2d(self) -> Link:
         return Link(self.h2d_latency_s, self.h2d_bytes_per_s)
@@ -116,6 +135,11 @@ class DeviceSpec:
     def copy(self) -> Link:
         """Device memory copies: each byte copied is read and written, half the HBM bandwidth."""
         return Link(self.copy_latency_s, self.hbm_bytes_per_s / 2)
+
+    def dequant(self) -> Link:
+        """Dequantization: latency per launch + output bytes / rate."""
+        rate = self.dequant_bytes_per_s if self.dequant_bytes_per_s is not None else 0.8 * self.copy().bytes_per_s
+        return Link(self.dequant_latency_s, rate)
 
     def allgather(self, ranks: int) -> Link:
         if ranks <= self.gpus_per_node:
@@ -159,7 +183,10 @@ FWD_FIXED_S = 100e-6
 BWD_FIXED_S = 200e-6
 
 
-def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backward: bool = True) -> WeightProfile:
+def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backward: bool = True,
+            fmt: WeightFormat | None = None, dequant: Link | None = None, per_chunk: bool = False) -> WeightProfile:
+    """A bf16 weight's chunk layout; with `fmt`, its chunks are blobs and each use dequantizes
+    it (`dequant`: one launch, or one per chunk when `per_chunk`)."""
     row_bytes = cols * BF16
     if row_bytes > chunk_bytes:
         raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than one row of {name} ({row_bytes} bytes)")
@@ -167,10 +194,19 @@ def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backw
     chunk_numel = rows_per_chunk * cols
     chunks = math.ceil(rows / rows_per_chunk)
     last_rows = rows - (chunks - 1) * rows_per_chunk
-    return WeightProfile(name=name, chunks=chunks,
-                         slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
-                         backward=backward,
-                         last_chunk_bytes=None if last_rows == rows_per_chunk else last_rows * cols * BF16)
+    last = None if last_rows == rows_per_chunk else last_rows * cols * BF16
+    if fmt is None:
+        return WeightProfile(name=name, chunks=chunks,
+                             slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
+                             backward=backward, last_chunk_bytes=last)
+    try:
+        blob = fmt.blob_bytes(rows_per_chunk, cols)
+    except ValueError as exc:
+        raise ValueError(f"{name} ({rows} x {cols}): {exc}") from None
+    launches = chunks if per_chunk else 1
+    return WeightProfile(name=name, chunks=chunks, slice_bytes=math.ceil(blob / ranks), chunk_bytes=blob,
+                         backward=backward, last_chunk_bytes=None if last is None else fmt.blob_bytes(last_rows, cols),
+                         dequant_s=launches * dequant.latency_s + rows * cols * BF16 / dequant.bytes_per_s)
 
 
 def shape_of(shape: str) -> ModelShape:
@@ -190,12 +226,16 @@ def device_of(device: str | DeviceSpec) -> DeviceSpec:
 def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str | DeviceSpec = "a100-40g-pcie", *,
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, lora_rank: int = 16, host_tier: bool = False,
                       weights_on: str = "device", host_budget_bytes: int | None = None, jitter: float = 0.0,
-                      seed: int = 0) -> Profile:
+                      seed: int = 0, weight_format: str | None = None, quant_block_size: int | None = None,
+                      quant_nested: bool = False) -> Profile:
     """The profile of Llama-2 `shape` on `ranks` GPUs of `device` ([Note: synthetic profile
     assumptions]); with `host_tier` (implied by weights_on="host") the host link, a host store
     and the offloadable activations are in it. `jitter`: each decoder layer's four timings
     scaled by independent factors uniform in [1 - jitter, 1 + jitter] (drawn from `seed`), as
-    a measured profile's layers differ (no two are equal, so the search cannot share their work)."""
+    a measured profile's layers differ (no two are equal, so the search cannot share their work).
+    `weight_format` ("nf4" | "int8"; `quant_block_size`, `quant_nested` as in ElasticPolicy):
+    the frozen weights stored quantized, their bytes the blobs' and each use's dequantization
+    at the device's dequant rate (an assumption: the Note)."""
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
         raise ValueError(f"jitter must be a number in [0, 1), got {jitter!r}")
     rng = random.Random(seed)
@@ -204,6 +244,16 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
     host_tier = host_tier or weights_on == "host"
     m = shape_of(shape)
     dev = device_of(device)
+    if weight_format is None:
+        if quant_block_size is not None or quant_nested:
+            raise ValueError("quant_block_size / quant_nested describe a quantized format: give weight_format too")
+        fmt = None
+    elif weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be None or one of {list(WEIGHT_FORMATS)}, got {weight_format!r}")
+    else:
+        block = DEFAULT_QUANT_BLOCK[weight_format] if quant_block_size is None else quant_block_size
+        fmt = WeightFormat(weight_format, block, quant_nested)
+    dequant = dev.dequant() if fmt is not None else None
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -226,7 +276,8 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         # The first layer's q/k/v read the norm of the frozen embedding: no input gradient,
         # so no backward use (the runtime gathers them in forward only).
         weights = tuple(_weight(name, rows, cols, ranks, chunk_bytes,
-                                backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")))
+                                backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")),
+                                fmt=fmt, dequant=dequant)
                         for name, rows, cols in projections)
         j = [1.0 + rng.uniform(-jitter, jitter) if jitter else 1.0 for _ in range(4)]
         layers.append(LayerProfile(
@@ -236,7 +287,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
             act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
             offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed, offload_tensors_weight=owners,
         ))
-    head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes)
+    head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes, fmt=fmt, dequant=dequant, per_chunk=True)
     layers.append(LayerProfile(
         name="lm_head", recomputable=False,
         fwd_s_per_token=2 * m.vocab * h / dev.flops, bwd_s_per_token=2 * m.vocab * h / dev.flops,
@@ -249,6 +300,9 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
     replicated = BF16 * (m.vocab * h + (2 * m.layers + 1) * h)  # embedding + norms
     adapters = m.layers * lora_params
     loss_bytes = 10 * m.vocab  # bytes per token moved by the loss, forward and backward
+    # The dequant workspace: the most one call writes (a whole projection; one chunk of lm_head).
+    head_rows = min(m.vocab, chunk_bytes // (BF16 * h))  # rows of one lm_head chunk
+    workspace = 0 if fmt is None else BF16 * max([rows * cols for _, rows, cols in projections] + [head_rows * h])
     return Profile(
         source=f"synthetic:{shape}",
         device=f"{dev.name} x{ranks} (synthetic)",
@@ -256,7 +310,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         seq_len=seq_len,
         capacity_bytes=dev.capacity_bytes,
         reserved_bytes=dev.reserved_bytes,
-        static_bytes=(shards if weights_on == "device" else 0) + replicated + 16 * adapters,
+        static_bytes=(shards if weights_on == "device" else 0) + replicated + 16 * adapters + workspace,
         page_bytes=page,
         adapter_grad_bytes=4 * adapters,
         allgather=dev.allgather(ranks),
@@ -270,4 +324,5 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         weights_on=weights_on,
         host_budget_bytes=host_budget_bytes,
         copy=dev.copy(),
+        weight_format=fmt,
     )

@@ -32,6 +32,8 @@ import torch.utils.checkpoint
 
 from python_api.distributed.agree import digest, exchange
 from python_api.nn.convert import runtime_of
+from python_api.planner.plan import format_name
+from python_api.planner.profile import WeightFormat
 from python_api.planner.search import plan_from_profile
 
 _WRAPPED = "_elastic_recompute_forward"
@@ -97,10 +99,17 @@ def _check_ranks_apply_the_same(rt, plan) -> None:
 
 
 def check_plan_matches(model: nn.Module, plan) -> None:
-    """The plan names exactly this model's elastic weights, with their chunk counts."""
+    """The plan names exactly this model's elastic weights, with their chunk counts, and was
+    made for the format they are stored in (the user's choice: a plan never changes it, and
+    one made for another format predicts other bytes and times)."""
     rt = runtime_of(model)
     if plan.world_size != rt.world_size:
         raise ValueError(f"apply_plan: the plan is for {plan.world_size} ranks, the runtime has {rt.world_size}")
+    fmt = WeightFormat.of_policy(rt.policy)
+    if plan.weight_format != fmt:
+        raise ValueError(f"apply_plan: the plan is for weights stored {format_name(plan.weight_format)}, this model's "
+                         f"are stored {format_name(fmt)} (ElasticPolicy.weight_format): the planner never changes "
+                         "the format; plan from a profile of this model")
     mine = {et.name: et for et in rt.tensors}
     planned = {}
     for layer in plan.layers:

@@ -7,7 +7,34 @@ in forward order:
 - forward and backward compute time: module hooks time the unit's forward; a hook on the
   gradient of the unit's output marks the start of its backward, whose end is the start of the
   previous unit's backward (or the end of the whole backward). Only units whose every chunk is
-  resident are timed, so no gather is in the times ([Note: profiling within a memory bound]).
+  resident are timed, so no gather is in the times ([Note: timing the dequantization]
+Each use of a quantized weight dequantizes all its chunks, whatever the residency, so the
+units' timed windows (resident units, hooks around the unit) already hold their uses'
+dequantization: in forward every weight, in backward those with a backward use. It is timed
+apart, once per distinct (shape, chunking, format, weight and compute dtype, call pattern):
+- on blobs quantized from normal random values of the weight's own shape (the kernels have
+  no data-dependent branch; normal values give normal fp32 scales, so no denormal slows the
+  CPU kernel); the blobs of one weight live only while it is timed;
+- by the very call the layer makes (python_api/quant/workspace.py `dequantize_use`, with the
+  impl in force on this device): one call over every chunk for a LoRA linear, one per chunk
+  for a plain ElasticLinear (which computes chunk by chunk), into the runtime's workspace
+  (grown to the largest weight by the profiling steps already: nothing is allocated), in the
+  dtype the layer computes in (`op_dtype` of its input under the caller's autocast, recorded
+  by the probe). That call is what a use pays: on CPU, for the tests' 64-wide weights of 13
+  chunks, its Python work (formats, views, the split) is 4-8x the C++ kernel's time;
+- as n back-to-back uses per window of about 0.2 ms, one sync per window (on a GPU the uses
+  queue on the stream as the layers' do; a short window is seldom cut by the scheduler of a
+  loaded host), the median of 9 windows, then the MAX over the ranks like every timing.
+The unit's fit is stored net of it ([Note: dequantization in the time model] in
+python_api/planner/cost.py): the forward dequant comes off fwd_s_fixed, the backward one off
+bwd_s_fixed, and where a fixed part is smaller (the two-point fit is noisy) the rest comes off
+the per-token part at the profiled micro-batch, so that the unit's time there, the dequant
+added back, is what was measured (only a unit measured faster than its dequant alone, clamped
+at 0, would differ). Timed apart, the dequant sees warm caches and no GEMM between calls, so
+it may differ a little from the in-layer run; tests/quant/test_planner_quant.py checks it
+against an independent timing of the same call on the same shapes.
+
+[Note: profiling within a memory bound]).
   With two micro-batch sizes (the batch and its first half) the time is fitted as fixed +
   per-token; with one, fixed is 0.
 - activation bytes per token: `saved_tensors_hooks` count the bytes each unit's forward saves
@@ -34,12 +61,44 @@ in forward order:
   `ActivationOffload.offload` copies) with the weight whose linear saved each, and what that
   frees on the device: the storages that nothing but those activations saves (counted by the
   same saved-tensor hooks);
+- quantized weights (ElasticPolicy.weight_format): the format, and per weight the seconds one
+  use spends dequantizing it (`WeightProfile.dequant_s`), timed apart by the call its layer
+  makes, on this device with the impl in force; each unit's times are stored net of its uses'
+  dequantization, which the cost model adds back per use ([Note: timing the
+  dequantization]); the dequant workspace's bytes are static;
 Every rank measures; every timing and every byte count is then reduced with MAX across the
 group (the slowest rank sets the pace, the largest count bounds memory), so every rank holds
 the same profile and computes the same plan. The steps run with activation offload off and
 prefetch depth 0 (restored after), and without the adapters' gradient all-reduce (`no_sync`:
 it would fall into the first unit's backward window, with the ranks' skew, and is timed on
 its own as the allreduce link).
+
+[Note: timing the dequantization]
+Each use of a quantized weight dequantizes all its chunks, whatever the residency, so the
+units' timed windows (resident units, hooks around the unit) already hold their uses'
+dequantization: in forward every weight, in backward those with a backward use. It is timed
+apart, once per distinct (shape, chunking, format, weight and compute dtype, call pattern):
+- on blobs quantized from normal random values of the weight's own shape (the kernels have
+  no data-dependent branch; normal values give normal fp32 scales, so no denormal slows the
+  CPU kernel); the blobs of one weight live only while it is timed;
+- by the very call the layer makes (python_api/quant/workspace.py `dequantize_use`, with the
+  impl in force on this device): one call over every chunk for a LoRA linear, one per chunk
+  for a plain ElasticLinear (which computes chunk by chunk), into the runtime's workspace
+  (grown to the largest weight by the profiling steps already: nothing is allocated), in the
+  dtype the layer computes in (`op_dtype` of its input under the caller's autocast, recorded
+  by the probe). That call is what a use pays: on CPU, for the tests' 64-wide weights of 13
+  chunks, its Python work (formats, views, the split) is 4-8x the C++ kernel's time;
+- as n back-to-back uses per window of about 0.2 ms, one sync per window (on a GPU the uses
+  queue on the stream as the layers' do; a short window is seldom cut by the scheduler of a
+  loaded host), the median of 9 windows, then the MAX over the ranks like every timing.
+The unit's fit is stored net of it ([Note: dequantization in the time model] in
+python_api/planner/cost.py): the forward dequant comes off fwd_s_fixed, the backward one off
+bwd_s_fixed, and where a fixed part is smaller (the two-point fit is noisy) the rest comes off
+the per-token part at the profiled micro-batch, so that the unit's time there, the dequant
+added back, is what was measured (only a unit measured faster than its dequant alone, clamped
+at 0, would differ). Timed apart, the dequant sees warm caches and no GEMM between calls, so
+it may differ a little from the in-layer run; tests/quant/test_planner_quant.py checks it
+against an independent timing of the same call on the same shapes.
 
 [Note: profiling within a memory bound]
 Profiling must fit where the plan must fit: a model whose frozen weights exceed the device
@@ -66,7 +125,9 @@ the MIN over the ranks) bounds every step profiling runs, by the memory model it
 With `memory_bytes` at least what keeping everything needs, this is one round with every
 unit resident and timed (the profile of before). `report` (a dict) receives the rounds
 (units resident and timed, predicted peak), the bound, the streamed step's predicted peak and
-this rank's own byte counts before the MAX, for tests and logs.
+this rank's own byte counts before the MAX, and the units' measured (fwd fixed, fwd per token,
+bwd fixed, bwd per token) before the dequantization is taken out, at `tokens` per micro-batch,
+for tests and logs.
 
 Side effects: the warm-up and timed steps run forward and backward (dropout draws random
 numbers; adapter gradients are cleared before and after); residency, the pool budget and
@@ -78,6 +139,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -86,13 +148,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from elastic_kernels.quant import quantize_chunk
 from python_api.distributed.collectives import all_gather_into
 from python_api.host.offload import observe_activations
 from python_api.host.sources import HostCopyWork
 from python_api.nn.convert import runtime_of
+from python_api.nn.linear import ElasticLinear, op_dtype
 from python_api.planner.memory import Choices, memory_curve
-from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
 from python_api.planning.apply import set_recompute
+from python_api.quant import dequantize_use
 from python_api.runtime import Phase
 
 _PROFILE_MARGIN = 0.05  # the planner's default margin, kept below the bound when choosing a round
@@ -136,6 +201,7 @@ class _StepProbe:
         self.handles = []
         self.active: list[str] = []
         self.linear: list[str] = []  # the elastic weight whose layer is running (offload owners)
+        self.op_dtypes: dict[str, torch.dtype] = {}  # elastic weight -> the dtype its layer computes in
         self.reset()
         for name, module in units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
@@ -144,8 +210,14 @@ class _StepProbe:
                 et = getattr(sub, "et", None)
                 if et is not None and hasattr(et, "num_chunks"):  # an elastic layer (ElasticLinear / LoRA)
                     self.handles.append(sub.register_forward_pre_hook(
-                        lambda _m, _a, n=et.name: self.linear.append(n)))
+                        lambda _m, a, n=et.name, d=et.dtype: self._linear_enter(n, d, a)))
                     self.handles.append(sub.register_forward_hook(self._linear_done))
+
+    def _linear_enter(self, name: str, weight_dtype: torch.dtype, args) -> None:
+        self.linear.append(name)
+        if name not in self.op_dtypes and args and isinstance(args[0], torch.Tensor):
+            with contextlib.suppress(TypeError, ValueError):  # the layer itself reports a bad input
+                self.op_dtypes[name] = op_dtype(args[0], weight_dtype, name)
 
     def _linear_done(self, _module, _args, _output) -> None:
         self.linear.pop()  # returns None: a forward hook's return value would replace the output
@@ -352,7 +424,9 @@ def _static_bytes(model: nn.Module, rt) -> int:
         b = p.numel() * p.element_size()
         params += b * 4 if p.requires_grad else b  # trainable: value, gradient, AdamW's two states
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return shards + params + buffers
+    # The recycled dequant workspace (quantized weights): grown to the largest weight a call
+    # dequantized by the step before, and never shrunk ([Note: the dequant workspace]).
+    return shards + params + buffers + rt.dequant_workspace.nbytes
 
 
 def _max_over_ranks(obj, rt, what: str):
@@ -416,7 +490,34 @@ def _group_key(layer: LayerProfile) -> tuple:
 
 
 def _choose_round(profile: Profile, limit: int, micro_batch: int, untimed: list[int]) -> list[int]:
-    """Units to keep resident in one profiling round ([Note: profiling within a memory bound]):
+    """Units to keep resident in one profiling round ([Note: timing the dequantization]
+Each use of a quantized weight dequantizes all its chunks, whatever the residency, so the
+units' timed windows (resident units, hooks around the unit) already hold their uses'
+dequantization: in forward every weight, in backward those with a backward use. It is timed
+apart, once per distinct (shape, chunking, format, weight and compute dtype, call pattern):
+- on blobs quantized from normal random values of the weight's own shape (the kernels have
+  no data-dependent branch; normal values give normal fp32 scales, so no denormal slows the
+  CPU kernel); the blobs of one weight live only while it is timed;
+- by the very call the layer makes (python_api/quant/workspace.py `dequantize_use`, with the
+  impl in force on this device): one call over every chunk for a LoRA linear, one per chunk
+  for a plain ElasticLinear (which computes chunk by chunk), into the runtime's workspace
+  (grown to the largest weight by the profiling steps already: nothing is allocated), in the
+  dtype the layer computes in (`op_dtype` of its input under the caller's autocast, recorded
+  by the probe). That call is what a use pays: on CPU, for the tests' 64-wide weights of 13
+  chunks, its Python work (formats, views, the split) is 4-8x the C++ kernel's time;
+- as n back-to-back uses per window of about 0.2 ms, one sync per window (on a GPU the uses
+  queue on the stream as the layers' do; a short window is seldom cut by the scheduler of a
+  loaded host), the median of 9 windows, then the MAX over the ranks like every timing.
+The unit's fit is stored net of it ([Note: dequantization in the time model] in
+python_api/planner/cost.py): the forward dequant comes off fwd_s_fixed, the backward one off
+bwd_s_fixed, and where a fixed part is smaller (the two-point fit is noisy) the rest comes off
+the per-token part at the profiled micro-batch, so that the unit's time there, the dequant
+added back, is what was measured (only a unit measured faster than its dequant alone, clamped
+at 0, would differ). Timed apart, the dequant sees warm caches and no GEMM between calls, so
+it may differ a little from the in-layer run; tests/quant/test_planner_quant.py checks it
+against an independent timing of the same call on the same shapes.
+
+[Note: profiling within a memory bound]):
     a unit of every group with a unit in `untimed` first, then the others, in forward order,
     while the memory model of that residency stays within `limit`."""
     groups: dict = {}
@@ -609,10 +710,18 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                                                      for k in range(4))) for i in range(len(names))],
                "outside": list(outside),
                "links": _link_measurements(rt, prelim, names, host_tier),
-               "peaks": [workspace_peaks.get(n, 0) for n in names], "rpeaks": [recompute_peaks.get(n, 0) for n in names]}
+               "peaks": [workspace_peaks.get(n, 0) for n in names], "rpeaks": [recompute_peaks.get(n, 0) for n in names],
+               "dequant": _dequant_times(model, rt, probe.op_dtypes)}
     timings = _max_over_ranks(timings, rt, "measure_profile: the timings")
-    layers = tuple(dataclasses.replace(layer, fwd_s_fixed=u[0], fwd_s_per_token=u[1], bwd_s_fixed=u[2],
-                                       bwd_s_per_token=u[3]) for layer, u in zip(prelim.layers, timings["units"]))
+    dequant = timings["dequant"]
+    layers = []
+    for layer, u in zip(prelim.layers, timings["units"]):
+        weights = tuple(dataclasses.replace(w, dequant_s=dequant.get(w.name, 0.0)) for w in layer.weights)
+        dq = dataclasses.replace(layer, weights=weights)  # its dequant_fwd_s / dequant_bwd_s
+        ff, fp = _net_of(u[0], u[1], dq.dequant_fwd_s, tokens)
+        bf, bp = _net_of(u[2], u[3], dq.dequant_bwd_s, tokens)
+        layers.append(dataclasses.replace(dq, fwd_s_fixed=ff, fwd_s_per_token=fp, bwd_s_fixed=bf, bwd_s_per_token=bp))
+    layers = tuple(layers)
     links = timings["links"]
     profile = dataclasses.replace(
         prelim, layers=layers,
@@ -625,7 +734,8 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     profile = _with_workspace(profile, {n: p for n, p in zip(names, timings["peaks"]) if n in workspace_peaks},
                               {n: p for n, p in zip(names, timings["rpeaks"]) if n in recompute_peaks}, B)
     if report is not None:
-        report.update(bound_bytes=bound, rounds=rounds, least_bytes=least, local_bytes=local_bytes)
+        report.update(bound_bytes=bound, rounds=rounds, least_bytes=least, local_bytes=local_bytes,
+                      unit_times=[tuple(u) for u in timings["units"]], tokens=tokens)
     return profile
 
 
@@ -641,6 +751,65 @@ def _restore(rt, model, saved, budget, depth, offload_was, was_training) -> None
         rt.drop_cached(et)
     rt.set_pool_budget(budget)
     model.train(was_training)
+
+
+def _dequant_times(model: nn.Module, rt, op_dtypes: dict[str, torch.dtype]) -> dict[str, float]:
+    """Per quantized weight, the seconds one use spends dequantizing it ([Note: timing the
+    dequantization]); {} when no weight is quantized."""
+    per_chunk = {m.et.name for m in model.modules() if isinstance(m, ElasticLinear)}
+    device, ws = rt.device, rt.dequant_workspace
+    out: dict[str, float] = {}
+    timed: dict[tuple, float] = {}
+    for et in rt.tensors:
+        q = et.qlayout
+        if q is None:
+            continue
+        dtype = op_dtypes.get(et.name, et.dtype)
+        split = et.name in per_chunk
+        key = (q.rows, q.cols, q.rows_per_chunk, q.fmt, q.block_size, q.nested, et.dtype, dtype, split)
+        if key not in timed:
+            gen = torch.Generator(device=device).manual_seed(0)
+            blobs = [quantize_chunk(torch.randn(f.rows, f.cols, generator=gen, device=device).to(et.dtype), f)
+                     for f in q.formats]
+            if split:
+                def use(blobs=blobs, q=q, dtype=dtype):
+                    for c, b in enumerate(blobs):
+                        dequantize_use(q, [b], dtype, ws, c)
+            else:
+                def use(blobs=blobs, q=q, dtype=dtype):
+                    dequantize_use(q, blobs, dtype, ws)
+            use()  # warm-up (a Triton kernel compiles on its first call)
+            timed[key] = _timed_per_call(use, device)
+            del blobs, use
+        out[et.name] = timed[key]
+    return out
+
+
+def _timed_per_call(fn, device, window_s: float = 2e-4, repeats: int = 9) -> float:
+    """Seconds per call of `fn`: the median over `repeats` windows of n back-to-back calls, one
+    sync per window, n such that a window takes about `window_s` (at most 100 calls). A short
+    call is then not dominated by the timer or the sync, and on a GPU the calls queue on the
+    stream as the layers' do; a short window is seldom cut by the scheduler on a loaded host
+    ([Note: timing the dequantization])."""
+    one = _timed(fn, device)
+    n = max(1, min(100, math.ceil(window_s / one))) if one > 0 else 100
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def _net_of(fixed: float, per_token: float, dequant: float, tokens: int) -> tuple[float, float]:
+    """A unit's (fixed, per-token) time less one use's dequantization ([Note: timing the
+    dequantization]): off the fixed part, any rest off the per-token part at `tokens`."""
+    if fixed >= dequant:
+        return fixed - dequant, per_token
+    return 0.0, max(0.0, per_token - (dequant - fixed) / tokens)
 
 
 def _unit_fit(per_size: list[tuple], i: int) -> tuple[float, float, float, float]:
@@ -725,6 +894,7 @@ def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, 
         h2d=placeholder if host_tier else None, host_store=host_tier and rt.host_store is not None,
         weights_on=rt.policy.weights_on if host_tier else "device",
         host_budget_bytes=rt.policy.host_budget_bytes if host_tier else None,
+        weight_format=WeightFormat.of_policy(rt.policy),
     )
 
 
