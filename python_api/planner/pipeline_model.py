@@ -24,8 +24,39 @@ each layer per use, prefetched one layer ahead: per action, sum over its layers 
 max(0, gather of layer l - compute of layer l - 1). The step ends when the last rank's last
 action and its adapter-gradient all-reduce over the dp group (allreduce link) are done. The
 bubble of a rank is 1 - its busy time / the step time, the measured quantity
-(PipelinedModel.last_step["idle_s_per_rank"]). Not modelled: P2P contention, compute slowed by
-concurrent copies, the optimizer step.
+(PipelinedModel.last_step["idle_s_per_rank"]). Every action also pays the per-action overhead
+([Note: the per-action overhead]). Not modelled: P2P contention, compute slowed by concurrent
+copies, the optimizer step, and on a CPU the cores freed by idle ranks (the compute is timed
+with every rank busy).
+
+[Note: the per-action overhead]
+An action costs more than its layers' compute: the stage's forward_one_chunk/backward_one_chunk
+(argument handling, autograd bookkeeping, and the pack recomputing its rotary embeddings and
+causal mask from the positions) and, between actions, the schedule's loop (posting the P2P
+operations, waiting, our pack residency). None of it depends on how many layers the pack
+has, so a step of v packs per rank pays it 2 m v times: 8 times per rank at one pack of 8
+layers, 64 times at packs of 1 (pp 2, m 4, 16 layers). The profile gives it per action as
+`stage_overhead_s` (inside the stage: added to the action's work, counted busy, as the
+measured compute counts it) and `schedule_overhead_s` (before the action: the rank is
+occupied, the wait for the input can hide it, the bubble counts it idle, as the measurement
+does): begin = max(free + schedule_overhead_s, input arrival), end = begin + work +
+stage_overhead_s. Measured ([Note: measuring the per-action overhead] in
+python_api/pipeline/profile.py) for a real model; synthetic GPU profiles assume 100 us of
+stage overhead (the prologue's and the stage's kernels, at the 100 us per call the layers'
+fixed cost assumes) and no schedule overhead (host-side Python, hidden while the host runs
+ahead of the device: an assumption that fails when an action's device time drops below the
+~1-2 ms of Python measured per action on CPU).
+Why (issue 19; bench/results/packs.csv, 4 gloo ranks on 2 cores, pp 2 x dp 2, 16 layers,
+m 4): without this term the model predicted +20% tokens/s from packs of 8 to packs of 1, the
+bench measured packs of 1 slower than packs of 2 by 3-23%, and the measured bubble at packs
+of 1 was 0.16-0.19 against 0.05 predicted. Counted in a step (main-thread CPU time per action
+at packs of 1, same run, machine loaded): ~0.5-0.6 ms stage infrastructure per forward or
+backward, ~0.55 ms causal mask per forward, ~0.3 ms P2P posting, ~0.3 ms residency, ~0.3 ms
+of schedule loop: ~1.7-2.5 ms per action against ~14 ms per layer forward and per layer
+backward, so ~12-16% of a step's CPU at packs of 1 and ~2% at packs of 8, the same size as
+the bubble the smaller packs save (0.2 -> 0.05); timestamps of every action showed the gaps
+between actions alike whether or not the rank waited for its input (the overhead is per
+action, not a slow handoff).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
@@ -65,6 +96,7 @@ pp1's predicted step (or pp1 does not fit).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -158,10 +190,19 @@ class PipelineProfile:
     cpu_gloo: bool = False  # gloo's all-gather scratch copy ([Note: the pipeline memory model])
     workspace_bytes_per_token: float = 0.0  # a backward's transient beyond the saved activations
     prefetch_depth: int = 1  # the runtime's in-pack window: a transient pack's pool holds 1 + this layers
+    # [Note: the per-action overhead]: seconds per action (F or B of one pack on one micro-batch)
+    # beyond its layers' compute, inside the stage's forward/backward (counted busy) and in the
+    # schedule between actions (the rank is occupied, the measured bubble counts it idle).
+    stage_overhead_s: float = 0.0
+    schedule_overhead_s: float = 0.0
 
     def __post_init__(self):
         if not self.layers:
             raise PipelineError("a pipeline profile needs decoder layers")
+        for name in ("stage_overhead_s", "schedule_overhead_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PipelineError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
         if self.weights_on not in ("device", "host"):
             raise PipelineError(f'weights_on must be "device" or "host", got {self.weights_on!r}')
         if self.weights_on == "host" and self.h2d is None:
@@ -417,7 +458,9 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                 if any(d not in end for d in deps):
                     break
                 arrive = max((end[d] + (p2p_s if d[1] % pp != r else 0.0) for d in deps), default=0.0)
-                begin = max(free[r], arrive)
+                # [Note: the per-action overhead]: the schedule's share runs before the wait
+                # for the input (it may hide under it), the stage's share inside the action.
+                begin = max(free[r] + profile.schedule_overhead_s, arrive)
                 # loads issued at this action's start (prefetch) or by it (demand)
                 for idx, kk, lk in plans[r].get(t, []):
                     c = costs[kk]
@@ -426,7 +469,7 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                     ready[r][idx] = link[r]
                     loads_in_flight[r].append((t, idx, c.fwd_buffers if lk == FORWARD else c.bwd_buffers))
                 c = costs[k]
-                work = c.fwd_s if kind == FORWARD else c.bwd_s
+                work = (c.fwd_s if kind == FORWARD else c.bwd_s) + profile.stage_overhead_s
                 if layout.residency[k] == "transient":
                     work += _transient_exposed(c, kind)
                 finish = max(begin, ready[r].get(t, begin)) + work
@@ -512,7 +555,7 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
         w = 0.0
         for j, k in enumerate(local):
             c = costs[k]
-            w += m * (c.fwd_s + c.bwd_s)
+            w += m * (c.fwd_s + c.bwd_s + 2 * (profile.stage_overhead_s + profile.schedule_overhead_s))
             mode = layout.residency[k]
             if mode == "transient":
                 w += m * (_transient_exposed(c, FORWARD) + _transient_exposed(c, BACKWARD))
@@ -672,6 +715,10 @@ PIPE_SHAPES = {
 }
 
 
+# [Note: the per-action overhead]: the synthetic profiles' stage overhead per action.
+SYNTHETIC_STAGE_OVERHEAD_S = 100e-6
+
+
 @dataclass(frozen=True)
 class PipeDevice:
     """A GPU and its links for synthetic pipeline profiles (rates achieved, not peak)."""
@@ -710,7 +757,8 @@ def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str
     """The pipeline profile of `shape` on `ranks` GPUs of `device` from its FLOPs and bytes
     (the assumptions of [Note: synthetic profile assumptions] in planner/shapes.py: forward 2 x
     weights + attention per token, backward twice the attention and the LoRA terms and dX only,
-    100/200 us fixed per call; saved activations as stated there; bf16)."""
+    100/200 us fixed per call; saved activations as stated there; bf16; the per-action overhead
+    of [Note: the per-action overhead])."""
     if shape not in PIPE_SHAPES:
         raise PipelineError(f"unknown shape {shape!r}; known: {', '.join(PIPE_SHAPES)}")
     if device not in PIPE_DEVICES:
@@ -746,7 +794,7 @@ def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str
         head_act_bytes_per_token=float(element_size * h), head_peak_bytes_per_token=float(10 * s.vocab),
         first_static_bytes=embed, last_static_bytes=(head_bytes if tied else 0) + element_size * 2 * h,
         head_weights=() if tied else (PipeWeight("lm_head", s.vocab, h, element_size),),
-        h2d=dev.h2d, weights_on=weights_on,
+        h2d=dev.h2d, weights_on=weights_on, stage_overhead_s=SYNTHETIC_STAGE_OVERHEAD_S, schedule_overhead_s=0.0,
     )
 
 
