@@ -169,7 +169,8 @@ def _worker(rank, world_size, args, configs):
     measured = measure_profile(ref, [ids], capacity_bytes=16 << 30, host_tier=True)
     del ref
     links = _links(groups)
-    overhead = measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS)
+    overhead = measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS,
+                                       p2p_latency_s=links["p2p"].latency_s)
     profiles = {}
     for source in ("host", "peers"):
         policy = ElasticPolicy(chunk_bytes=chunk, weights_on="host" if source == "host" else "device")
@@ -387,7 +388,7 @@ def reconstruct_profiles(rows, layers: int) -> dict:
 
 def _shell_profile(lm, lora, policy, layers):
     """pipeline_profile's shapes and bytes for the bench's model, timings zero."""
-    from python_api.pipeline.profile import pipeline_profile
+    from python_api.pipeline.profile import ActionOverhead, pipeline_profile
     from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
 
     prefix = "model.layers."
@@ -403,7 +404,8 @@ def _shell_profile(lm, lora, policy, layers):
                        reserved_bytes=0, static_bytes=0, page_bytes=256 << 10, adapter_grad_bytes=0,
                        allgather=Link(0.0, 1e9), allreduce=Link(0.0, 1e9), layers=tuple(unit),
                        outside=OutsideProfile(0.0, 0.0, 0.0, 0.0), h2d=Link(0.0, 2e10))
-    return pipeline_profile(lm, lora, policy, measured, world_size=4, seq_len=SEQ, action_overhead=(0.0, 0.0))
+    return pipeline_profile(lm, lora, policy, measured, world_size=4, seq_len=SEQ,
+                            action_overhead=ActionOverhead(0.0, 0.0))
 
 
 def spearman(a, b) -> float:
@@ -428,7 +430,7 @@ def spearman(a, b) -> float:
     return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else 0.0
 
 
-def _overhead_worker(rank, world_size, layers):
+def _overhead_worker(rank, world_size, layers, p2p_latency_s):
     import copy
 
     from python_api.finetune.models import embedded_config
@@ -437,7 +439,9 @@ def _overhead_worker(rank, world_size, layers):
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, layers, 8, 4)
-    return measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS)
+    o = measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS,
+                                p2p_latency_s=p2p_latency_s)
+    return o.stage_s, o.schedule_s
 
 
 def check(args) -> None:
@@ -453,13 +457,6 @@ def check(args) -> None:
         for line in open(ppath):
             d = json.loads(line)
             saved[(d["date"], d["commit"])] = {k: profile_from_dict(v) for k, v in d["profiles"].items()}
-    if args.overhead_ms:
-        stage, sched = (float(v) / 1e3 for v in args.overhead_ms.split(","))
-        how = "given"
-    else:
-        stage, sched = run_distributed(_overhead_worker, args.world_size, args.layers, timeout=600)[0]
-        how = f"measured now on {args.world_size} ranks at once"
-    print(f"per-action overhead ({how}): stage {stage * 1e3:.3f} ms, schedule {sched * 1e3:.3f} ms")
     runs = {}
     for r in rows:
         runs.setdefault((r["date"], r["commit"]), []).append(r)
@@ -473,6 +470,16 @@ def check(args) -> None:
                 print(f"run {key}: no saved profile; reconstructed, rms error of the fit to predicted_tokens_per_s: "
                       + ", ".join(f"{s} {v[1]:.1%}" for s, v in rec.items()))
                 rec = {s: v[0] for s, v in rec.items()}
+            if args.overhead_ms:
+                stage, sched = (float(v) / 1e3 for v in args.overhead_ms.split(","))
+                how = "given"
+            else:
+                latency = rec["host"].p2p.latency_s
+                stage, sched = run_distributed(_overhead_worker, args.world_size, args.layers, latency,
+                                               timeout=600)[0]
+                how = (f"measured now on {args.world_size} ranks at once, at the profile's P2P latency "
+                       f"{latency * 1e3:.3f} ms")
+            print(f"  per-action overhead ({how}): stage {stage * 1e3:.3f} ms, schedule {sched * 1e3:.3f} ms")
             profiles = {s: dataclasses.replace(p, stage_overhead_s=stage, schedule_overhead_s=sched)
                         for s, p in rec.items()}
         all_m, all_p = [], []

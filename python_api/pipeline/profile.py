@@ -44,8 +44,10 @@ rotary recomputation (~0.55 ms per forward), the schedule's loop.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -58,7 +60,7 @@ from python_api.pipeline.hf_packs import architecture_of
 from python_api.pipeline.stage import PackStage, StepCounters
 from python_api.planner.pipeline import PipelineError
 from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight
-from python_api.planner.profile import Profile
+from python_api.planner.profile import Link, Profile
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
@@ -72,7 +74,7 @@ def _bytes(module: nn.Module) -> int:
 
 def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, measured: Profile, *,
                      world_size: int, seq_len: int | None = None, micro_batch_size: int = 1,
-                     action_overhead: tuple[float, float] | None = None) -> PipelineProfile:
+                     action_overhead: ActionOverhead | None = None) -> PipelineProfile:
     """[Note: a pipeline profile from a measured one]. `lm` is the HF model (its parameters may
     be on the meta device: only shapes and dtypes are read); `measured` a Profile of the same
     model and LoRA under the elastic runtime at pp = 1. `action_overhead` (stage, schedule
@@ -130,8 +132,8 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
     seq = seq_len or measured.seq_len
     if action_overhead is None:
         action_overhead = measure_action_overhead(lm, seq_len=seq, micro_batch_size=micro_batch_size,
+                                                  p2p_latency_s=measured.allgather.latency_s,
                                                   device=_device_of(measured.device))
-    stage_s, schedule_s = action_overhead
     return PipelineProfile(
         source=f"from {measured.source} profile", device=measured.device, world_size=world_size,
         seq_len=seq_len or measured.seq_len, hidden_size=arch.hidden_size(lm), act_element_size=act_elem,
@@ -144,7 +146,7 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
         first_static_bytes=first_static, last_static_bytes=last_static, head_weights=head_weights,
         head_adapter_params=head_adapters, h2d=measured.h2d, weights_on=policy.weights_on,
         cpu_gloo=measured.device == "cpu", prefetch_depth=policy.prefetch_depth,
-        stage_overhead_s=stage_s, schedule_overhead_s=schedule_s,
+        stage_overhead_s=action_overhead.stage_s, schedule_overhead_s=action_overhead.schedule_s,
     )
 
 
@@ -152,103 +154,6 @@ def _device_of(name: str) -> torch.device:
     """The device a measured profile was taken on (Profile.device: "cpu" or a CUDA name)."""
     return torch.device("cpu") if name == "cpu" or not torch.cuda.is_available() else \
         torch.device("cuda", torch.cuda.current_device())
-
-
-class _NoOpLayer(nn.Module):
-    """A decoder layer that passes its input through (plus a zero parameter: the backward runs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.zero = nn.Parameter(torch.zeros(()))
-
-    def forward(self, h, *args, **kwargs):
-        return h + self.zero
-
-
-def _no_op_pack(lm: nn.Module, arch, layer: int, device: torch.device) -> nn.Module:
-    """This model's pack class around decoder layer `layer`, the layer replaced by a
-    pass-through; what else the pack holds (e.g. Llama's rotary embedding) is rebuilt from
-    the model's config where it is on the meta device. `lm` is left untouched (a pack holds
-    its own containers)."""
-    pack = arch.pack(lm, [layer], first=False, last=False)
-    pack.set_submodule(f"{arch.layer_prefix}{layer}", _NoOpLayer())
-    for name, module in list(pack.named_modules()):
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if name and any(t.is_meta for t in own):
-            try:
-                pack.set_submodule(name, type(module)(lm.config))
-            except Exception as exc:  # noqa: BLE001 - named below
-                raise PipelineError(f"measuring the per-action overhead: {name} ({type(module).__name__}) of a "
-                                    f"{arch.name} pack is on the meta device and cannot be rebuilt from the "
-                                    f"config ({exc}); pass action_overhead to pipeline_profile") from exc
-    left = [n for n, t in list(pack.named_parameters()) + list(pack.named_buffers()) if t.is_meta]
-    if left:
-        raise PipelineError(f"measuring the per-action overhead: {left[:3]} of the pack stay on the meta device")
-    return pack.to(device)
-
-
-def measure_action_overhead(lm: nn.Module, *, seq_len: int, micro_batch_size: int = 1, packs: int = 2,
-                            micro_batches: int = 8, steps: int = 6, warmup: int = 2,
-                            device: torch.device | str = "cpu", width: int = 8) -> tuple[float, float]:
-    """(stage, schedule) seconds per action of a pipelined step beyond its layers' compute
-    ([Note: measuring the per-action overhead]). A collective when the default process group
-    is initialised (every rank calls it at once; the result is the MAX over the ranks)."""
-    from torch.distributed.pipelining import ScheduleLoopedBFS
-
-    for what, v in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("packs", packs),
-                    ("micro_batches", micro_batches), ("steps", steps), ("warmup", warmup), ("width", width)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PipelineError(f"measure_action_overhead: {what} must be a positive int, got {v!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise PipelineError("measuring the per-action overhead runs pipeline stages, which need an initialised "
-                            "process group (or pass action_overhead to pipeline_profile)")
-    device = torch.device(device)
-    arch = architecture_of(lm)
-    n_layers = len(arch.layers(lm))
-    world = dist.get_world_size()
-    own, groups = dist.new_subgroups(group_size=1) if world > 1 else (dist.group.WORLD, [])
-    try:
-        counters = StepCounters()
-        dtype = arch.embedding(lm).weight.dtype
-        stages = []
-        for j in range(packs):
-            pack = _no_op_pack(lm, arch, j % n_layers, device)
-            x = torch.zeros(micro_batch_size, seq_len, width, dtype=dtype, device=device, requires_grad=j > 0)
-            y = torch.zeros(micro_batch_size, seq_len, width, dtype=dtype, device=device, requires_grad=True)
-            stages.append(PackStage(pack, j, packs, device, input_args=(x,), output_args=(y,), group=own,
-                                    residency=None, counters=counters))
-        schedule = ScheduleLoopedBFS(stages, n_microbatches=micro_batches,
-                                     loss_fn=lambda out, target: out.float().mean())
-        B = micro_batches * micro_batch_size
-        x = torch.randn(B, seq_len, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
-        target = torch.zeros(B, dtype=torch.long, device=device)
-        positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(B, -1).contiguous()
-        actions = 2 * packs * micro_batches
-        per_step = []
-        for s in range(warmup + steps):
-            counters.reset()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            schedule.step(x, target=target, losses=[], position_ids=positions)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            wall = time.perf_counter() - t0
-            if counters.forwards + counters.backwards != actions:
-                raise AssertionError(f"measure_action_overhead: {counters.forwards} forwards and "
-                                     f"{counters.backwards} backwards ran, {actions} actions expected")
-            if s >= warmup:
-                per_step.append((counters.compute_s / actions, max(0.0, wall - counters.compute_s) / actions))
-    finally:
-        if world > 1:
-            dist.destroy_process_group(own)
-    stage_s = statistics.median(p[0] for p in per_step)
-    schedule_s = statistics.median(p[1] for p in per_step)
-    if world > 1:
-        t = torch.tensor([stage_s, schedule_s], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        stage_s, schedule_s = float(t[0]), float(t[1])
-    return stage_s, schedule_s
 
 
 def measure_step_peak_bytes(pipe, run) -> int:
@@ -270,4 +175,201 @@ def measure_step_peak_bytes(pipe, run) -> int:
     return live + _profiled_growth(run)
 
 
-__all__ = ["measure_action_overhead", "measure_step_peak_bytes", "pipeline_profile"]
+class _Busy(torch.autograd.Function):
+    """`repeats` small matrix products in forward and again in backward: work that occupies the
+    core like a layer's compute, the same in both directions."""
+
+    @staticmethod
+    def forward(ctx, h, zero, a, repeats, clock):
+        ctx.a, ctx.repeats, ctx.clock = a, repeats, clock
+        _spin(a, repeats, clock)
+        return h + zero
+
+    @staticmethod
+    def backward(ctx, g):
+        _spin(ctx.a, ctx.repeats, ctx.clock)
+        return g, g.sum(), None, None, None
+
+
+def _spin(a: torch.Tensor, repeats: int, clock: list) -> None:
+    t0 = time.perf_counter()
+    x = a
+    for _ in range(repeats):
+        x = torch.mm(x, a)
+        x = x / x.abs().max().clamp_min(1e-6)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    clock[0] += time.perf_counter() - t0
+
+
+class _NoOpLayer(nn.Module):
+    """A decoder layer that passes its input through (plus a zero parameter, so the backward
+    runs), doing `repeats` products of a 64 x 64 matrix in forward and in backward (timed into
+    `clock[0]`)."""
+
+    def __init__(self, repeats: int, clock: list):
+        super().__init__()
+        self.zero = nn.Parameter(torch.zeros(()))
+        self.register_buffer("a", torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) / 8)
+        self.repeats, self.clock = repeats, clock
+
+    def forward(self, h, *args, **kwargs):
+        return _Busy.apply(h, self.zero, self.a, self.repeats, self.clock)
+
+
+def _no_op_pack(lm: nn.Module, arch, layer: int, device: torch.device, repeats: int, clock: list) -> nn.Module:
+    """This model's pack class around decoder layer `layer`, the layer replaced by a
+    `_NoOpLayer`; what else the pack holds (e.g. Llama's rotary embedding) is rebuilt from the
+    model's config where it is on the meta device. `lm` is left untouched (a pack holds its own
+    containers)."""
+    pack = arch.pack(lm, [layer], first=False, last=False)
+    pack.set_submodule(f"{arch.layer_prefix}{layer}", _NoOpLayer(repeats, clock))
+    for name, module in list(pack.named_modules()):
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if name and any(t.is_meta for t in own):
+            try:
+                pack.set_submodule(name, type(module)(lm.config))
+            except Exception as exc:  # noqa: BLE001 - named below
+                raise PipelineError(f"measuring the per-action overhead: {name} ({type(module).__name__}) of a "
+                                    f"{arch.name} pack is on the meta device and cannot be rebuilt from the "
+                                    f"config ({exc}); pass action_overhead to pipeline_profile") from exc
+    left = [n for n, t in list(pack.named_parameters()) + list(pack.named_buffers()) if t.is_meta]
+    if left:
+        raise PipelineError(f"measuring the per-action overhead: {left[:3]} of the pack stay on the meta device")
+    return pack.to(device)
+
+
+@dataclass(frozen=True)
+class ActionOverhead:
+    """What a pipelined step pays per action beyond its layers' compute, in seconds
+    ([Note: the per-action overhead] in planner/pipeline_model.py): inside the stage's forward /
+    backward, and in the schedule between actions."""
+
+    stage_s: float
+    schedule_s: float
+
+
+def _mini_step(lm, arch, group, across: int, packs: int, micro_batches: int, steps: int, warmup: int, seq_len: int,
+               micro_batch_size: int, width: int, repeats: int, device: torch.device) -> tuple[float, float, float]:
+    """A ScheduleLoopedBFS step of `packs` no-op packs per rank over the `across` ranks of
+    `group` (stage j on rank j mod across), timed: medians over `steps` steps after `warmup` of
+    (wall, inside the stages, inside the busy work), per action."""
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+
+    me = dist.get_rank(group)
+    n_layers = len(arch.layers(lm))
+    counters, clock = StepCounters(), [0.0]
+    dtype = arch.embedding(lm).weight.dtype
+    stages = []
+    for j in range(packs):
+        idx = me + across * j
+        pack = _no_op_pack(lm, arch, idx % n_layers, device, repeats, clock)
+        x = torch.zeros(micro_batch_size, seq_len, width, dtype=dtype, device=device, requires_grad=idx > 0)
+        y = torch.zeros(micro_batch_size, seq_len, width, dtype=dtype, device=device, requires_grad=True)
+        stages.append(PackStage(pack, idx, across * packs, device, input_args=(x,), output_args=(y,), group=group,
+                                residency=None, counters=counters))
+    schedule = ScheduleLoopedBFS(stages, n_microbatches=micro_batches, loss_fn=lambda out, target: out.float().mean())
+    B = micro_batches * micro_batch_size
+    x = torch.randn(B, seq_len, width, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    target = torch.zeros(B, dtype=torch.long, device=device)
+    positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(B, -1).contiguous()
+    actions = 2 * packs * micro_batches
+    out = []
+    for s in range(warmup + steps):
+        counters.reset()
+        clock[0] = 0.0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        schedule.step(*((x,) if me == 0 else ()), target=target if me == across - 1 else None,
+                      losses=[] if me == across - 1 else None, position_ids=positions)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        if counters.forwards + counters.backwards != actions:
+            raise AssertionError(f"measure_action_overhead: {counters.forwards} forwards and {counters.backwards} "
+                                 f"backwards ran, {actions} actions expected")
+        if s >= warmup:
+            out.append((wall / actions, counters.compute_s / actions, clock[0] / actions))
+    return tuple(statistics.median(o[i] for o in out) for i in range(3))
+
+
+def mini_pipeline_step(inside_s: float, schedule_s: float, p2p_latency_s: float, packs: int,
+                       micro_batches: int) -> float:
+    """The pipeline model's step time per action of the two-rank mini pipeline of
+    measure_action_overhead: LoopedBFS, `packs` packs per rank, every action `inside_s` long
+    (its compute and the stage's overhead), `schedule_s` before each, each handoff
+    `p2p_latency_s`."""
+    from python_api.planner.pipeline import PipelineLayout
+    from python_api.planner.pipeline_model import simulate
+
+    n = 2 * packs
+    layers = tuple(PipeLayer(f"l{i}", inside_s, 0.0, inside_s, 0.0, 0.0, ()) for i in range(n))
+    layout = PipelineLayout(2, 2, "looped-bfs", micro_batches, tuple(range(n + 1)), ("persistent",) * n, 0)
+    free = Link(0.0, 1e18)
+    prof = PipelineProfile(source="mini pipeline", device="cpu", world_size=2, seq_len=1, hidden_size=1,
+                           act_element_size=1, layers=layers, chunk_bytes=1, allgather=free, allreduce=free,
+                           p2p=Link(p2p_latency_s, 1e18), capacity_bytes=1 << 40, schedule_overhead_s=schedule_s)
+    return simulate(prof, layout, 1).step_s / (2 * packs * micro_batches)
+
+
+def _fit_schedule(wall: float, inside: float, p2p_latency_s: float, packs: int, micro_batches: int) -> float:
+    """The schedule overhead with which the model reproduces a measured two-rank mini step."""
+    if mini_pipeline_step(inside, 0.0, p2p_latency_s, packs, micro_batches) >= wall:
+        return 0.0
+    lo, hi = 0.0, wall
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mini_pipeline_step(inside, mid, p2p_latency_s, packs, micro_batches) < wall else (lo, mid)
+    return (lo + hi) / 2
+
+
+def measure_action_overhead(lm: nn.Module, *, seq_len: int, micro_batch_size: int = 1, p2p_latency_s: float = 0.0,
+                            packs: int = 2, micro_batches: int = 4, steps: int = 4, warmup: int = 1,
+                            busy_s: float = 2e-3, device: torch.device | str = "cpu",
+                            width: int = 8) -> ActionOverhead:
+    """The per-action overhead of a pipelined step ([Note: measuring the per-action overhead]);
+    `p2p_latency_s` is the latency the model charges per handoff (the profile's P2P link). A
+    collective: every rank of the default process group calls it at once; the figures are the
+    MAX over the ranks."""
+    for what, v in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("packs", packs),
+                    ("micro_batches", micro_batches), ("steps", steps), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PipelineError(f"measure_action_overhead: {what} must be a positive int, got {v!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise PipelineError(f"measure_action_overhead: warmup must be an int >= 0, got {warmup!r}")
+    for what, v in (("busy_s", busy_s), ("p2p_latency_s", p2p_latency_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise PipelineError(f"measure_action_overhead: {what} must be a finite number >= 0, got {v!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineError("measuring the per-action overhead runs pipeline stages, which need an initialised "
+                            "process group (or pass action_overhead to pipeline_profile)")
+    device = torch.device(device)
+    arch = architecture_of(lm)
+    world = dist.get_world_size()
+    # the busy work: products per action for about busy_s on an idle core
+    a, clock = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device) / 8, [0.0]
+    _spin(a, 20, clock)
+    clock[0] = 0.0
+    _spin(a, 100, clock)
+    repeats = max(1, round(busy_s / max(clock[0] / 100, 1e-9))) if busy_s > 0 else 0
+    across = 2 if world % 2 == 0 else 1
+    group, _ = dist.new_subgroups(group_size=across) if world > across else (dist.group.WORLD, None)
+    try:
+        wall, inside, busy = _mini_step(lm, arch, group, across, packs, micro_batches, steps, warmup, seq_len,
+                                        micro_batch_size, width, repeats, device)
+    finally:
+        if world > across:
+            dist.destroy_process_group(group)
+    stage_s = max(0.0, inside - busy)
+    if across == 1:
+        schedule_s = max(0.0, wall - inside)
+    else:
+        schedule_s = _fit_schedule(wall, inside, p2p_latency_s, packs, micro_batches)
+    t = torch.tensor([stage_s, schedule_s], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return ActionOverhead(float(t[0]), float(t[1]))
+
+
+__all__ = ["ActionOverhead", "measure_action_overhead", "mini_pipeline_step", "measure_step_peak_bytes", "pipeline_profile"]
