@@ -144,25 +144,23 @@ def _links(groups):
     return links
 
 
-def _worker(rank, world_size, args, configs):
+def _profiles(rank, world_size, args, groups) -> dict:
+    """The two pipeline profiles of the bench ("host", "peers"), on every rank at once: the
+    plain planner's measured profile of the pp = 1 model, the links of this process group and
+    the per-action overhead (module docstring)."""
     import copy
-    import gc
 
     import torch.distributed as dist
 
     from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
     from python_api.finetune.models import embedded_config, embedded_model
     from python_api.loading import empty_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.pipeline.profile import measure_action_overhead, measure_step_peak_bytes, pipeline_profile
-    from python_api.planner.pipeline_model import plan_pipeline, simulate
-    from python_api.planning.measure import _live_tensor_bytes, measure_profile
+    from python_api.pipeline.profile import measure_action_overhead, pipeline_profile
+    from python_api.planning.measure import measure_profile
 
-    torch.set_num_threads(1)
     cfg = embedded_config(256, 688, args.layers, 8, 4)
     lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
     chunk = args.chunk_kib << 10
-    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
     ids = torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=torch.Generator().manual_seed(7))
     ref = convert_to_elastic(embedded_model(cfg, 0), lora, ElasticPolicy(chunk_bytes=chunk), group=solo)
@@ -177,6 +175,27 @@ def _worker(rank, world_size, args, configs):
         prof = pipeline_profile(empty_model(copy.deepcopy(cfg)), lora, policy, measured, world_size=world_size,
                                 micro_batch_size=MBS, action_overhead=overhead)
         profiles[source] = dataclasses.replace(prof, allgather=links["allgather"], p2p=links["p2p"], h2d=links["h2d"])
+    return profiles
+
+
+def _worker(rank, world_size, args, configs):
+    import gc
+
+    import torch.distributed as dist
+
+    from python_api import ElasticPolicy, LoRAConfig
+    from python_api.finetune.models import embedded_config, embedded_model
+    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from python_api.pipeline.profile import measure_step_peak_bytes
+    from python_api.planner.pipeline_model import plan_pipeline, simulate
+    from python_api.planning.measure import _live_tensor_bytes
+
+    torch.set_num_threads(1)
+    cfg = embedded_config(256, 688, args.layers, 8, 4)
+    lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
+    chunk = args.chunk_kib << 10
+    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
+    profiles = _profiles(rank, world_size, args, groups)
     gen = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, cfg.vocab_size, (groups.dp, M * MBS, SEQ), generator=gen) for _ in range(1 + args.steps)]
     results = {}
@@ -430,24 +449,19 @@ def spearman(a, b) -> float:
     return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else 0.0
 
 
-def _overhead_worker(rank, world_size, layers, p2p_latency_s):
-    import copy
-
-    from python_api.finetune.models import embedded_config
-    from python_api.loading import empty_model
-    from python_api.pipeline.profile import measure_action_overhead
+def _check_worker(rank, world_size, args):
+    from python_api.pipeline import pipeline_groups
 
     torch.set_num_threads(1)
-    cfg = embedded_config(256, 688, layers, 8, 4)
-    o = measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS,
-                                p2p_latency_s=p2p_latency_s)
-    return o.stage_s, o.schedule_s
+    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
+    profiles = _profiles(rank, world_size, args, groups)
+    return profiles, groups.pp_rank
 
 
 def check(args) -> None:
     import csv
 
-    from python_api.planner.pipeline_model import plan_pipeline
+    from python_api.planner.pipeline_model import plan_pipeline, simulate
 
     path = os.path.join(harness.results_dir(args.results), "packs.csv")
     rows = [r for r in csv.DictReader(open(path)) if r["kind"] == "measured"]
@@ -460,6 +474,12 @@ def check(args) -> None:
     runs = {}
     for r in rows:
         runs.setdefault((r["date"], r["commit"]), []).append(r)
+    now = None
+    if not args.overhead_ms and any(key not in saved for key in runs):
+        now = run_distributed(_check_worker, args.world_size, args, timeout=1800)[0][0]
+        o = now["host"]
+        print(f"profiles measured now on {args.world_size} ranks (the bench's own code): per-action overhead "
+              f"stage {o.stage_overhead_s * 1e3:.3f} ms, schedule {o.schedule_overhead_s * 1e3:.3f} ms")
     for key, mine in runs.items():
         if key in saved and not args.overhead_ms:
             profiles = saved[key]
@@ -474,11 +494,8 @@ def check(args) -> None:
                 stage, sched = (float(v) / 1e3 for v in args.overhead_ms.split(","))
                 how = "given"
             else:
-                latency = rec["host"].p2p.latency_s
-                stage, sched = run_distributed(_overhead_worker, args.world_size, args.layers, latency,
-                                               timeout=600)[0]
-                how = (f"measured now on {args.world_size} ranks at once, at the profile's P2P latency "
-                       f"{latency * 1e3:.3f} ms")
+                stage, sched = now["host"].stage_overhead_s, now["host"].schedule_overhead_s
+                how = f"measured now on {args.world_size} ranks at once"
             print(f"  per-action overhead ({how}): stage {stage * 1e3:.3f} ms, schedule {sched * 1e3:.3f} ms")
             profiles = {s: dataclasses.replace(p, stage_overhead_s=stage, schedule_overhead_s=sched)
                         for s, p in rec.items()}
@@ -511,6 +528,21 @@ def check(args) -> None:
                       f"predicted {p:7.1f} (the run's {float(r['predicted_tokens_per_s']):7.1f})")
         print(f"  all {len(all_m)} rows: Spearman {spearman(all_m, all_p):+.2f} (the run's own predictions: "
               f"{spearman(all_m, [float(r['predicted_tokens_per_s']) for r in mine]):+.2f})")
+        bytes_of = saved.get(key) or now  # the memory model needs the real bytes (a reconstruction has none)
+        if bytes_of is None:
+            continue
+        print("  memory (rank 0's peak, MiB): measured, the run's model, the current model"
+              + ("" if key in saved else " on the bytes of the profiles measured now"))
+        for source in ("host", "peers"):
+            errs = []
+            for r in (r for r in mine if r["source"] == source):
+                peak = simulate(bytes_of[source], _layout_of(r), int(r["micro_batch"])).peak_bytes[0] / MiB
+                meas = float(r["peak_MiB"])
+                errs.append((peak - meas) / meas)
+                print(f"    {source:>5} {r['schedule']:>16} packs of {r['pack_size']}: {meas:7.2f}, "
+                      f"{float(r['predicted_peak_MiB']):7.2f} ({(float(r['predicted_peak_MiB']) - meas) / meas:+.1%}), "
+                      f"{peak:7.2f} ({errs[-1]:+.1%})")
+            print(f"    {source}: the current model {min(errs):+.1%}..{max(errs):+.1%} of the measured peaks")
 
 
 def simulate_tiny_pipe(args) -> None:

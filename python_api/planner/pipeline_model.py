@@ -70,13 +70,29 @@ Per rank, at each action, in bytes:
       chunk, a page being the pack's largest chunk rounded up to 512 bytes), plus for a
       transient pack its working set (the pages of its two largest layers);
   + gather buffers of loads in flight: (dp + 1) x slice per chunk (send and receive), plus on
-      CPU dp x slice (gloo's scratch copy of the output): a pack load issues every chunk of
-      the pack at once;
+      CPU dp x slice (gloo's scratch copy of the output): a prefetched pack load
+      (ElasticRuntime.prefetch, issued by the residency ahead of the pack's action) issues
+      every chunk of the pack at once; a load on demand (no window, or a load that could not
+      be prefetched: its pack was released just before) is the runtime's own gathering, unit
+      by unit with its in-pack prefetch, so at most the buffers of 1 + prefetch_depth layers
+      (the largest) are in flight;
   + activations: for each local pack, the micro-batches whose forward is done and backward not
       (the one in its forward or backward counted) times the pack's saved bytes per micro-batch
       (act_bytes_per_token x T over its layers, the head's on the last pack), plus during the
-      last pack's actions the head's transient (logits, their fp32 copy, their gradient).
+      last pack's actions the head's transient (logits, their fp32 copy, their gradient);
+  + the tensors handed to P2P sends so far in the step (a non-last pack's output after each
+      forward, a non-first pack's input gradient after each backward: micro_batch x seq x
+      hidden each): torch.distributed.pipelining keeps every send's work, which holds its
+      tensor, until the step ends (ScheduleGPipe/1F1B in lists waited after the phase,
+      the multi-stage runtime in `send_ops` waited at the end of step()).
 The peak is the maximum over the actions.
+Checked against bench/results/packs.csv (2026-12-02, 16 configurations, rank 0's measured
+peaks): before the last two terms were right, +22% / +33% for one 8-layer pack with peers'
+weights (both of its loads are on demand: a phase pack cannot be prefetched into the action
+right after its release, and the model counted every chunk's buffers at once) and -6.6% at
+interleaved-1f1b packs of 1 (60 sends of 256 KiB per step on rank 0 not counted); with them
+-0.6..+3.0% (host) and -2.2..+5.0% (peers). What stays over: the first layer of a receiving
+pack saves its input, which is the stage's receive buffer, counted in the static bytes too.
 
 [Note: the pipeline search]
 Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
@@ -226,6 +242,8 @@ class PackCost:
     shard_bytes: int
     adapter_bytes: int
     working_set: int  # pages of its 1 + prefetch_depth largest layers (a transient pack's pool)
+    fwd_unit_buffers: int  # gather buffers of its 1 + prefetch_depth largest layers (a load on demand)
+    bwd_unit_buffers: int
     store_bytes: int  # its weights in the host store (weights_on="host")
     layer_times: tuple  # per layer: (fwd compute, bwd compute, fwd load s, bwd load s)
 
@@ -342,6 +360,11 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
             t = max(t, profile.h2d.time(h))
         return t
 
+    unit_buffers = [(0, 0) if host or local_only else ((dp + 1 + scratch) * u[7], (dp + 1 + scratch) * u[8])
+                    for u in units]
+    keep = 1 + profile.prefetch_depth
+    fub = sum(sorted((b[0] for b in unit_buffers), reverse=True)[:keep])
+    bub = sum(sorted((b[1] for b in unit_buffers), reverse=True)[:keep])
     per_layer, layer_pages = [], []
     for layer, u in zip(layers, units):
         lg, lbg, lh, lbh = (0, 0, 0, 0) if local_only else (u[3], u[4], u[5], u[6])
@@ -351,7 +374,7 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
     ws = sum(sorted(layer_pages, reverse=True)[: 1 + profile.prefetch_depth])
     weights = tuple(w for layer in layers for w in layer.weights) + (tuple(profile.head_weights) if last else ())
     return PackCost(weights, fwd, bwd, act, fg, bg, fh if not local_only else 0, bh if not local_only else 0,
-                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws,
+                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws, fub, bub,
                     store if host else 0, tuple(per_layer))
 
 
@@ -467,7 +490,11 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                     s0 = max(begin, link[r])
                     link[r] = s0 + _load_time(profile, c, lk)
                     ready[r][idx] = link[r]
-                    loads_in_flight[r].append((t, idx, c.fwd_buffers if lk == FORWARD else c.bwd_buffers))
+                    if idx == t:  # on demand: the runtime gathers unit by unit, prefetch_depth ahead
+                        held = c.fwd_unit_buffers if lk == FORWARD else c.bwd_unit_buffers
+                    else:  # a prefetch (ElasticRuntime.prefetch): every chunk of the pack at once
+                        held = c.fwd_buffers if lk == FORWARD else c.bwd_buffers
+                    loads_in_flight[r].append((t, idx, held))
                 c = costs[k]
                 work = (c.fwd_s if kind == FORWARD else c.bwd_s) + profile.stage_overhead_s
                 if layout.residency[k] == "transient":
@@ -501,11 +528,12 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                                     first_step=first_step)
         inflight = {k: 0 for k in local}
         peak = 0
+        sent = 0  # tensors handed to P2P sends so far: kept until the step ends
         workspace = int(profile.workspace_bytes_per_token * T)
         for t, (kind, k, i) in enumerate(orders[r]):
             if kind == FORWARD:
                 inflight[k] += 1
-            acts = sum(inflight[j] * costs[j].act_bytes for j in local)
+            acts = sum(inflight[j] * costs[j].act_bytes for j in local) + sent
             extra = workspace if kind == BACKWARD else 0
             if k in transient:  # its gathers' buffers, one layer ahead
                 extra += 2 * max(costs[k].fwd_buffers, costs[k].bwd_buffers) // max(1, len(costs[k].layer_times))
@@ -513,6 +541,8 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
             peak = max(peak, static + during[t] + extra + buffers_at[r][t] + acts + head)
             if kind == BACKWARD:
                 inflight[k] -= 1
+            if (kind == FORWARD and k < n - 1) or (kind == BACKWARD and k > 0):
+                sent += p2p_bytes
         peaks.append(peak)
         g = h = 0
         for k in local:
