@@ -16,30 +16,39 @@ latency for a smaller group).
 
 [Note: measuring the per-action overhead]
 A pipelined step runs 2 x m x (packs per rank) actions per rank, and each costs more than its
-layers' compute ([Note: the per-action overhead] in planner/pipeline_model.py). What it costs
-is measured here, on every rank at once (so the cores are as shared as in a step, as the
-layers' compute is measured), with the machinery of a real step and nothing else:
-`PackStage`s of this model's own pack class whose decoder layers are replaced by a
-pass-through (`_NoOpLayer`: h + a zero parameter, so the backward runs), the real micro-batch
-and sequence length (the pack recomputes its rotary embeddings and mask from them as in a
-run), activations 8 wide (the pass-through, the copies and the autograd bookkeeping of a
-tensor of that size cost nothing; the bytes of a real activation are the P2P link's), on a
-ScheduleLoopedBFS over `packs` such packs on a group of this rank alone (the multi-stage
-runtime the pipelined schedules use; no P2P: a handoff between ranks is the P2P link's
-latency + bytes / bandwidth in the model). `warmup` steps, then `steps` timed steps; per
-step the time inside the stages' forward_one_chunk / backward_one_chunk (StepCounters) per
-action is the stage's share, the rest of the step per action the schedule's; the median
-over the steps, then the MAX over the ranks (every rank plans with the same profile).
-Why not shorter: a process that has slept is scheduled ahead of the busy ones for a while
-(the scheduler's credit for sleeping), so a burst of a few tens of milliseconds measured
-less than 1.5x its CPU time while other work kept the 2-core machine at a load of 10; the
-layers' compute is timed over whole steps, in the steady share of the cores. The defaults
-run 8 steps of 32 actions (on that CPU about 0.3 s uncontended).
-What it leaves out, measured on the 2-core CPU of 2026-12-02 (main-thread CPU per action at
-packs of 1, 4 gloo ranks): posting the P2P operations (~0.3 ms), the pack residency's
-before/after (~0.3 ms), the elastic runtime's per-pass bookkeeping (not separated); what it
-covers there: the stage's infrastructure (~0.5-0.6 ms per forward or backward), the mask and
-rotary recomputation (~0.55 ms per forward), the schedule's loop.
+layers' compute ([Note: the per-action overhead] in planner/pipeline_model.py). It is measured
+here with the machinery of a real step and nothing else, on every rank at once (so the cores
+are as shared as in a step, as the layers' compute is measured): a ScheduleLoopedBFS (the
+multi-stage runtime the pipelined schedules use) of `PackStage`s of this model's own pack
+class, at the real micro-batch and sequence length (each pack recomputes its rotary
+embeddings and causal mask from the positions, as in a run), whose decoder layer is replaced
+by `_NoOpLayer`: it passes its input through and does `busy_s` of small matrix products in
+forward and again in backward (work that keeps the core busy like a layer, timed apart);
+activations 8 wide, so the copies and P2P bytes of the mini pipeline cost nothing (a real
+activation's bytes are the P2P link's). The stages alternate between the two ranks of a pair
+(ranks 2i and 2i + 1; one rank alone when the world size is odd), `packs` per rank, so that
+every action hands its output to the other rank as at packs of 1: the P2P operations are
+posted, waited for and, under the step's load, a receiver waits for its sender to be
+scheduled. `warmup` steps, then `steps` timed; per action, the medians over the steps of the
+time inside the stages' forward/backward minus the busy work give the stage's share; the
+schedule's share is the overhead before each action with which the pipeline model itself
+reproduces the measured step of the pair (`mini_pipeline_step`: the same model, every action
+as long as measured inside, each handoff the profile's P2P latency; by bisection), so what
+the model will do with it is what was measured; alone (odd world), the step's time outside
+the actions. Then the MAX over the ranks: every rank plans with the same profile.
+Measured on the 2-core CPU (4 gloo ranks, demo shape, micro-batch 2 x 128 tokens,
+2026-12-02, the machine shared with other work): stage 1.0 ms and schedule 5.6 ms per
+action at a load of about 5, stage 2.6 and schedule 19.7 ms at a load of 10-15. Not in it:
+the elastic runtime's per-pass bookkeeping and the pack residency's before/after (~0.3 ms of
+CPU per action in a step). Against a real step in the same run: the schedule share was
+1.0-2.9x the mean gap between two actions of a rank whose input had already arrived (demo
+shape, packs of 1, looped-bfs, 3 rounds at a load of 11-15), and 1.3x a tiny Llama step's
+time outside its actions per action (tests/planner/test_pipeline_overhead.py). With the
+defaults (16-action steps, 5 of them) it took 0.3-5 s here, depending on the load; the busy
+work keeps it from being shorter: a process that has
+slept is scheduled ahead of the busy ones for a while, so a burst of a few tens of
+milliseconds measured less than 1.5x its CPU time while other work kept the machine at a
+load of 10, where the layers' compute, timed over whole steps, gets the steady share.
 """
 
 from __future__ import annotations
@@ -77,10 +86,10 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
                      action_overhead: ActionOverhead | None = None) -> PipelineProfile:
     """[Note: a pipeline profile from a measured one]. `lm` is the HF model (its parameters may
     be on the meta device: only shapes and dtypes are read); `measured` a Profile of the same
-    model and LoRA under the elastic runtime at pp = 1. `action_overhead` (stage, schedule
-    seconds per action): None measures it ([Note: measuring the per-action overhead]: a
-    collective, every rank of the default group calls this at once, at micro-batches of
-    `micro_batch_size` sequences)."""
+    model and LoRA under the elastic runtime at pp = 1. `action_overhead`: None measures it
+    ([Note: measuring the per-action overhead]: a collective, every rank of the default group
+    calls this at once; at micro-batches of `micro_batch_size` sequences, each handoff at the
+    profile's P2P latency, the all-gather link's)."""
     arch = architecture_of(lm)
     layers_of = {layer.name: layer for layer in measured.layers}
     targets = set(target_names(lm, lora))
