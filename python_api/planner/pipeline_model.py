@@ -33,30 +33,41 @@ with every rank busy).
 An action costs more than its layers' compute: the stage's forward_one_chunk/backward_one_chunk
 (argument handling, autograd bookkeeping, and the pack recomputing its rotary embeddings and
 causal mask from the positions) and, between actions, the schedule's loop (posting the P2P
-operations, waiting, our pack residency). None of it depends on how many layers the pack
-has, so a step of v packs per rank pays it 2 m v times: 8 times per rank at one pack of 8
-layers, 64 times at packs of 1 (pp 2, m 4, 16 layers). The profile gives it per action as
-`stage_overhead_s` (inside the stage: added to the action's work, counted busy, as the
-measured compute counts it) and `schedule_overhead_s` (before the action: the rank is
-occupied, the wait for the input can hide it, the bubble counts it idle, as the measurement
-does): begin = max(free + schedule_overhead_s, input arrival), end = begin + work +
-stage_overhead_s. Measured ([Note: measuring the per-action overhead] in
-python_api/pipeline/profile.py) for a real model; synthetic GPU profiles assume 100 us of
-stage overhead (the prologue's and the stage's kernels, at the 100 us per call the layers'
-fixed cost assumes) and no schedule overhead (host-side Python, hidden while the host runs
-ahead of the device: an assumption that fails when an action's device time drops below the
-~1-2 ms of Python measured per action on CPU).
-Why (issue 19; bench/results/packs.csv, 4 gloo ranks on 2 cores, pp 2 x dp 2, 16 layers,
-m 4): without this term the model predicted +20% tokens/s from packs of 8 to packs of 1, the
-bench measured packs of 1 slower than packs of 2 by 3-23%, and the measured bubble at packs
-of 1 was 0.16-0.19 against 0.05 predicted. Counted in a step (main-thread CPU time per action
-at packs of 1, same run, machine loaded): ~0.5-0.6 ms stage infrastructure per forward or
-backward, ~0.55 ms causal mask per forward, ~0.3 ms P2P posting, ~0.3 ms residency, ~0.3 ms
-of schedule loop: ~1.7-2.5 ms per action against ~14 ms per layer forward and per layer
-backward, so ~12-16% of a step's CPU at packs of 1 and ~2% at packs of 8, the same size as
-the bubble the smaller packs save (0.2 -> 0.05); timestamps of every action showed the gaps
-between actions alike whether or not the rank waited for its input (the overhead is per
-action, not a slow handoff).
+operations, waiting for them, and under load waiting for the peer to be scheduled; our pack
+residency). None of it depends on how many layers the pack has, so a step of v packs per rank
+pays it 2 m v times: 8 times per rank at one pack of 8 layers, 64 times at packs of 1 (pp 2,
+m 4, 16 layers). The profile gives it per action as `stage_overhead_s` (inside the stage:
+added to the action's work, counted busy, as the measured compute counts it) and
+`schedule_overhead_s` (before the action: the rank is occupied, the wait for the input can
+hide it, the bubble counts it idle, as the measurement does): begin = max(free +
+schedule_overhead_s, input arrival), end = begin + work + stage_overhead_s. Measured for a real
+model ([Note: measuring the per-action overhead] in python_api/pipeline/profile.py); synthetic
+GPU profiles assume 100 us of stage overhead (the prologue's and the stage's kernels, at the
+100 us per call the layers' fixed cost assumes) and no schedule overhead (host-side Python,
+hidden while the host runs ahead of the device: an assumption that fails when an action's
+device time drops below the ~2 ms of Python per action counted on CPU below).
+Why (issue 19; bench/results/packs.csv, 4 gloo ranks on 2 cores, pp 2 x dp 2, 16 layers of
+the demo shape, m 4): without this term the model predicted +20% tokens/s from packs of 8 to
+packs of 1, the bench measured packs of 1 slower than packs of 2 by 3-23%, and the measured
+bubble at packs of 1 was 0.16-0.19 against 0.05 predicted. Counted in steps of that model
+(main-thread CPU time per action at packs of 1, looped-bfs, same run, machine shared): the
+stage's infrastructure 0.5-0.7 ms per forward or backward, the causal mask 0.5-0.6 ms per
+forward, posting and waiting for the P2P operations 0.3-0.4 ms, the residency 0.3-0.4 ms,
+the rest of the schedule's loop 0.3-0.4 ms: about 2 ms per action against 14-18 ms per
+layer forward and per layer backward, so ~12% of a step's CPU at packs of 1 and ~2% at
+packs of 8, the size of the bubble the smaller packs save (0.2 -> 0.05). Timestamps of every
+action (4 ranks, same run) put the time between two actions of a rank alike whether or not it
+waited for its input (mean 5-9 ms wall under a load of 13): the cost is per action, not a
+slow P2P link. With the overhead measured on that machine (stage 1.0 ms, schedule 5.6 ms,
+at a load of 5-10), `python bench/bench_packs.py --check` on that run's rows: Spearman's rank
+correlation of predicted and measured tokens/s +0.17 (host), +0.19 (peers), +0.20 (all 16),
+from -0.67, -0.21, -0.44; the planner's choice among them measures 0.895 (host) and 0.902
+(peers) of the best, from 0.779 and 0.819. What the model still misses there: packs of 8
+measured 2-25% faster than predicted (likely a CPU effect, not modelled: the compute is timed
+with every rank busy, while during a step's bubble the working ranks get the idle ranks'
+cores), and the
+noise (the two schedules at one pack size differ by up to 14%, a configuration's two passes
+by 2-45%).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
