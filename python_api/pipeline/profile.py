@@ -45,10 +45,10 @@ CPU per action in a step). Against a real step in the same run: the schedule sha
 shape, packs of 1, looped-bfs, 3 rounds at a load of 11-15), and 1.3x a tiny Llama step's
 time outside its actions per action (tests/planner/test_pipeline_overhead.py). With the
 defaults (16-action steps, 5 of them) it took 0.3-5 s here, depending on the load; the busy
-work keeps it from being shorter: a process that has
-slept is scheduled ahead of the busy ones for a while, so a burst of a few tens of
-milliseconds measured less than 1.5x its CPU time while other work kept the machine at a
-load of 10, where the layers' compute, timed over whole steps, gets the steady share.
+work keeps it from being shorter: a process that has slept is scheduled ahead of the busy
+ones for a while, so a burst of a few tens of milliseconds measured less than 1.5x its CPU
+time while other work kept the machine at a load of 10, where the layers' compute, timed over
+whole steps, gets the steady share.
 """
 
 from __future__ import annotations
@@ -139,13 +139,13 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
         rows, cols = _shape(head)
         head_adapters = lora.r_of("lm_head") * (rows + cols)
     seq = seq_len or measured.seq_len
-    if action_overhead is None:
+    if action_overhead is None:  # a collective: every rank is here
         action_overhead = measure_action_overhead(lm, seq_len=seq, micro_batch_size=micro_batch_size,
                                                   p2p_latency_s=measured.allgather.latency_s,
                                                   device=_device_of(measured.device))
     return PipelineProfile(
         source=f"from {measured.source} profile", device=measured.device, world_size=world_size,
-        seq_len=seq_len or measured.seq_len, hidden_size=arch.hidden_size(lm), act_element_size=act_elem,
+        seq_len=seq, hidden_size=arch.hidden_size(lm), act_element_size=act_elem,
         layers=tuple(out), chunk_bytes=policy.chunk_bytes, allgather=measured.allgather, allreduce=measured.allreduce,
         p2p=measured.allgather, capacity_bytes=measured.capacity_bytes, reserved_bytes=measured.reserved_bytes,
         embed_fwd_s_per_token=0.0, head_fwd_s_per_token=head_fwd, head_bwd_s_per_token=head_bwd,
@@ -381,4 +381,5 @@ def measure_action_overhead(lm: nn.Module, *, seq_len: int, micro_batch_size: in
     return ActionOverhead(float(t[0]), float(t[1]))
 
 
-__all__ = ["ActionOverhead", "measure_action_overhead", "mini_pipeline_step", "measure_step_peak_bytes", "pipeline_profile"]
+__all__ = ["ActionOverhead", "measure_action_overhead", "measure_step_peak_bytes", "mini_pipeline_step",
+           "pipeline_profile"]

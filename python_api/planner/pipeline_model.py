@@ -65,9 +65,8 @@ from -0.67, -0.21, -0.44; the planner's choice among them measures 0.895 (host) 
 (peers) of the best, from 0.779 and 0.819. What the model still misses there: packs of 8
 measured 2-25% faster than predicted (likely a CPU effect, not modelled: the compute is timed
 with every rank busy, while during a step's bubble the working ranks get the idle ranks'
-cores), and the
-noise (the two schedules at one pack size differ by up to 14%, a configuration's two passes
-by 2-45%).
+cores), and the noise (the two schedules at one pack size differ by up to 14%, a
+configuration's two passes by 2-45%).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
@@ -91,19 +90,22 @@ Per rank, at each action, in bytes:
       (the one in its forward or backward counted) times the pack's saved bytes per micro-batch
       (act_bytes_per_token x T over its layers, the head's on the last pack), plus during the
       last pack's actions the head's transient (logits, their fp32 copy, their gradient);
-  + the tensors handed to P2P sends so far in the step (a non-last pack's output after each
-      forward, a non-first pack's input gradient after each backward: micro_batch x seq x
-      hidden each): torch.distributed.pipelining keeps every send's work, which holds its
-      tensor, until the step ends (ScheduleGPipe/1F1B in lists waited after the phase,
-      the multi-stage runtime in `send_ops` waited at the end of step()).
+  + the tensors handed to P2P sends (micro_batch x seq x hidden each): a non-last pack's
+      output from its forward until its backward (the stage keeps it for the backward), and
+      with GPipe, LoopedBFS and Interleaved 1F1B every output and every input gradient a
+      non-first pack sent, until the step ends: torch.distributed.pipelining keeps their send
+      works, which hold the tensors, until then (ScheduleGPipe in lists it waits after each
+      phase, the multi-stage runtime in `send_ops` it waits at the end of step()); Schedule1F1B
+      keeps only its latest send's work (one input gradient).
 The peak is the maximum over the actions.
 Checked against bench/results/packs.csv (2026-12-02, 16 configurations, rank 0's measured
-peaks): before the last two terms were right, +22% / +33% for one 8-layer pack with peers'
-weights (both of its loads are on demand: a phase pack cannot be prefetched into the action
-right after its release, and the model counted every chunk's buffers at once) and -6.6% at
-interleaved-1f1b packs of 1 (60 sends of 256 KiB per step on rank 0 not counted); with them
--0.6..+3.0% (host) and -2.2..+5.0% (peers). What stays over: the first layer of a receiving
-pack saves its input, which is the stage's receive buffer, counted in the static bytes too.
+peaks; `python bench/bench_packs.py --check`): without the on-demand rule and the sent
+tensors, +22% / +33% for one 8-layer pack with peers' weights (both of its loads are on
+demand: a phase pack cannot be prefetched into the action right after its release, and every
+chunk's buffers were counted at once) and -6.6% at interleaved-1f1b packs of 1 (60 sends of
+256 KiB per step on rank 0 not counted); with them -0.6..+3.0% (host) and -2.2..+5.0%
+(peers). Not separated: the +3..+5% left at small packs with looped-bfs (perhaps the receive
+buffers, counted in the static bytes and again as the saved input of the pack's first layer).
 
 [Note: the pipeline search]
 Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
@@ -539,12 +541,16 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                                     first_step=first_step)
         inflight = {k: 0 for k in local}
         peak = 0
-        sent = 0  # tensors handed to P2P sends so far: kept until the step ends
+        # tensors handed to P2P sends ([Note: the pipeline memory model]): outputs sent by
+        # forwards whose backward has not run, outputs of finished ones, input gradients sent
+        retains = layout.schedule != "1f1b"
+        out_live = out_done = grads_sent = 0
         workspace = int(profile.workspace_bytes_per_token * T)
         for t, (kind, k, i) in enumerate(orders[r]):
             if kind == FORWARD:
                 inflight[k] += 1
-            acts = sum(inflight[j] * costs[j].act_bytes for j in local) + sent
+            sent = out_live + (out_done + grads_sent if retains else min(grads_sent, 1))
+            acts = sum(inflight[j] * costs[j].act_bytes for j in local) + sent * p2p_bytes
             extra = workspace if kind == BACKWARD else 0
             if k in transient:  # its gathers' buffers, one layer ahead
                 extra += 2 * max(costs[k].fwd_buffers, costs[k].bwd_buffers) // max(1, len(costs[k].layer_times))
@@ -552,8 +558,12 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
             peak = max(peak, static + during[t] + extra + buffers_at[r][t] + acts + head)
             if kind == BACKWARD:
                 inflight[k] -= 1
-            if (kind == FORWARD and k < n - 1) or (kind == BACKWARD and k > 0):
-                sent += p2p_bytes
+            if kind == FORWARD and k < n - 1:
+                out_live += 1
+            if kind == BACKWARD and k < n - 1:
+                out_live, out_done = out_live - 1, out_done + 1
+            if kind == BACKWARD and k > 0:
+                grads_sent += 1
         peaks.append(peak)
         g = h = 0
         for k in local:

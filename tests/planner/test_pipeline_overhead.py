@@ -1,8 +1,8 @@
 """The per-action overhead of the pipeline cost model and its measurement ([Note: the per-action
 overhead] in python_api/planner/pipeline_model.py, [Note: measuring the per-action overhead] in
 python_api/pipeline/profile.py), and the two memory terms added with it ([Note: the pipeline
-memory model]: loads on demand gather unit by unit; P2P sends keep their tensors to the step's
-end).
+memory model]: loads on demand gather unit by unit; P2P sends keep their tensors, with most
+schedules to the step's end).
 
 Pure tests on hand-made profiles check the simulation against closed forms: GPipe on 2 ranks
 with equal packs, no P2P cost and nothing to load runs (m + 1) (F + B) per step; a stage
@@ -150,15 +150,21 @@ def test_load_on_demand_holds_one_unit_and_its_prefetch():
         assert peaks[3][r] == peaks[2][r]  # 1 + 5 > 4 layers: the whole pack, no more
 
 
-def test_sent_tensors_live_to_the_end_of_the_step():
-    # nothing saved, nothing loaded: rank 0 (pack 0) holds its m receive buffers of the
-    # gradient and, by its last backward, the m outputs it sent; rank 1 (the last pack) its m
-    # receive buffers of the activation and the m - 1 input gradients sent before its last action
+def test_sent_tensors_live_as_the_schedule_keeps_them():
+    # nothing saved, nothing loaded. GPipe keeps every send's work to the end of the step:
+    # rank 0 (pack 0) holds its m receive buffers of the gradient and, by its last backward,
+    # the m outputs it sent; rank 1 (the last pack) its m receive buffers of the activation
+    # and the m - 1 input gradients sent before its last action. 1F1B keeps only its latest
+    # send: rank 0 holds the outputs of forwards whose backward has not run, at most 2 (its
+    # order F0 F1 B0 F2 B1 F3 B2 B3), rank 1 one input gradient.
     m = 4
     p2p = T * 64 * 4
     pred = simulate(_profile(), _gpipe(m), 1)
     assert pred.peak_bytes[0] == m * p2p + m * p2p
     assert pred.peak_bytes[1] == m * p2p + (m - 1) * p2p
+    pred = simulate(_profile(), PipelineLayout.build(2, 2, 8, "1f1b", m, residency="persistent"), 1)
+    assert pred.peak_bytes[0] == m * p2p + 2 * p2p
+    assert pred.peak_bytes[1] == m * p2p + 1 * p2p
 
 
 # ---------------------------------------------------------------- the measurement
