@@ -42,7 +42,7 @@ action at a load of about 5, stage 2.6 and schedule 19.7 ms at a load of 10-15. 
 the elastic runtime's per-pass bookkeeping and the pack residency's before/after (~0.3 ms of
 CPU per action in a step). Against a real step in the same run: the schedule share was
 1.0-2.9x the mean gap between two actions of a rank whose input had already arrived (demo
-shape, packs of 1, looped-bfs, 3 rounds at a load of 11-15), and 1.3x a tiny Llama step's
+shape, packs of 1, looped-bfs, 3 rounds at a load of 11-15), and 1.2-1.3x a tiny Llama step's
 time outside its actions per action (tests/planner/test_pipeline_overhead.py). With the
 defaults (16-action steps, 5 of them) it took 0.3-5 s here, depending on the load; the busy
 work keeps it from being shorter: a process that has slept is scheduled ahead of the busy
@@ -375,10 +375,12 @@ def measure_action_overhead(lm: nn.Module, *, seq_len: int, micro_batch_size: in
         schedule_s = max(0.0, wall - inside)
     else:
         schedule_s = _fit_schedule(wall, inside, p2p_latency_s, packs, micro_batches)
-    t = torch.tensor([stage_s, schedule_s], dtype=torch.float64)
-    if world > 1:
+    if world > 1:  # on NCCL the reduction needs a device tensor
+        t = torch.tensor([stage_s, schedule_s], dtype=torch.float64,
+                         device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return ActionOverhead(float(t[0]), float(t[1]))
+        stage_s, schedule_s = (float(v) for v in t.cpu())
+    return ActionOverhead(stage_s, schedule_s)
 
 
 __all__ = ["ActionOverhead", "measure_action_overhead", "measure_step_peak_bytes", "mini_pipeline_step",
