@@ -3,6 +3,7 @@ measured beside the cost model's prediction, and the same table simulated for Ti
 setting.
 
     python bench/bench_packs.py [--world-size 4] [--layers 16] [--steps 3] [--no-measure] [--no-simulate]
+    python bench/bench_packs.py --check [--overhead-ms STAGE,SCHEDULE]     # the model against packs.csv
 
 Measured (4 gloo ranks, pp 2 x dp 2): the demo model's shape with 16 layers (hidden 256,
 intermediate 688, 8 heads / 4 KV heads, vocabulary 257), 128-token sequences, global batch 16
@@ -19,9 +20,24 @@ step (measure_step_peak_bytes, pass 1). The prediction is `simulate` on a pipeli
 built from the plain planner's measured profile of the pp = 1 model (every rank measuring its
 own copy at once, so the cores are as contended as in the runs) with the links of this
 process group measured here (dp all-gather, P2P, host-store copy: two sizes, median of 5,
-latency + bytes / bandwidth). The planner's choice among the measured configurations
-(plan_pipeline on the same profile, restricted to them) is marked, with its distance from the
-best measured tokens/s. Rows: bench/results/packs.csv.
+latency + bytes / bandwidth) and the per-action overhead measured by
+`measure_action_overhead` (every rank at once; [Note: measuring the per-action overhead] in
+python_api/pipeline/profile.py), printed. The planner's choice among the measured
+configurations (plan_pipeline on the same profile, restricted to them) is marked, with its
+distance from the best measured tokens/s. Rows: bench/results/packs.csv; the two pipeline
+profiles of the run (so that a later model can be checked against the same measurements):
+one JSON line in bench/results/packs_profiles.jsonl.
+
+Check (`--check`): the current model against the measured rows of packs.csv, per run (date
+and commit): predicted tokens/s of every configuration from the run's saved profiles (or, for
+a run that saved none, the 2026-12-02 one, a profile reconstructed from the run's own
+predicted_tokens_per_s column: uniform layers whose forward and backward times, head times
+and P2P latency (and for "peers" the all-gather link) are fitted so that the model without
+per-action overhead reproduces those predictions; its fit error is printed), with the
+per-action overhead measured now on --world-size ranks at once (or --overhead-ms). Printed:
+Spearman's rank correlation of predicted and measured tokens/s (per source and over all the
+run's rows) and, per source, the measured tokens/s of the configuration the planner would
+pick divided by the best measured, beside the run's own planner_choice.
 
 Simulated (`--no-measure` for this part alone): GPT-2 XL and Llama-2 7B on 4 x 24 GB PCIe GPUs
 (planner/pipeline_model.py PIPE_DEVICES["pcie-24g"], assumptions stated there), pp 4 x dp 1,
@@ -36,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -127,36 +144,58 @@ def _links(groups):
     return links
 
 
-def _worker(rank, world_size, args, configs):
+def _profiles(rank, world_size, args, groups) -> dict:
+    """The two pipeline profiles of the bench ("host", "peers"), on every rank at once: the
+    plain planner's measured profile of the pp = 1 model, the links of this process group and
+    the per-action overhead (module docstring)."""
     import copy
-    import gc
 
     import torch.distributed as dist
 
     from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
     from python_api.finetune.models import embedded_config, embedded_model
     from python_api.loading import empty_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.pipeline.profile import measure_step_peak_bytes, pipeline_profile
-    from python_api.planner.pipeline_model import plan_pipeline, simulate
-    from python_api.planning.measure import _live_tensor_bytes, measure_profile
+    from python_api.pipeline.profile import measure_action_overhead, pipeline_profile
+    from python_api.planning.measure import measure_profile
 
-    torch.set_num_threads(1)
     cfg = embedded_config(256, 688, args.layers, 8, 4)
     lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
     chunk = args.chunk_kib << 10
-    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
     ids = torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=torch.Generator().manual_seed(7))
     ref = convert_to_elastic(embedded_model(cfg, 0), lora, ElasticPolicy(chunk_bytes=chunk), group=solo)
     measured = measure_profile(ref, [ids], capacity_bytes=16 << 30, host_tier=True)
     del ref
     links = _links(groups)
+    overhead = measure_action_overhead(empty_model(copy.deepcopy(cfg)), seq_len=SEQ, micro_batch_size=MBS,
+                                       p2p_latency_s=links["p2p"].latency_s)
     profiles = {}
     for source in ("host", "peers"):
         policy = ElasticPolicy(chunk_bytes=chunk, weights_on="host" if source == "host" else "device")
-        prof = pipeline_profile(empty_model(copy.deepcopy(cfg)), lora, policy, measured, world_size=world_size)
+        prof = pipeline_profile(empty_model(copy.deepcopy(cfg)), lora, policy, measured, world_size=world_size,
+                                micro_batch_size=MBS, action_overhead=overhead)
         profiles[source] = dataclasses.replace(prof, allgather=links["allgather"], p2p=links["p2p"], h2d=links["h2d"])
+    return profiles
+
+
+def _worker(rank, world_size, args, configs):
+    import gc
+
+    import torch.distributed as dist
+
+    from python_api import ElasticPolicy, LoRAConfig
+    from python_api.finetune.models import embedded_config, embedded_model
+    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from python_api.pipeline.profile import measure_step_peak_bytes
+    from python_api.planner.pipeline_model import plan_pipeline, simulate
+    from python_api.planning.measure import _live_tensor_bytes
+
+    torch.set_num_threads(1)
+    cfg = embedded_config(256, 688, args.layers, 8, 4)
+    lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
+    chunk = args.chunk_kib << 10
+    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
+    profiles = _profiles(rank, world_size, args, groups)
     gen = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, cfg.vocab_size, (groups.dp, M * MBS, SEQ), generator=gen) for _ in range(1 + args.steps)]
     results = {}
@@ -208,15 +247,18 @@ def _worker(rank, world_size, args, configs):
                              pack_sizes=[s for s in (stage, stage // 2, stage // 4, stage // 8) if s >= 1],
                              simulate_top=32)
         lay = plan.prediction.layout
-        choice[source] = (lay.schedule, lay.layers_of_pack(0).stop - lay.layers_of_pack(0).start)
-    return results, preds, choice
+        choice[source] = (lay.schedule, lay.n_layers // lay.n_packs)  # its boundaries may be balanced, not equal
+    return results, preds, choice, profiles
 
 
 def measure(args) -> None:
     configs = measured_configs(args.layers, args.pp)
     per_rank = run_distributed(_worker, args.world_size, args, configs, timeout=7200)
-    results, preds, choice = per_rank[0]
+    results, preds, choice, profiles = per_rank[0]
     ctx = harness.context("cpu")
+    prof = profiles["host"]
+    print(f"per-action overhead (measured, MAX over the ranks): stage {prof.stage_overhead_s * 1e3:.3f} ms, "
+          f"schedule {prof.schedule_overhead_s * 1e3:.3f} ms")
     tokens = (args.world_size // args.pp) * M * MBS * SEQ  # the global batch: 16 sequences of 128
     rows = []
     for key in configs:
@@ -248,6 +290,259 @@ def measure(args) -> None:
                                "peak_MiB", "predicted_peak_MiB", "bubble", "predicted_bubble", "allgather_MiB",
                                "h2d_MiB", "p2p_MiB", "planner_choice", "vs_best_measured"])
     print("rows appended to", harness.append_rows("packs", rows, args.results))
+    path = os.path.join(harness.results_dir(args.results), "packs_profiles.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"date": ctx["date"], "commit": ctx["commit"],
+                            "profiles": {k: dataclasses.asdict(v) for k, v in profiles.items()}}) + "\n")
+    print("profiles appended to", path)
+
+
+# ---------------------------------------------------------------- the model against packs.csv
+
+def profile_from_dict(d: dict):
+    """A PipelineProfile from dataclasses.asdict of one (read back from JSON)."""
+    from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight
+    from python_api.planner.profile import Link
+
+    d = dict(d)
+    for k in ("allgather", "allreduce", "p2p", "h2d"):
+        if d.get(k) is not None:
+            d[k] = Link(**d[k])
+    d["layers"] = tuple(PipeLayer(**{**layer, "weights": tuple(PipeWeight(**w) for w in layer["weights"])})
+                        for layer in d["layers"])
+    d["head_weights"] = tuple(PipeWeight(**w) for w in d["head_weights"])
+    return PipelineProfile(**d)
+
+
+def _layout_of(row):
+    from python_api.planner.pipeline import PipelineLayout
+
+    return PipelineLayout.build(int(row["world_size"]), int(row["pp"]), int(row["model"].split()[2]),
+                                row["schedule"], int(row["micro_batches"]), pack_size=int(row["pack_size"]),
+                                residency=row["residency"], window=int(row["window"]))
+
+
+def _predict(profile, rows) -> list[float]:
+    from python_api.planner.pipeline_model import simulate
+
+    out = []
+    for r in rows:
+        tokens = int(r["dp"]) * int(r["micro_batches"]) * int(r["micro_batch"]) * int(r["seq_len"])
+        out.append(tokens / simulate(profile, _layout_of(r), int(r["micro_batch"])).step_s)
+    return out
+
+
+def _nelder_mead(f, x0, iters: int):
+    """Minimise f from x0 (the plain Nelder-Mead simplex; no SciPy here)."""
+    pts = [list(x0)] + [[v * (1.3 if j == i else 1.0) for j, v in enumerate(x0)] for i in range(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(len(pts)), key=lambda i: vals[i])
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        c = [sum(p[j] for p in pts[:-1]) / (len(pts) - 1) for j in range(len(x0))]
+        xr = [2 * c[j] - pts[-1][j] for j in range(len(x0))]
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = [3 * c[j] - 2 * pts[-1][j] for j in range(len(x0))]
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = [(c[j] + pts[-1][j]) / 2 for j in range(len(x0))]
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [[(a + b) / 2 for a, b in zip(pts[0], p)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    i = min(range(len(pts)), key=lambda i: vals[i])
+    return pts[i], vals[i]
+
+
+def reconstruct_profiles(rows, layers: int) -> dict:
+    """Per source, a profile of the demo shape whose model without per-action overhead
+    reproduces the rows' predicted_tokens_per_s (see the module docstring); the shapes, bytes
+    and links but the fitted ones are those pipeline_profile builds for the bench's model."""
+    import copy
+
+    from python_api import ElasticPolicy, LoRAConfig
+    from python_api.finetune.models import embedded_config
+    from python_api.loading import empty_model
+    from python_api.planner.profile import Link
+
+    cfg = embedded_config(256, 688, layers, 8, 4)
+    lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
+    T = MBS * SEQ
+    out = {}
+    base_fit = None
+    for source in ("host", "peers"):
+        mine = [r for r in rows if r["source"] == source]
+        target = [float(r["predicted_tokens_per_s"]) for r in mine]
+        policy = ElasticPolicy(chunk_bytes=256 << 10, weights_on="host" if source == "host" else "device")
+        shell = _shell_profile(empty_model(copy.deepcopy(cfg)), lora, policy, layers)
+
+        def build(x, shell=shell, source=source):
+            F, Bw, Hf, Hb, lat = (abs(v) for v in (x[:5] if source == "host" else base_fit[:4] + [x[0]]))
+            kw = {"layers": tuple(dataclasses.replace(layer, fwd_s_fixed=0.0, fwd_s_per_token=F / T, bwd_s_fixed=0.0,
+                                                      bwd_s_per_token=Bw / T) for layer in shell.layers),
+                  "head_fwd_s_per_token": Hf / T, "head_bwd_s_per_token": Hb / T,
+                  "p2p": Link(lat, 4.7e8), "h2d": Link(0.0, 2e10), "allgather": Link(0.0, 1e8)}
+            if source == "peers":
+                kw["allgather"] = Link(abs(x[1]) * 1e-3, abs(x[2]) * 1e8)
+            return dataclasses.replace(shell, **kw)
+
+        def loss(x, build=build, mine=mine, target=target):
+            pred = _predict(build(x), mine)
+            return sum((p / t - 1) ** 2 for p, t in zip(pred, target))
+
+        x0 = [0.03, 0.06, 0.03, 0.06, 1e-3] if source == "host" else [1e-3, 4.0, 1.0]
+        x, err = _nelder_mead(loss, x0, 300)
+        x, err = _nelder_mead(loss, x, 200)
+        if source == "host":
+            base_fit = [abs(v) for v in x[:4]]
+        out[source] = (build(x), (err / len(target)) ** 0.5)
+    return out
+
+
+def _shell_profile(lm, lora, policy, layers):
+    """pipeline_profile's shapes and bytes for the bench's model, timings zero."""
+    from python_api.pipeline.profile import ActionOverhead, pipeline_profile
+    from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+
+    prefix = "model.layers."
+    unit = []
+    for i in range(layers):
+        names = [f"{prefix}{i}.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+        # the first layer's q/k/v have no backward use (frozen embeddings), as measure_profile finds
+        unit.append(LayerProfile(f"{prefix}{i}", True, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                 tuple(WeightProfile(n, 1, 1, 1, backward=not (i == 0 and n.split(".")[-1] in (
+                                     "q_proj", "k_proj", "v_proj"))) for n in names)))
+    measured = Profile(source="hand", device="cpu", world_size=4, seq_len=SEQ, capacity_bytes=1 << 34,
+                       reserved_bytes=0, static_bytes=0, page_bytes=256 << 10, adapter_grad_bytes=0,
+                       allgather=Link(0.0, 1e9), allreduce=Link(0.0, 1e9), layers=tuple(unit),
+                       outside=OutsideProfile(0.0, 0.0, 0.0, 0.0), h2d=Link(0.0, 2e10))
+    return pipeline_profile(lm, lora, policy, measured, world_size=4, seq_len=SEQ,
+                            action_overhead=ActionOverhead(0.0, 0.0))
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for t in range(i, j + 1):
+                r[order[t]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else 0.0
+
+
+def _check_worker(rank, world_size, args):
+    from python_api.pipeline import pipeline_groups
+
+    torch.set_num_threads(1)
+    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
+    profiles = _profiles(rank, world_size, args, groups)
+    return profiles, groups.pp_rank
+
+
+def check(args) -> None:
+    import csv
+
+    from python_api.planner.pipeline_model import plan_pipeline, simulate
+
+    path = os.path.join(harness.results_dir(args.results), "packs.csv")
+    rows = [r for r in csv.DictReader(open(path)) if r["kind"] == "measured"]
+    saved = {}
+    ppath = os.path.join(harness.results_dir(args.results), "packs_profiles.jsonl")
+    if os.path.exists(ppath):
+        for line in open(ppath):
+            d = json.loads(line)
+            saved[(d["date"], d["commit"])] = {k: profile_from_dict(v) for k, v in d["profiles"].items()}
+    runs = {}
+    for r in rows:
+        runs.setdefault((r["date"], r["commit"]), []).append(r)
+    now = None
+    if not args.overhead_ms and any(key not in saved for key in runs):
+        now = run_distributed(_check_worker, args.world_size, args, timeout=1800)[0][0]
+        o = now["host"]
+        print(f"profiles measured now on {args.world_size} ranks (the bench's own code): per-action overhead "
+              f"stage {o.stage_overhead_s * 1e3:.3f} ms, schedule {o.schedule_overhead_s * 1e3:.3f} ms")
+    for key, mine in runs.items():
+        if key in saved and not args.overhead_ms:
+            profiles = saved[key]
+            print(f"run {key}: the run's saved profiles (their own per-action overhead)")
+        else:
+            rec = saved.get(key) or reconstruct_profiles(mine, int(mine[0]["model"].split()[2]))
+            if key not in saved:
+                print(f"run {key}: no saved profile; reconstructed, rms error of the fit to predicted_tokens_per_s: "
+                      + ", ".join(f"{s} {v[1]:.1%}" for s, v in rec.items()))
+                rec = {s: v[0] for s, v in rec.items()}
+            if args.overhead_ms:
+                stage, sched = (float(v) / 1e3 for v in args.overhead_ms.split(","))
+                how = "given"
+            else:
+                stage, sched = now["host"].stage_overhead_s, now["host"].schedule_overhead_s
+                how = f"measured now on {args.world_size} ranks at once"
+            print(f"  per-action overhead ({how}): stage {stage * 1e3:.3f} ms, schedule {sched * 1e3:.3f} ms")
+            profiles = {s: dataclasses.replace(p, stage_overhead_s=stage, schedule_overhead_s=sched)
+                        for s, p in rec.items()}
+        all_m, all_p = [], []
+        for source in ("host", "peers"):
+            part = [r for r in mine if r["source"] == source]
+            if not part:
+                continue
+            meas = [float(r["tokens_per_s"]) for r in part]
+            pred = _predict(profiles[source], part)
+            all_m += meas
+            all_p += pred
+            r0 = part[0]
+            sizes = sorted({int(r["pack_size"]) for r in part}, reverse=True)
+            plan = plan_pipeline(profiles[source], 16 << 30, int(r0["dp"]) * int(r0["micro_batches"]) * int(r0["micro_batch"]),
+                                 pp=int(r0["pp"]), micro_batches=int(r0["micro_batches"]), residencies=(r0["residency"],),
+                                 windows=(int(r0["window"]),), pack_sizes=sizes, simulate_top=64)
+            lay = plan.prediction.layout
+            pick = (lay.schedule, lay.n_layers // lay.n_packs)  # the planner balances boundaries; the bench ran equal packs
+            picked = [r for r in part if (r["schedule"], int(r["pack_size"])) == pick]
+            old = [r for r in part if r["planner_choice"] == "True"]
+            best = max(meas)
+            print(f"  {source}: Spearman {spearman(meas, pred):+.2f} (the run's own predictions: "
+                  f"{spearman(meas, [float(r['predicted_tokens_per_s']) for r in part]):+.2f}); planner picks "
+                  f"{pick[0]} packs of {pick[1]}: {float(picked[0]['tokens_per_s']) / best:.3f} of the best measured "
+                  f"(the run's choice {old[0]['schedule']} packs of {old[0]['pack_size']}: "
+                  f"{float(old[0]['tokens_per_s']) / best:.3f})")
+            for r, p in zip(part, pred):
+                print(f"    {r['schedule']:>16} packs of {r['pack_size']}: measured {float(r['tokens_per_s']):7.1f}, "
+                      f"predicted {p:7.1f} (the run's {float(r['predicted_tokens_per_s']):7.1f})")
+        print(f"  all {len(all_m)} rows: Spearman {spearman(all_m, all_p):+.2f} (the run's own predictions: "
+              f"{spearman(all_m, [float(r['predicted_tokens_per_s']) for r in mine]):+.2f})")
+        bytes_of = saved.get(key) or now  # the memory model needs the real bytes (a reconstruction has none)
+        if bytes_of is None:
+            continue
+        print("  memory (rank 0's peak, MiB): measured, the run's model, the current model"
+              + ("" if key in saved else " on the bytes of the profiles measured now"))
+        for source in ("host", "peers"):
+            errs = []
+            for r in (r for r in mine if r["source"] == source):
+                peak = simulate(bytes_of[source], _layout_of(r), int(r["micro_batch"])).peak_bytes[0] / MiB
+                meas = float(r["peak_MiB"])
+                errs.append((peak - meas) / meas)
+                print(f"    {source:>5} {r['schedule']:>16} packs of {r['pack_size']}: {meas:7.2f}, "
+                      f"{float(r['predicted_peak_MiB']):7.2f} ({(float(r['predicted_peak_MiB']) - meas) / meas:+.1%}), "
+                      f"{peak:7.2f} ({errs[-1]:+.1%})")
+            print(f"    {source}: the current model {min(errs):+.1%}..{max(errs):+.1%} of the measured peaks")
 
 
 def simulate_tiny_pipe(args) -> None:
@@ -304,7 +599,13 @@ def main(argv=None):
     p.add_argument("--no-measure", action="store_true")
     p.add_argument("--no-simulate", action="store_true")
     p.add_argument("--results", default=None, help="results folder (default bench/results)")
+    p.add_argument("--check", action="store_true", help="only check the current model against packs.csv")
+    p.add_argument("--overhead-ms", default=None, help="with --check: STAGE,SCHEDULE ms per action instead of "
+                   "measuring them")
     args = p.parse_args(argv)
+    if args.check:
+        check(args)
+        return
     if not args.no_simulate:
         simulate_tiny_pipe(args)
     if not args.no_measure:

@@ -24,8 +24,49 @@ each layer per use, prefetched one layer ahead: per action, sum over its layers 
 max(0, gather of layer l - compute of layer l - 1). The step ends when the last rank's last
 action and its adapter-gradient all-reduce over the dp group (allreduce link) are done. The
 bubble of a rank is 1 - its busy time / the step time, the measured quantity
-(PipelinedModel.last_step["idle_s_per_rank"]). Not modelled: P2P contention, compute slowed by
-concurrent copies, the optimizer step.
+(PipelinedModel.last_step["idle_s_per_rank"]). Every action also pays the per-action overhead
+([Note: the per-action overhead]). Not modelled: P2P contention, compute slowed by concurrent
+copies, the optimizer step, and on a CPU the cores freed by idle ranks (the compute is timed
+with every rank busy).
+
+[Note: the per-action overhead]
+An action costs more than its layers' compute: the stage's forward_one_chunk/backward_one_chunk
+(argument handling, autograd bookkeeping, and the pack recomputing its rotary embeddings and
+causal mask from the positions) and, between actions, the schedule's loop (posting the P2P
+operations, waiting for them, and under load waiting for the peer to be scheduled; our pack
+residency). None of it depends on how many layers the pack has, so a step of v packs per rank
+pays it 2 m v times: 8 times per rank at one pack of 8 layers, 64 times at packs of 1 (pp 2,
+m 4, 16 layers). The profile gives it per action as `stage_overhead_s` (inside the stage:
+added to the action's work, counted busy, as the measured compute counts it) and
+`schedule_overhead_s` (before the action: the rank is occupied, the wait for the input can
+hide it, the bubble counts it idle, as the measurement does): begin = max(free +
+schedule_overhead_s, input arrival), end = begin + work + stage_overhead_s. Measured for a real
+model ([Note: measuring the per-action overhead] in python_api/pipeline/profile.py); synthetic
+GPU profiles assume 100 us of stage overhead (the prologue's and the stage's kernels, at the
+100 us per call the layers' fixed cost assumes) and no schedule overhead (host-side Python,
+hidden while the host runs ahead of the device: an assumption that fails when an action's
+device time drops below the ~2 ms of Python per action counted on CPU below).
+Why (issue 19; bench/results/packs.csv, 4 gloo ranks on 2 cores, pp 2 x dp 2, 16 layers of
+the demo shape, m 4): without this term the model predicted +20% tokens/s from packs of 8 to
+packs of 1, the bench measured packs of 1 slower than packs of 2 by 3-23%, and the measured
+bubble at packs of 1 was 0.16-0.19 against 0.05 predicted. Counted in steps of that model
+(main-thread CPU time per action at packs of 1, looped-bfs, same run, machine shared): the
+stage's infrastructure 0.5-0.7 ms per forward or backward, the causal mask 0.5-0.6 ms per
+forward, posting and waiting for the P2P operations 0.3-0.4 ms, the residency 0.3-0.4 ms,
+the rest of the schedule's loop 0.3-0.4 ms: about 2 ms per action against 14-18 ms per
+layer forward and per layer backward, so ~12% of a step's CPU at packs of 1 and ~2% at
+packs of 8, the size of the bubble the smaller packs save (0.2 -> 0.05). Timestamps of every
+action (4 ranks, same run) put the time between two actions of a rank alike whether or not it
+waited for its input (mean 5-9 ms wall under a load of 13): the cost is per action, not a
+slow P2P link. With the overhead measured on that machine (stage 1.0 ms, schedule 5.6 ms,
+at a load of 5-10), `python bench/bench_packs.py --check` on that run's rows: Spearman's rank
+correlation of predicted and measured tokens/s +0.17 (host), +0.19 (peers), +0.20 (all 16),
+from -0.67, -0.21, -0.44; the planner's choice among them measures 0.895 (host) and 0.902
+(peers) of the best, from 0.779 and 0.819. What the model still misses there: packs of 8
+measured 2-25% faster than predicted (likely a CPU effect, not modelled: the compute is timed
+with every rank busy, while during a step's bubble the working ranks get the idle ranks'
+cores), and the noise (the two schedules at one pack size differ by up to 14%, a
+configuration's two passes by 2-45%).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
@@ -39,13 +80,32 @@ Per rank, at each action, in bytes:
       chunk, a page being the pack's largest chunk rounded up to 512 bytes), plus for a
       transient pack its working set (the pages of its two largest layers);
   + gather buffers of loads in flight: (dp + 1) x slice per chunk (send and receive), plus on
-      CPU dp x slice (gloo's scratch copy of the output): a pack load issues every chunk of
-      the pack at once;
+      CPU dp x slice (gloo's scratch copy of the output): a prefetched pack load
+      (ElasticRuntime.prefetch, issued by the residency ahead of the pack's action) issues
+      every chunk of the pack at once; a load on demand (no window, or a load that could not
+      be prefetched: its pack was released just before) is the runtime's own gathering, unit
+      by unit with its in-pack prefetch, so at most the buffers of 1 + prefetch_depth layers
+      (the largest) are in flight;
   + activations: for each local pack, the micro-batches whose forward is done and backward not
       (the one in its forward or backward counted) times the pack's saved bytes per micro-batch
       (act_bytes_per_token x T over its layers, the head's on the last pack), plus during the
-      last pack's actions the head's transient (logits, their fp32 copy, their gradient).
+      last pack's actions the head's transient (logits, their fp32 copy, their gradient);
+  + the tensors handed to P2P sends (micro_batch x seq x hidden each): a non-last pack's
+      output from its forward until its backward (the stage keeps it for the backward), and
+      with GPipe, LoopedBFS and Interleaved 1F1B every output and every input gradient a
+      non-first pack sent, until the step ends: torch.distributed.pipelining keeps their send
+      works, which hold the tensors, until then (ScheduleGPipe in lists it waits after each
+      phase, the multi-stage runtime in `send_ops` it waits at the end of step()); Schedule1F1B
+      keeps only its latest send's work (one input gradient).
 The peak is the maximum over the actions.
+Checked against bench/results/packs.csv (2026-12-02, 16 configurations, rank 0's measured
+peaks; `python bench/bench_packs.py --check`): without the on-demand rule and the sent
+tensors, +22% / +33% for one 8-layer pack with peers' weights (both of its loads are on
+demand: a phase pack cannot be prefetched into the action right after its release, and every
+chunk's buffers were counted at once) and -6.6% at interleaved-1f1b packs of 1 (60 sends of
+256 KiB per step on rank 0 not counted); with them -0.6..+3.0% (host) and -2.2..+5.0%
+(peers). Not separated: the +3..+5% left at small packs with looped-bfs (perhaps the receive
+buffers, counted in the static bytes and again as the saved input of the pack's first layer).
 
 [Note: the pipeline search]
 Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
@@ -65,6 +125,7 @@ pp1's predicted step (or pp1 does not fit).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -158,10 +219,19 @@ class PipelineProfile:
     cpu_gloo: bool = False  # gloo's all-gather scratch copy ([Note: the pipeline memory model])
     workspace_bytes_per_token: float = 0.0  # a backward's transient beyond the saved activations
     prefetch_depth: int = 1  # the runtime's in-pack window: a transient pack's pool holds 1 + this layers
+    # [Note: the per-action overhead]: seconds per action (F or B of one pack on one micro-batch)
+    # beyond its layers' compute, inside the stage's forward/backward (counted busy) and in the
+    # schedule between actions (the rank is occupied, the measured bubble counts it idle).
+    stage_overhead_s: float = 0.0
+    schedule_overhead_s: float = 0.0
 
     def __post_init__(self):
         if not self.layers:
             raise PipelineError("a pipeline profile needs decoder layers")
+        for name in ("stage_overhead_s", "schedule_overhead_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PipelineError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
         if self.weights_on not in ("device", "host"):
             raise PipelineError(f'weights_on must be "device" or "host", got {self.weights_on!r}')
         if self.weights_on == "host" and self.h2d is None:
@@ -185,6 +255,8 @@ class PackCost:
     shard_bytes: int
     adapter_bytes: int
     working_set: int  # pages of its 1 + prefetch_depth largest layers (a transient pack's pool)
+    fwd_unit_buffers: int  # gather buffers of its 1 + prefetch_depth largest layers (a load on demand)
+    bwd_unit_buffers: int
     store_bytes: int  # its weights in the host store (weights_on="host")
     layer_times: tuple  # per layer: (fwd compute, bwd compute, fwd load s, bwd load s)
 
@@ -301,6 +373,11 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
             t = max(t, profile.h2d.time(h))
         return t
 
+    unit_buffers = [(0, 0) if host or local_only else ((dp + 1 + scratch) * u[7], (dp + 1 + scratch) * u[8])
+                    for u in units]
+    keep = 1 + profile.prefetch_depth
+    fub = sum(sorted((b[0] for b in unit_buffers), reverse=True)[:keep])
+    bub = sum(sorted((b[1] for b in unit_buffers), reverse=True)[:keep])
     per_layer, layer_pages = [], []
     for layer, u in zip(layers, units):
         lg, lbg, lh, lbh = (0, 0, 0, 0) if local_only else (u[3], u[4], u[5], u[6])
@@ -310,7 +387,7 @@ def _pack_cost(profile: PipelineProfile, start: int, end: int, first: bool, last
     ws = sum(sorted(layer_pages, reverse=True)[: 1 + profile.prefetch_depth])
     weights = tuple(w for layer in layers for w in layer.weights) + (tuple(profile.head_weights) if last else ())
     return PackCost(weights, fwd, bwd, act, fg, bg, fh if not local_only else 0, bh if not local_only else 0,
-                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws,
+                    fp, bp, fb, bb, 0 if host else shard, ADAPTER_BYTES_PER_PARAM * adapters, ws, fub, bub,
                     store if host else 0, tuple(per_layer))
 
 
@@ -417,16 +494,22 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                 if any(d not in end for d in deps):
                     break
                 arrive = max((end[d] + (p2p_s if d[1] % pp != r else 0.0) for d in deps), default=0.0)
-                begin = max(free[r], arrive)
+                # [Note: the per-action overhead]: the schedule's share runs before the wait
+                # for the input (it may hide under it), the stage's share inside the action.
+                begin = max(free[r] + profile.schedule_overhead_s, arrive)
                 # loads issued at this action's start (prefetch) or by it (demand)
                 for idx, kk, lk in plans[r].get(t, []):
                     c = costs[kk]
                     s0 = max(begin, link[r])
                     link[r] = s0 + _load_time(profile, c, lk)
                     ready[r][idx] = link[r]
-                    loads_in_flight[r].append((t, idx, c.fwd_buffers if lk == FORWARD else c.bwd_buffers))
+                    if idx == t:  # on demand: the runtime gathers unit by unit, prefetch_depth ahead
+                        held = c.fwd_unit_buffers if lk == FORWARD else c.bwd_unit_buffers
+                    else:  # a prefetch (ElasticRuntime.prefetch): every chunk of the pack at once
+                        held = c.fwd_buffers if lk == FORWARD else c.bwd_buffers
+                    loads_in_flight[r].append((t, idx, held))
                 c = costs[k]
-                work = c.fwd_s if kind == FORWARD else c.bwd_s
+                work = (c.fwd_s if kind == FORWARD else c.bwd_s) + profile.stage_overhead_s
                 if layout.residency[k] == "transient":
                     work += _transient_exposed(c, kind)
                 finish = max(begin, ready[r].get(t, begin)) + work
@@ -458,11 +541,16 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                                     first_step=first_step)
         inflight = {k: 0 for k in local}
         peak = 0
+        # tensors handed to P2P sends ([Note: the pipeline memory model]): outputs sent by
+        # forwards whose backward has not run, outputs of finished ones, input gradients sent
+        retains = layout.schedule != "1f1b"
+        out_live = out_done = grads_sent = 0
         workspace = int(profile.workspace_bytes_per_token * T)
         for t, (kind, k, i) in enumerate(orders[r]):
             if kind == FORWARD:
                 inflight[k] += 1
-            acts = sum(inflight[j] * costs[j].act_bytes for j in local)
+            sent = out_live + (out_done + grads_sent if retains else min(grads_sent, 1))
+            acts = sum(inflight[j] * costs[j].act_bytes for j in local) + sent * p2p_bytes
             extra = workspace if kind == BACKWARD else 0
             if k in transient:  # its gathers' buffers, one layer ahead
                 extra += 2 * max(costs[k].fwd_buffers, costs[k].bwd_buffers) // max(1, len(costs[k].layer_times))
@@ -470,6 +558,12 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
             peak = max(peak, static + during[t] + extra + buffers_at[r][t] + acts + head)
             if kind == BACKWARD:
                 inflight[k] -= 1
+            if kind == FORWARD and k < n - 1:
+                out_live += 1
+            if kind == BACKWARD and k < n - 1:
+                out_live, out_done = out_live - 1, out_done + 1
+            if kind == BACKWARD and k > 0:
+                grads_sent += 1
         peaks.append(peak)
         g = h = 0
         for k in local:
@@ -512,7 +606,7 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
         w = 0.0
         for j, k in enumerate(local):
             c = costs[k]
-            w += m * (c.fwd_s + c.bwd_s)
+            w += m * (c.fwd_s + c.bwd_s + 2 * (profile.stage_overhead_s + profile.schedule_overhead_s))
             mode = layout.residency[k]
             if mode == "transient":
                 w += m * (_transient_exposed(c, FORWARD) + _transient_exposed(c, BACKWARD))
@@ -672,6 +766,10 @@ PIPE_SHAPES = {
 }
 
 
+# [Note: the per-action overhead]: the synthetic profiles' stage overhead per action.
+SYNTHETIC_STAGE_OVERHEAD_S = 100e-6
+
+
 @dataclass(frozen=True)
 class PipeDevice:
     """A GPU and its links for synthetic pipeline profiles (rates achieved, not peak)."""
@@ -710,7 +808,8 @@ def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str
     """The pipeline profile of `shape` on `ranks` GPUs of `device` from its FLOPs and bytes
     (the assumptions of [Note: synthetic profile assumptions] in planner/shapes.py: forward 2 x
     weights + attention per token, backward twice the attention and the LoRA terms and dX only,
-    100/200 us fixed per call; saved activations as stated there; bf16)."""
+    100/200 us fixed per call; saved activations as stated there; bf16; the per-action overhead
+    of [Note: the per-action overhead])."""
     if shape not in PIPE_SHAPES:
         raise PipelineError(f"unknown shape {shape!r}; known: {', '.join(PIPE_SHAPES)}")
     if device not in PIPE_DEVICES:
@@ -746,7 +845,7 @@ def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str
         head_act_bytes_per_token=float(element_size * h), head_peak_bytes_per_token=float(10 * s.vocab),
         first_static_bytes=embed, last_static_bytes=(head_bytes if tied else 0) + element_size * 2 * h,
         head_weights=() if tied else (PipeWeight("lm_head", s.vocab, h, element_size),),
-        h2d=dev.h2d, weights_on=weights_on,
+        h2d=dev.h2d, weights_on=weights_on, stage_overhead_s=SYNTHETIC_STAGE_OVERHEAD_S, schedule_overhead_s=0.0,
     )
 
 
