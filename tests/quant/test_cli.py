@@ -33,7 +33,6 @@ def test_policy_follows_the_options():
     (["--weight-format", "nf4", "--quant-block", "16"], r"--quant-block"),
     (["--weight-format", "nf4", "--weights-on", "host"], r"not supported with the host tier"),
     (["--weight-format", "nf4", "--pp", "2"], r"not supported with --pp"),
-    (["--weight-format", "nf4", "--baseline", "fsdp2"], r"the peers \(--baseline\) run full-precision weights"),
 ])
 def test_bad_options(extra, match, capsys):
     with pytest.raises(SystemExit):
