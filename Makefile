@@ -50,8 +50,9 @@ test-noext: setup
 # heads: NF4_DEMO_OPTIONS in python_api/finetune/peers/fsdp2_nf4.py; the default shape has no
 # nf4 rows, 688 is no multiple of the 64-weight block) in full precision and in nf4 with nested
 # scales at budget all and 0, beside FSDP2 and FSDP2 over torchao NF4 weights (torchtune's QLoRA),
-# on 4, 2 or 1 processes (the peer's limit: this shape splits over 1, 2 and 4 ranks), into
-# out/demo-nf4/ (each replaced on each run). DEMO_ARGS adds options to all three,
+# on 4 or 2 processes (the peer's limit: this shape splits over 2 and 4 ranks; on one GPU the
+# job runs on 1 process without FSDP2-NF4, which needs 2 ranks), into out/demo-nf4/ (each
+# replaced on each run). DEMO_ARGS adds options to all three,
 # e.g. DEMO_ARGS="--steps 80".
 DEMO_ARGS ?=
 demo: build
@@ -66,10 +67,11 @@ demo: build
 		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	nq=$$([ $$nproc -ge 4 ] && echo 4 || ([ $$nproc -ge 2 ] && echo 2 || echo 1)); \
-	echo "make demo: $$nq processes, nf4 beside FSDP2-NF4, output in out/demo-nf4/"; \
+	peers=$$([ $$nq -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
+	echo "make demo: $$nq processes, nf4 beside $$peers, output in out/demo-nf4/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nq -m python_api.finetune \
 		--intermediate-size 768 --num-kv-heads 8 --compare-format nf4 --quant-nested --compare-budgets 0 \
-		--baseline fsdp2,fsdp2-nf4 --save-dir out/demo-nf4 --overwrite $(DEMO_ARGS)
+		--baseline $$peers --save-dir out/demo-nf4 --overwrite $(DEMO_ARGS)
 
 # CPU benchmarks, one intra-op thread per process (two threads on these shared cores stall at
 # OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.

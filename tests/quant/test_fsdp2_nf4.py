@@ -221,6 +221,18 @@ def test_a_weight_the_peer_cannot_shard_is_refused_on_every_rank(nf4_runs):
 # ------------------------------------------------------------------ options and the summary, no ranks
 
 
+def test_one_rank_is_refused(tmp_path):
+    """On a one-rank mesh torch 2.14's FSDP2 skips the all-gather and hands torchao's
+    fsdp_post_all_gather one of its three packed parts: refused before anything is built."""
+    from python_api.finetune.job import prepare
+    from python_api.finetune.options import parse_args
+    from python_api.finetune.peers.fsdp2_nf4 import shape_error
+
+    job = prepare(parse_args(NF4_TINY + ["--baseline", "fsdp2-nf4", "--save-dir", str(tmp_path)]), 0, 1, 0)
+    assert shape_error(job).startswith("--baseline fsdp2-nf4 needs at least 2 ranks")
+    assert shape_error(prepare(parse_args(NF4_TINY + ["--save-dir", str(tmp_path)]), 0, 2, 0)) is None
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--compare-format", "fp8"], "unknown format(s) ['fp8']"),
     (["--compare-format", "nf4,nf4"], "given twice"),

@@ -36,7 +36,11 @@ What the peer does, and what torchtune does that it follows (ideas, not code; to
   weight's element count a multiple of block x 256 x W (65,536 at block 64 on 4 ranks), and
   its rows a multiple of W. torchao asserts inside `fully_shard` otherwise; the peer checks
   every weight before any run (`peers.check`, on every rank alike) and names the ones that
-  fail. nn.Linear only (torchao implements F.linear, not transformers' Conv1D's addmm).
+  fail. nn.Linear only (torchao implements F.linear, not transformers' Conv1D's addmm). At
+  least 2 ranks: on a one-rank mesh FSDP2 (torch 2.14.1, `FSDPParamGroup.wait_for_unshard`)
+  skips the all-gather and copies only `all_gather_inputs[0]` into the unsharded parameter,
+  so torchao's `fsdp_post_all_gather`, which expects its three parts, fails at the first
+  forward (found running the CLI on one process: after the elastic and FSDP2 runs had trained).
 - Building: the whole base model on every rank (`_collective_build`), then quantized and
   sharded; with `--model DIR` that is a full-precision copy per rank while building (torchtune
   holds the full state dict likewise). The peak-memory figure starts after the build.
@@ -69,8 +73,8 @@ SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is
 # (64) and its k/v projections (4 KV heads: 128 x 256) hold 32768 weights, which torchao cannot
 # split over 4 ranks. With intermediate 768 and 8 KV heads every quantized weight holds a
 # multiple of 65536 = 64 x 256 x 4 (q/k/v/o 256 x 256, gate/up 768 x 256, down 256 x 768): it
-# qualifies on 1, 2 and 4 ranks (not 3, nor 8), and every row length is a multiple of the nf4
-# and int8 blocks (64, 256).
+# qualifies on 2 and 4 ranks (not 3, nor 8; the peer needs 2 at least), and every row length
+# is a multiple of the nf4 and int8 blocks (64, 256).
 NF4_DEMO_OPTIONS = ("--intermediate-size", "768", "--num-kv-heads", "8")
 DEFAULT_BLOCK = 64  # bitsandbytes' and torchao's NF4 block
 INSTALL_HINT = "pip install torchao (requirements.txt pins 0.18.0)"
@@ -109,6 +113,10 @@ def shape_error(job: Job) -> str | None:
     ([Note: FSDP2-NF4 as a peer]: the limit), or None. From the model's structure on the meta
     device: the same on every rank, before anything is built."""
     W, block = job.world_size, nf4_block(job.args)
+    if W < 2:
+        return ("--baseline fsdp2-nf4 needs at least 2 ranks: on a one-rank mesh FSDP2 (torch 2.14) copies only the "
+                "first of a tensor subclass's all-gather inputs into the unsharded parameter, and torchao's NF4 has "
+                "three (its fsdp_post_all_gather fails: 'expected 3, got 1')")
     meta = job.spec.meta_model()
     unit = block * SCALER_BLOCK * W
     bad, kinds = [], []
