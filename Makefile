@@ -46,7 +46,13 @@ test-noext: setup
 # host store, planned under a 48 MiB cap per rank, pipelined (pp 2, on an even number of
 # processes), and the peers FSDP2, DeepSpeed ZeRO-3 and DDP, into out/demo/; then one process
 # streaming its weights from the host store through a pool of 25%, 50% and all of the frozen
-# bytes, into out/demo-host/ (both replaced on each run). DEMO_ARGS adds options to both,
+# bytes, into out/demo-host/; then QLoRA: the demo model sized for NF4 (intermediate 768, 8 KV
+# heads: NF4_DEMO_OPTIONS in python_api/finetune/peers/fsdp2_nf4.py; the default shape has no
+# nf4 rows, 688 is no multiple of the 64-weight block) in full precision and in nf4 with nested
+# scales at budget all and 0, beside FSDP2 and FSDP2 over torchao NF4 weights (torchtune's QLoRA),
+# on 4 or 2 processes (the peer's limit: this shape splits over 2 and 4 ranks; on one GPU the
+# job runs on 1 process without FSDP2-NF4, which needs 2 ranks), into out/demo-nf4/ (each
+# replaced on each run). DEMO_ARGS adds options to all three,
 # e.g. DEMO_ARGS="--steps 80".
 DEMO_ARGS ?=
 demo: build
@@ -59,6 +65,13 @@ demo: build
 	@echo "make demo: 1 process, weights on host, output in out/demo-host/"
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m python_api.finetune \
 		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
+	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
+	nq=$$([ $$nproc -ge 4 ] && echo 4 || ([ $$nproc -ge 2 ] && echo 2 || echo 1)); \
+	peers=$$([ $$nq -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
+	echo "make demo: $$nq processes, nf4 beside $$peers, output in out/demo-nf4/"; \
+	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nq -m python_api.finetune \
+		--intermediate-size 768 --num-kv-heads 8 --compare-format nf4 --quant-nested --compare-budgets 0 \
+		--baseline $$peers --save-dir out/demo-nf4 --overwrite $(DEMO_ARGS)
 
 # CPU benchmarks, one intra-op thread per process (two threads on these shared cores stall at
 # OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.

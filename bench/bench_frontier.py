@@ -3,7 +3,7 @@ process group and one run, on the fine-tuning CLI's job.
 
     torchrun --standalone --nproc-per-node 4 bench/bench_frontier.py [--preset demo|large|tiny]
         [--steps 6] [--passes 2] [--budgets 0,25%,50%,75%,all] [--host-budgets 0,50%,all]
-        [--planned-caps 3] [--peers fsdp2,deepspeed,ddp] [--fsdp2-reshard true,false,2]
+        [--planned-caps 3] [--peers fsdp2,deepspeed,ddp[,fsdp2-nf4]] [--fsdp2-reshard true,false,2]
         [--ds-grid defaults,no-persistence,...] [--results DIR] [--png PATH] [finetune options ...]
 
 Each configuration trains the CLI's job (python_api/finetune: the same base weights, the
@@ -17,7 +17,11 @@ elastic run's initial adapters, batches and AdamW, through the same loop) from s
 - DeepSpeed ZeRO-3 + PEFT over a grid of its four stage3 knobs (DS_GRID below; element
   counts scaled to the model's decoder layer, so that some settings do not fetch the whole
   model in one call);
-- DDP + PEFT: replicated weights, no weight communication.
+- DDP + PEFT: replicated weights, no weight communication;
+- FSDP2-NF4 + PEFT (`--peers ...,fsdp2-nf4`): FSDP2 over torchao NF4 weights, torchtune's QLoRA
+  (python_api/finetune/peers/fsdp2_nf4.py); with `--weight-format nf4` in the finetune options
+  the elastic points are nf4 too (system "elastic nf4"). `--preset nf4` is the demo model sized
+  for it (NF4_DEMO_OPTIONS there: every quantized weight splits over 4 ranks).
 
 Measured for each (the passes run every configuration in the listed order, then in the
 reverse order, so a drift of the shared machine weighs on all alike): tokens/s (global tokens
@@ -28,8 +32,10 @@ bytes after the build plus the profiler's allocation high-water, minus the tenso
 before the build; the pool's arena counted from its own snapshot, the host store not counted,
 as it is host memory on a GPU machine; and the resident-set peak of the timed passes, rank 0),
 all-gathered bytes and all-gather calls per step (steady state, counted by one wrapper around
-every all-gather), and losses (every run's, against the first elastic one: the largest
-difference is printed). Rows go to bench/results/frontier.csv; the picture (tokens/s against
+every all-gather), and losses (every run's, against the first run of its weight format: the
+largest difference is printed, flagged beyond fp32 rounding, or for nf4 beyond the NF4
+tolerance of [Note: the NF4 peer's loss tolerance] in python_api/finetune/report.py). An elastic
+point is set against the peers of its own weights only. Rows go to bench/results/frontier.csv; the picture (tokens/s against
 peak memory, one marker per configuration, each system's Pareto frontier as a line) to
 bench/results/frontier.png (frontier_<preset>.png for other presets). The table states, for
 each elastic point, the fastest peer configuration at less or equal memory and the ratio.
@@ -53,6 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.harness import append_rows, context, results_dir  # noqa: E402
+from python_api.finetune.peers.fsdp2_nf4 import NF4_DEMO_OPTIONS  # noqa: E402
 
 PRESETS = {
     "tiny": ["--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4",
@@ -60,6 +67,7 @@ PRESETS = {
     "demo": [],  # the CLI's embedded defaults: 4 layers, hidden 256, seq 128, micro-batch 2 x accumulation 2
     "large": ["--hidden-size", "512", "--intermediate-size", "1376", "--num-layers", "8", "--num-heads", "8",
               "--num-kv-heads", "4"],
+    "nf4": list(NF4_DEMO_OPTIONS),  # the demo model sized for the fsdp2-nf4 peer on up to 4 ranks
 }
 
 # DeepSpeed settings: name -> knobs, in elements; "L" is one decoder layer's parameter count,
@@ -101,8 +109,9 @@ def _parse(argv):
 class Config:
     """One point of the plane: how to build its engine, and what it measured."""
 
-    def __init__(self, system: str, label: str, build):
+    def __init__(self, system: str, label: str, build, weight_format: str = "none"):
         self.system, self.label, self.build = system, label, build
+        self.weight_format = weight_format  # the numerics its losses are compared within
         self.passes: list[dict] = []
         self.tensor_peak: int | None = None
 
@@ -158,22 +167,27 @@ def configurations(opts, job, counter) -> list[Config]:
     from python_api.finetune.engines import ElasticEngine, FSDP2Engine
     from python_api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
     from python_api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
+    from python_api.finetune.peers.frontier import system_of
+    from python_api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
 
     W = job.world_size
+    fmt = job.args.weight_format
+    elastic = system_of("elastic", fmt)
     out = []
     for b in (x for x in opts.budgets.split(",") if x.strip()):
         budget = _budget(b)
-        out.append(Config("elastic", f"budget {budget_label(budget)}", lambda budget=budget: ElasticEngine(job, budget)))
+        out.append(Config(elastic, f"budget {budget_label(budget)}", lambda budget=budget: ElasticEngine(job, budget),
+                          fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
-        out.append(Config("elastic", f"host, budget {budget_label(budget)}",
-                          lambda budget=budget: ElasticEngine(job, budget, weights_on="host")))
+        out.append(Config(elastic, f"host, budget {budget_label(budget)}",
+                          lambda budget=budget: ElasticEngine(job, budget, weights_on="host"), fmt))
     if opts.planned_caps:
         for cap in _planned_caps(job, opts.planned_caps):
             def planned(cap=cap):
                 job.args.memory_cap = cap
                 return ElasticEngine(job, None, planned=True)
-            out.append(Config("elastic", f"planned, cap {fmt_bytes(cap)}", planned))
+            out.append(Config(elastic, f"planned, cap {fmt_bytes(cap)}", planned, fmt))
     peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
     if "fsdp2" in peers:
         if opts.fsdp2_reshard is None:
@@ -195,6 +209,16 @@ def configurations(opts, job, counter) -> list[Config]:
                 print(f"bench_frontier: DeepSpeed left out: {exc}", flush=True)
     if "ddp" in peers:
         out.append(Config("ddp", "replicated", lambda: DDPEngine(job, counter)))
+    if "fsdp2-nf4" in peers:
+        try:
+            import_to_nf4()
+            err = shape_error(job)  # the same on every rank: all stop before anything runs
+            if err:
+                raise SystemExit(f"bench_frontier: {err}")
+            out.append(Config("fsdp2-nf4", "reshard", lambda: FSDP2NF4Engine(job, counter), "nf4"))
+        except ImportError as exc:
+            if job.rank == 0:
+                print(f"bench_frontier: FSDP2-NF4 left out: {exc}", flush=True)
     return out
 
 
@@ -252,7 +276,8 @@ def _slowest(x: float) -> float:
     return max(exchange(x, what="bench_frontier step times"))
 
 
-def summarize(job, configs: list[Config], ref_losses: list[float]) -> list[dict]:
+def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[dict]:
+    """One row per configuration; `refs`: per weight format, the losses its runs are set against."""
     from python_api.finetune.peers.frontier import best_peer_at_or_below, pareto
 
     rows = []
@@ -262,8 +287,9 @@ def summarize(job, configs: list[Config], ref_losses: list[float]) -> list[dict]
         first = cfg.passes[0]
         peaks = [r["peak_memory_bytes"] for r in cfg.passes if r["peak_memory_bytes"] is not None]
         losses = [x for r in cfg.passes for x in r["losses"]]
-        n = len(ref_losses)
-        diff = max(abs(a - b) for r in cfg.passes for a, b in zip(r["losses"][:n], ref_losses))
+        ref_losses = refs.get(cfg.weight_format)
+        diff = None if ref_losses is None else max(abs(a - b) for r in cfg.passes
+                                                   for a, b in zip(r["losses"][:len(ref_losses)], ref_losses))
         gpu = job.device.type == "cuda"
         rss = max(peaks) if peaks else None
         rows.append({
@@ -278,15 +304,17 @@ def summarize(job, configs: list[Config], ref_losses: list[float]) -> list[dict]
             "allgather_mib_first_step": first["allgather_bytes_counted_per_step"][0] / 2**20,
             "max_abs_loss_diff": diff, "final_loss": losses[-1],
         })
+    formats = {r["system"]: c.weight_format for r, c in zip(rows, configs)}
     peer_pts = [{"memory": r["peak_memory_mib"], "tokens_per_s": r["tokens_per_s"], "row": r}
-                for r in rows if r["system"] != "elastic"]
+                for r in rows if not r["system"].startswith("elastic")]
     for system in {r["system"] for r in rows}:
         mine = [r for r in rows if r["system"] == system]
         front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
         for i, r in enumerate(mine):
             r["on_frontier"] = i in front
     for r in rows:
-        best = best_peer_at_or_below(r["peak_memory_mib"], peer_pts) if r["system"] == "elastic" else None
+        mine = [p for p in peer_pts if formats[p["row"]["system"]] == formats[r["system"]]]  # its own weights
+        best = best_peer_at_or_below(r["peak_memory_mib"], mine) if r["system"].startswith("elastic") else None
         r["best_peer_at_or_below"] = "" if best is None else f"{best['row']['system']}: {best['row']['config']}"
         r["vs_best_peer"] = None if best is None else r["tokens_per_s"] / best["tokens_per_s"]
     return rows
@@ -303,7 +331,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.0f} | {_fmt(r['peak_memory_mib'])} | "
                      f"{_fmt(r['peak_rss_mib'])} | {r['allgather_mib_per_step']:.2f} | {r['allgather_calls_per_step']:.0f} | "
-                     f"{'yes' if r['on_frontier'] else ''} | {r['best_peer_at_or_below'] or ('-' if r['system'] != 'elastic' else 'none fits')} | "
+                     f"{'yes' if r['on_frontier'] else ''} | {r['best_peer_at_or_below'] or ('-' if not r['system'].startswith('elastic') else 'none fits')} | "
                      f"{'' if r['vs_best_peer'] is None else format(r['vs_best_peer'], '.2f') + 'x'} |")
     return head + "\n".join(lines) + "\n"
 
@@ -335,6 +363,7 @@ def main(argv=None) -> int:
     from python_api.finetune.job import prepare
     from python_api.finetune.measure import AllGatherCounter, PeakMemory
     from python_api.finetune.options import parse_args
+    from python_api.finetune.report import nf4_gap_bound
     from python_api.nn import adapter_state_dict
 
     opts, rest = _parse(sys.argv[1:] if argv is None else argv)
@@ -375,8 +404,10 @@ def main(argv=None) -> int:
         if device.type != "cuda":
             for cfg in configs:
                 cfg.tensor_peak = _run(job, cfg, counter, 2, profile_memory=True)["tensor_peak_bytes"]
-        ref = next(c for c in configs if c.system == "elastic").passes[0]["losses"]
-        rows = summarize(job, configs, ref)
+        refs = {}  # the first configuration of each weight format: the others of it are set against it
+        for c in configs:
+            refs.setdefault(c.weight_format, (c, c.passes[0]["losses"]))
+        rows = summarize(job, configs, {f: losses for f, (_, losses) in refs.items()})
         elapsed = time.perf_counter() - t_start
     load_end = os.getloadavg()
     if rank == 0:
@@ -392,12 +423,17 @@ def main(argv=None) -> int:
         caption = (f"{ctx['date']} · {ctx['device']} · {W} ranks ({dist.get_backend()}) · {job.spec.description()} · "
                    f"{tokens_per_step} tokens/step · load {load[0]:.1f}-{load_end[0]:.1f}")
         picture(rows, png, caption)
-        worst = max(rows, key=lambda r: r["max_abs_loss_diff"])
         print()
         print(table(rows), end="")
-        print(f"\nlargest |loss - elastic loss| of any run, any step: {worst['max_abs_loss_diff']:.3g} "
-              f"({worst['system']}: {worst['config']})"
-              + ("  <-- more than fp32 rounding" if worst["max_abs_loss_diff"] > 1e-5 else ""))
+        print()
+        for fmt, (ref_cfg, ref_losses) in refs.items():
+            worst = max((r for r, c in zip(rows, configs) if c.weight_format == fmt), key=lambda r: r["max_abs_loss_diff"])
+            # nf4: [Note: the NF4 peer's loss tolerance]; int8 has no peer: its runs differ by rounding
+            bound = nf4_gap_bound("float32", ref_losses) if fmt == "nf4" else 1e-5
+            beyond = "beyond the NF4 tolerance" if fmt == "nf4" else "more than fp32 rounding"
+            of = "any run" if len(refs) == 1 else f"any {fmt} run"
+            print(f"largest |loss - {ref_cfg.system} loss| of {of}, any step: {worst['max_abs_loss_diff']:.3g} "
+                  f"({worst['system']}: {worst['config']})" + (f"  <-- {beyond}" if worst["max_abs_loss_diff"] > bound else ""))
         print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; {elapsed:.0f} s")
         print(f"rows: {path}\npicture: {png}", flush=True)
     dist.barrier()

@@ -18,6 +18,27 @@ bench/results/quant.csv.
 --error-sweep: for int8 blocks of 32-4096 ([Note: int8 block size] in elastic_kernels/quant/
 int8.py), the round-trip relative RMS error on a Llama-like 1024 x 4096 weight, the bits per
 weight and the dequant GB/s of the fast impl; rows to bench/results/quant_int8_blocks.csv.
+
+--demo (under torchrun; the demo half):
+
+    torchrun --standalone --nproc-per-node 4 bench/bench_quant.py --demo [--budgets 0,50%]
+        [--formats none,int8,nf4,nf4-nested] [--peers fsdp2-nf4[,fsdp2]] [--steps 6] [--passes 2]
+        [--results DIR] [finetune options ...]
+
+The fine-tuning CLI's job on the demo model sized for NF4 (NF4_DEMO_OPTIONS in
+python_api/finetune/peers/fsdp2_nf4.py: intermediate 768, 8 KV heads; every quantized weight
+qualifies for the peer on 4 ranks), trained from scratch in one process group for each weight
+format at each pool budget (a share of the frozen bytes *as stored*, so 50% of nf4 is a
+seventh of 50% of fp32), beside FSDP2 over torchao NF4 weights (and, with --peers fsdp2, FSDP2 in
+full precision): the same base weights, initial adapters, batches and AdamW
+(bench/bench_frontier.py's harness: passes in alternating order, tokens/s = global tokens per
+step over the median step after the first of each pass, slowest rank). Measured per
+configuration: tokens/s and its ratio to FSDP2-NF4's in this run, the bytes all-gathered per
+step (counted at the collective, exact) and their ratio to the full-precision run's at the same
+budget, the stored bytes of the quantized weights (whole model), the largest loss difference
+from the reference of its numerics (none: the first full-precision run, fp32 rounding; nf4 and
+nf4-nested: FSDP2-NF4, the NF4 tolerance of [Note: the NF4 peer's loss tolerance] in
+python_api/finetune/report.py; int8: its first run). Rows to bench/results/quant_demo.csv.
 """
 
 from __future__ import annotations
@@ -25,6 +46,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 
 import torch
@@ -115,7 +137,175 @@ def error_sweep(device, dtype, repeats, ctx, results_dir):
     print(f"rows appended to {harness.append_rows('quant_int8_blocks', rows_out, results_dir)}")
 
 
+DEMO_FORMATS = ("none", "int8", "nf4", "nf4-nested")
+
+
+def demo(argv) -> int:
+    """The demo half (see the module docstring): one row per configuration to quant_demo.csv."""
+    import datetime
+    import tempfile
+    import time
+    import warnings
+
+    import torch.distributed as dist
+
+    from bench.bench_frontier import Config, _run, _slowest
+    from python_api.finetune.engines import ElasticEngine, FSDP2Engine
+    from python_api.finetune.job import prepare
+    from python_api.finetune.measure import AllGatherCounter, PeakMemory
+    from python_api.finetune.options import _budget, budget_label, parse_args
+    from python_api.finetune.peers.fsdp2_nf4 import (
+        NF4_DEMO_OPTIONS,
+        FSDP2NF4Engine,
+        nf4_gathered_bytes,
+        shape_error,
+    )
+    from python_api.finetune.report import nf4_gap_bound
+    from python_api.finetune.runner import check_compare_formats
+    from python_api.nn import adapter_state_dict
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    ap = argparse.ArgumentParser(description="bench_quant --demo (under torchrun)", allow_abbrev=False)
+    ap.add_argument("--demo", action="store_true")
+    ap.add_argument("--budgets", default="0,50%", help="pool budgets: 0, N%% of the stored frozen bytes, all")
+    ap.add_argument("--formats", default=",".join(DEMO_FORMATS), help=f"weight formats, of {', '.join(DEMO_FORMATS)}")
+    ap.add_argument("--peers", default="fsdp2-nf4", help="fsdp2-nf4 and/or fsdp2")
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per pass (the first is warm-up)")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the configurations, alternating order")
+    ap.add_argument("--results", default=None, help="folder for quant_demo.csv (default bench/results)")
+    opts, rest = ap.parse_known_args(argv)
+    formats = [f.strip() for f in opts.formats.split(",") if f.strip()]
+    peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
+    if [f for f in formats if f not in DEMO_FORMATS] or [p for p in peers if p not in ("fsdp2-nf4", "fsdp2")]:
+        ap.error(f"--formats: of {', '.join(DEMO_FORMATS)}; --peers: of fsdp2-nf4, fsdp2")
+    if opts.steps < 2 or opts.passes < 1:
+        ap.error("--steps must be >= 2 (the first step is warm-up) and --passes >= 1")
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="bench_quant_demo_")
+    args = parse_args(list(NF4_DEMO_OPTIONS) + rest + ["--steps", str(opts.steps), "--no-progress", "--overwrite",
+                                                       "--save-dir", os.path.join(tmp, f"rank{rank}")])
+    job = prepare(args, rank, W, int(os.environ.get("LOCAL_RANK", "0")))
+    if args.weight_format != "none":
+        raise SystemExit("bench_quant --demo: --formats chooses the weight formats; leave --weight-format out")
+    # Checked before anything runs, the same on every rank: the formats' blocks, the peer's shapes.
+    args.compare_formats = sorted({f.split("-")[0] for f in formats} - {"none"})
+    args.quant_nested = False
+    check_compare_formats(job)
+    if "fsdp2-nf4" in peers and shape_error(job):
+        raise SystemExit(f"bench_quant --demo: {shape_error(job)}")
+    device = job.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    job.memory = PeakMemory(device)
+    load = os.getloadavg()
+    stored = {}
+
+    def elastic(budget, fmt):
+        def build():
+            args.quant_nested = fmt == "nf4-nested"
+            engine = ElasticEngine(job, budget, weight_format=fmt.split("-")[0])
+            stored[fmt] = engine.frozen_bytes
+            return engine
+        return build
+
+    def nf4_peer():
+        engine = FSDP2NF4Engine(job, counter)
+        meta = job.spec.meta_model()
+        stored["fsdp2-nf4"] = sum(nf4_gathered_bytes(meta.get_submodule(n).weight.numel(), engine.block)
+                                  for n in engine.nf4_weights)
+        return engine
+
+    with AllGatherCounter() as counter:
+        seed = ElasticEngine(job, None)
+        job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(seed.model).items()}
+        del seed
+        configs = []
+        for fmt in formats:
+            for b in (x.strip() for x in opts.budgets.split(",") if x.strip()):
+                budget = _budget(b)
+                cfg = Config(fmt, f"{fmt}, budget {budget_label(budget)}", elastic(budget, fmt), fmt.split("-")[0])
+                cfg.budget = budget_label(budget)
+                configs.append(cfg)
+        if "fsdp2-nf4" in peers:
+            configs.append(Config("fsdp2-nf4", "FSDP2-NF4 (torchao)", nf4_peer, "nf4"))
+        if "fsdp2" in peers:
+            configs.append(Config("fsdp2", "FSDP2 (full precision)", lambda: FSDP2Engine(job, counter, True), "none"))
+        if rank == 0:
+            print(f"bench_quant --demo: {len(configs)} configurations x {opts.passes} passes x {opts.steps} steps, "
+                  f"{W} ranks ({dist.get_backend()}), {job.spec.description()}; load average {load[0]:.1f}", flush=True)
+        t_start = time.perf_counter()
+        for p in range(opts.passes):
+            for cfg in (configs if p % 2 == 0 else configs[::-1]):
+                r = _run(job, cfg, counter, opts.steps, profile_memory=False)
+                cfg.passes.append(r)
+                if rank == 0:
+                    print(f"  pass {p + 1}: {cfg.label:28s} {r['tokens_per_s'] or 0:8.0f} tok/s ({r['wall_s']:.1f} s)",
+                          flush=True)
+        step_s = {cfg.label: _slowest(statistics.median(t for r in cfg.passes for t in r["step_times_s"][1:]))
+                  for cfg in configs}
+    load_end = os.getloadavg()
+    if rank == 0:
+        rows = demo_rows(job, configs, step_s, stored, nf4_gap_bound)
+        ctx = harness.context(device)
+        out = [{**ctx, "model": job.spec.description(), "world_size": W, "backend": dist.get_backend(),
+                "steps": opts.steps, "passes": opts.passes, "load_avg_start": round(load[0], 2),
+                "load_avg_end": round(load_end[0], 2), **r} for r in rows]
+        harness.print_table(rows, ["config", "tokens_per_s", "vs_fsdp2_nf4", "gathered_bytes_per_step",
+                                   "gathered_vs_none", "stored_bytes", "max_abs_loss_diff", "loss_check"])
+        print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end (tokens/s are noise on a loaded "
+              f"machine; the bytes are exact); {time.perf_counter() - t_start:.0f} s")
+        print(f"rows appended to {harness.append_rows('quant_demo', out, opts.results)}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def demo_rows(job, configs, step_s, stored, nf4_gap_bound) -> list[dict]:
+    """The demo's rows: ratios within this run; each loss set against its numerics' reference."""
+    first = {c.label: c.passes[0] for c in configs}
+    refs = {}
+    for c in configs:  # FSDP2-NF4 is nf4's reference wherever it ran; else the first of the format
+        if c.system == "fsdp2-nf4":
+            refs["nf4"] = c
+    for c in configs:
+        refs.setdefault(c.weight_format, c)
+    tps = {c.label: first[c.label]["tokens_per_step"] / step_s[c.label] for c in configs}
+    peer = next((c for c in configs if c.system == "fsdp2-nf4"), None)
+    none = {getattr(c, "budget", None): c for c in configs if c.system == "none"}
+    rows = []
+    for c in configs:
+        gathered = statistics.median(first[c.label]["allgather_bytes_counted_per_step"][1:])
+        ref = refs[c.weight_format]
+        ref_losses = ref.passes[0]["losses"]
+        diff = max(abs(a - b) for r in c.passes for a, b in zip(r["losses"], ref_losses))
+        if c is ref:
+            check = "reference"
+        elif c.weight_format == "nf4" and ref.system == "fsdp2-nf4":
+            check = "within the NF4 tolerance" if diff <= nf4_gap_bound("float32", ref_losses) else "BEYOND the NF4 tolerance"
+        else:
+            check = "within fp32 rounding" if diff <= 1e-5 else "BEYOND fp32 rounding"
+        base = none.get(getattr(c, "budget", None))
+        base_bytes = None if base is None else statistics.median(first[base.label]["allgather_bytes_counted_per_step"][1:])
+        rows.append({
+            "config": c.label, "weight_format": c.system, "budget": getattr(c, "budget", ""),
+            "tokens_per_s": round(tps[c.label], 1),
+            "vs_fsdp2_nf4": None if peer is None else round(tps[c.label] / tps[peer.label], 3),
+            "gathered_bytes_per_step": int(gathered),
+            "gathered_bytes_first_step": int(first[c.label]["allgather_bytes_counted_per_step"][0]),
+            "gathered_vs_none": None if not base_bytes else round(gathered / base_bytes, 4),
+            "stored_bytes": stored.get(c.system),
+            "max_abs_loss_diff": diff, "loss_reference": ref.label, "loss_check": check,
+        })
+    return rows
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--demo" in argv:
+        return demo(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--results", default=None, help="folder for quant.csv (default bench/results or $ELASTIC_BENCH_RESULTS)")
@@ -169,4 +359,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    code = main()
+    if "--demo" in sys.argv[1:]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # [Note: exiting without teardown] in python_api/finetune/cli.py

@@ -18,6 +18,7 @@ by step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -31,7 +32,8 @@ from python_api.finetune.models import ModelSpec, lora_config_of, target_list
 from python_api.finetune.options import budget_label, fmt_bytes, policy_of
 from python_api.finetune.planning import JobPlanner
 from python_api.loading import LoadError, SafetensorsSource, empty_model
-from python_api.nn import convert_to_elastic, runtime_of
+from python_api.nn import convert_to_elastic, runtime_of, target_names
+from python_api.nn.lora import is_linear
 from python_api.planner import PlanningError, least_memory
 from python_api.planning import plan
 
@@ -41,11 +43,12 @@ class ElasticEngine:
 
     kind = "elastic"
 
-    def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False):
+    def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False,
+                 weight_format: str | None = None):
         model, source = _collective_build_on_meta(job)
+        policy = with_format(policy_of(job.args, budget, weights_on, job.world_size), job.args, weight_format)
         try:
-            self.model = convert_to_elastic(model, lora_config_of(job.args),
-                                            policy_of(job.args, budget, weights_on, job.world_size), source=source)
+            self.model = convert_to_elastic(model, lora_config_of(job.args), policy, source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
             raise FinetuneError(str(exc)) from exc
         self.runtime = runtime_of(self.model)
@@ -64,14 +67,16 @@ class ElasticEngine:
             where = ", weights on host"
         elif policy.source_fraction > 0:
             where = f", {policy.source_fraction:g} from host"
-        self.name = f"elastic, budget {budget_label(budget)}{where}"
+        fmt = f" {policy.weight_format}" if policy.weight_format else ""
+        self.weight_format = policy.weight_format or "none"
+        self.name = f"elastic{fmt}, budget {budget_label(budget)}{where}"
         # The micro-batch split of each step: the job's, or the plan's (python_api/finetune/planning.py).
         self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
         self.planner = None
         if planned:
             self.kind = "planned"
             self.planner = JobPlanner(job, self)
-            self.name = f"planned, cap {self.planner.cap_label()}{where}"
+            self.name = f"planned{fmt}, cap {self.planner.cap_label()}{where}"
             _check_cap_schedule(job, self.planner, self.model)
 
     def before_step(self, step: int) -> None:
@@ -91,6 +96,36 @@ class ElasticEngine:
 
     def h2d_bytes(self) -> int:
         return self.runtime.stats()["h2d_bytes"]
+
+
+def with_format(policy, args, weight_format: str | None):
+    """`policy` with the weight format `weight_format` ("none", "nf4", "int8"; None: the job's
+    own, unchanged), its block and nesting from --quant-block / --quant-nested (--compare-format)."""
+    if weight_format is None:
+        return policy
+    if weight_format == "none":
+        return dataclasses.replace(policy, weight_format=None, quant_block_size=None, quant_nested=False)
+    return dataclasses.replace(policy, weight_format=weight_format, quant_block_size=args.quant_block,
+                               quant_nested=bool(args.quant_nested) and weight_format == "nf4")
+
+
+def elastic_weights(model: nn.Module, args, itemsize: int) -> list[str]:
+    """The names of the linears whose weights the elastic runtime would hold (and, with a weight
+    format, quantize) for this job: convert_to_elastic's rule ([Note: what convert_to_elastic
+    does with each parameter] in python_api/nn/convert.py): the LoRA targets, and the other
+    linears with a weight of at least `replicate_below_bytes` not shared with another module.
+    `model` may be on the meta device; `itemsize` is the job's dtype's (a meta model's own
+    dtype may differ)."""
+    targets = target_names(model, lora_config_of(args))
+    seen: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    below = policy_of(args, None).replicate_below_bytes
+    others = [n for n, m in model.named_modules()
+              if n and is_linear(m) and n not in targets and seen[id(m.weight)] == 1
+              and m.weight.numel() * itemsize >= below]
+    return sorted(set(targets) | set(others))
 
 
 def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None:

@@ -51,10 +51,10 @@ def job_device(args, local_rank: int) -> torch.device:
 def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     """Everything that can be checked before the first collective: options, model directory,
     tokenizer, data, targets, output folder, checkpoint. Raises FinetuneError."""
-    if args.resume is not None and (args.baseline != "none" or args.compare_budgets):
+    if args.resume is not None and (args.baseline != "none" or args.compare_budgets or args.compare_formats):
         raise FinetuneError(
-            "--resume continues the elastic run only; --baseline and --compare-budgets train from scratch "
-            "(run them without --resume)"
+            "--resume continues the elastic run only; --baseline, --compare-budgets and --compare-format train from "
+            "scratch (run them without --resume)"
         )
     device = job_device(args, local_rank)
     spec = resolve_model(args)

@@ -196,7 +196,8 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         # reported, marked as failed, before the error goes on.
         bar.close()
         if times:
-            partial = {"name": engine.name, "kind": engine.kind, "status": "failed", "losses": list(losses),
+            partial = {"name": engine.name, "kind": engine.kind, "weight_format": getattr(engine, "weight_format", "none"),
+                       "status": "failed", "losses": list(losses),
                        "steps_run": len(times), "first_step": start + 1, "step_times_s": list(times),
                        "tokens_per_step": tokens_per_step, "tokens_per_s": _tokens_per_s(times, tokens_per_step),
                        "peak_memory_bytes": mem.peak_above_baseline(), "allgather_bytes_per_step": list(gathered),
@@ -215,6 +216,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     result = {
         "name": engine.name,
         "kind": engine.kind,
+        "weight_format": getattr(engine, "weight_format", "none"),  # the numerics its losses are compared within
         "status": "complete",
         "losses": losses,
         "steps_run": len(times),

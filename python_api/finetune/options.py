@@ -170,7 +170,8 @@ def _ratio(text: str) -> float:
     return v
 
 
-PEERS = ("fsdp2", "deepspeed", "ddp")
+WEIGHT_FORMAT_CHOICES = ("none", "nf4", "int8")
+PEERS = ("fsdp2", "deepspeed", "ddp", "fsdp2-nf4")
 
 
 def _baselines(text: str) -> list[str]:
@@ -185,6 +186,21 @@ def _baselines(text: str) -> list[str]:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise argparse.ArgumentTypeError(f"baseline(s) {twice} given twice")
+    return names
+
+
+def _compare_formats(text: str, main: str) -> list[str]:
+    """--compare-format: weight formats other than the main run's (--weight-format), each once."""
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in WEIGHT_FORMAT_CHOICES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}: expected a comma-separated list of "
+                                         f"{', '.join(WEIGHT_FORMAT_CHOICES)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"format(s) {twice} given twice")
+    if main in names:
+        raise argparse.ArgumentTypeError(f"{main} is the main run's format (--weight-format {main})")
     return names
 
 
@@ -279,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-s", type=_timeout, default=300.0, help="collective and process-group timeout, seconds")
 
     g = p.add_argument_group("weight format")
-    g.add_argument("--weight-format", choices=("none", "nf4", "int8"), default="none",
+    g.add_argument("--weight-format", choices=WEIGHT_FORMAT_CHOICES, default="none",
                    help="store the frozen weights quantized (QLoRA): nf4 (bitsandbytes' NF4) or int8 (blockwise "
                         "absmax); sharded, gathered and cached quantized, dequantized per use. Changes the model's "
                         "numerics (never chosen by the planner)")
@@ -336,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also train the same job from scratch under these peers, in order, after the elastic runs "
                         "(same base weights, initial adapters, batches and AdamW; PEFT LoRA) and compare: fsdp2 "
                         "(fully_shard per decoder layer), deepspeed (ZeRO-3; pip install elastic-kernels[baselines]), "
-                        "ddp (replicated weights)")
+                        "ddp (replicated weights), fsdp2-nf4 (FSDP2 over torchao NF4 base weights: torchtune's "
+                        "QLoRA; compared with the nf4 runs). Each run's losses are checked against the peer of its "
+                        "own weights only (full precision: fsdp2; nf4: fsdp2-nf4)")
     g.add_argument("--fsdp2-reshard", type=_reshard, default=None, metavar="true|false|N",
                    help="FSDP2's reshard_after_forward for the decoder layers: true (the default), false (keep the "
                         "gathered weights until backward), or N (keep them sharded over groups of N ranks; N a "
@@ -357,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%) and compare")
     g.add_argument("--compare-host", action="store_true",
                    help="also train the elastic job from scratch with --weights-on host (same budget) and compare")
+    g.add_argument("--compare-format", default="", metavar="FMT,FMT",
+                   help="also train the elastic job from scratch with each of these weight formats (nf4, int8, "
+                        "none; --quant-block / --quant-nested apply) at --pool-budget and at each of "
+                        "--compare-budgets, and compare")
     g.add_argument("--compare-planned", action="store_true",
                    help="also train the elastic job from scratch under the planner's plan (--memory-cap) and compare")
 
@@ -444,9 +466,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.weights_on == "host" and args.host_fraction not in (None, 1.0):
         p.error(f"--host-fraction {args.host_fraction}: with --weights-on host every chunk comes from the host store "
                 "(there is no device shard to gather from); leave --host-fraction out or set it to 1")
+    try:
+        args.compare_formats = _compare_formats(args.compare_format, args.weight_format)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument --compare-format: {exc}")
     if args.weight_format == "none":
-        if args.quant_block is not None or args.quant_nested:
-            p.error("--quant-block / --quant-nested need --weight-format nf4 or int8")
+        if (args.quant_block is not None or args.quant_nested) and not set(args.compare_formats) - {"none"}:
+            p.error("--quant-block / --quant-nested need --weight-format nf4 or int8 (or --compare-format nf4 / int8)")
     else:
         if args.quant_block is not None and args.quant_block & (args.quant_block - 1):
             p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")
@@ -455,9 +481,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.pp == "auto" or args.pp > 1 or args.compare_pp is not None:
             p.error(f"--weight-format {args.weight_format}: not supported with --pp / --compare-pp yet (pipeline "
                     "packs are not tested with quantized weights)")
-        if args.baselines:
-            p.error(f"--weight-format {args.weight_format}: the peers (--baseline) run full-precision weights; "
-                    "compare them with a --weight-format none run (the fsdp2-nf4 peer is not built yet)")
+    _check_compare_formats(p, args)
     if args.host_budget is not None and 0 < args.host_budget < 512:
         p.error(f"argument --host-budget: {args.host_budget} bytes is less than one 512-byte page")
     steps = [s for s, _ in args.memory_cap_change]
@@ -488,6 +512,24 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --lora-targets: expected comma-separated module names or all-linear, got {args.lora_targets!r}")
         args.lora_targets = ",".join(names)
     return args
+
+
+def _check_compare_formats(p: argparse.ArgumentParser, args) -> None:
+    """--compare-format's runs are elastic runs of the job in another weight format: each gets the
+    policy's own checks now (the host tier, the block), before anything runs."""
+    if args.weight_format == "none" and set(args.compare_formats) - {"none"}:
+        if args.quant_block is not None and args.quant_block & (args.quant_block - 1):
+            p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")
+        if args.quant_nested and "nf4" not in args.compare_formats:
+            p.error("--quant-nested is an nf4 option (double quantization of its scales)")
+    for fmt in args.compare_formats:
+        if fmt == "none":
+            continue
+        try:
+            ElasticPolicy(weights_on=args.weights_on, host_fraction=args.host_fraction, weight_format=fmt,
+                          quant_block_size=args.quant_block, quant_nested=bool(args.quant_nested) and fmt == "nf4")
+        except ValueError as exc:
+            p.error(f"--compare-format {fmt}: {exc}")
 
 
 # The options of the DeepSpeed peer, as python_api.finetune.peers.zero3.ZeRO3Setting's fields.

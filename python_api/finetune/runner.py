@@ -15,7 +15,7 @@ from python_api.distributed.agree import exchange
 from python_api.finetune import peers, report
 from python_api.finetune.checkpoints import CKPT
 from python_api.finetune.constants import PROG
-from python_api.finetune.engines import ElasticEngine
+from python_api.finetune.engines import ElasticEngine, elastic_weights, with_format
 from python_api.finetune.errors import FinetuneError
 from python_api.finetune.files import (
     agreed_write,
@@ -26,7 +26,7 @@ from python_api.finetune.files import (
 )
 from python_api.finetune.job import Job
 from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
-from python_api.finetune.options import budget_label
+from python_api.finetune.options import budget_label, policy_of
 from python_api.finetune.pipelined import (
     PipelinedEngine,
     close_engine,
@@ -35,15 +35,20 @@ from python_api.finetune.pipelined import (
     save_engine_adapter,
     train_engine,
 )
+from python_api.nn.lora import is_conv1d
 
 
 def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:
     """The comparison runs of the job, each trained from scratch after the main run: (what,
-    a function building its engine): more elastic budgets, the weights in the host store (not
+    a function building its engine): more elastic budgets, other weight formats (--compare-format,
+    at the main and those budgets), the weights in the host store (not
     when the main run has them there already: [Note: options a run ignores]), a planned run,
     the peers of --baseline (same seed, initial adapters and batches)."""
     args = job.args
     builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
+    for fmt in args.compare_formats:  # the job in another weight format, at the main and the compared budgets
+        builds += [(f"elastic {fmt}, budget {budget_label(b)}", lambda b=b, fmt=fmt: ElasticEngine(job, b, weight_format=fmt))
+                   for b in [args.pool_budget] + list(args.compare_budgets)]
     if args.compare_host and args.weights_on != "host":
         builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
     if args.compare_planned:
@@ -76,6 +81,7 @@ def run(job: Job) -> dict:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
     # Before any run: peer settings no peer can run stop every rank; a peer not installed is
     # left out on every rank, and said so (python_api/finetune/peers/__init__.py).
+    check_compare_formats(job)
     skipped = peers.check(job) if args.baselines else {}
     if job.rank == 0:
         for kind, why in skipped.items():
@@ -87,7 +93,7 @@ def run(job: Job) -> dict:
             engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
             # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
             job.initial_adapters = engine_adapters(engine)
-            result = train_engine(job, engine, counter, primary=True)
+            result = _with_format(job, engine, train_engine(job, engine, counter, primary=True))
             probe_logits = result.pop("probe_logits")
             runs.append(result)
             save_engine_adapter(job, engine, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
@@ -107,7 +113,7 @@ def run(job: Job) -> dict:
             for _, build in comparison_builds(job, counter, skipped):
                 job.memory.set_baseline()
                 engine = build()
-                runs.append(train_engine(job, engine, counter, primary=False))
+                runs.append(_with_format(job, engine, train_engine(job, engine, counter, primary=False)))
                 close_engine(engine)  # DeepSpeed's engine and a pipeline release their hooks and buffers
                 del engine
                 gc.collect()
@@ -120,6 +126,34 @@ def run(job: Job) -> dict:
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
+
+
+def check_compare_formats(job: Job) -> None:
+    """Every weight of the job that an elastic run of --compare-format would quantize must suit
+    that format (a row length the block divides): checked on the meta model before any run, as
+    the main run's format is when it is built. A pure function of the options and the model's
+    structure: every rank raises alike."""
+    args = job.args
+    formats = [f for f in args.compare_formats if f != "none"]
+    if not formats:
+        return
+    meta = job.spec.meta_model()
+    for fmt in formats:
+        policy = with_format(policy_of(args, None), args, fmt)
+        for name in elastic_weights(meta, args, job.spec.dtype.itemsize):
+            try:
+                m = meta.get_submodule(name)
+                policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else tuple(m.weight.shape))
+            except ValueError as exc:
+                raise FinetuneError(f"--compare-format {fmt}: {exc}") from exc
+
+
+def _with_format(job: Job, engine, result: dict) -> dict:
+    """The run's weight format ("none", "nf4", "int8"): the numerics its losses are compared
+    within ([Note: the loss gap to the baseline] in report.py). A pipelined run has the job's."""
+    default = job.args.weight_format if engine.kind == "pipelined" else "none"
+    result.setdefault("weight_format", getattr(engine, "weight_format", default))
+    return result
 
 
 def _warn(lines: list[str]) -> None:
@@ -167,29 +201,53 @@ def _write_failure_report(job: Job, runs: list[dict], exc: BaseException, skippe
 
 def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, error: str | None = None) -> dict:
     """Every figure of the job's runs; "status" complete or failed (with the error); "warnings":
-    the options this job ignores ([Note: options a run ignores]) and every loss gap to the
-    FSDP2 baseline beyond rounding ([Note: the loss gap to the baseline] in report.py)."""
-    base = next((r for r in runs if r["kind"] == "fsdp2" and r.get("steps_run")), None)
+    the options this job ignores ([Note: options a run ignores]) and every loss gap to the peer
+    of the run's own weights beyond what explains it: FSDP2 for full-precision runs, rounding
+    ([Note: the loss gap to the baseline] in report.py); FSDP2-NF4 for nf4 runs, the NF4
+    tolerance ([Note: the NF4 peer's loss tolerance]). A run is never compared with a peer of
+    other weights: it is said so."""
     warnings = list(job.notices)
-    for r in runs:
-        if base is not None and r is not base:
+    dtype = job.args.dtype
+    for fmt, (kind, label) in report.REFERENCE_PEERS.items():
+        base = next((r for r in runs if r["kind"] == kind and r.get("steps_run")), None)
+        if base is None:
+            continue
+        key = kind.replace("-", "_")
+        for r in runs:
+            if r is base:
+                continue
+            if report.numerics(r) != fmt:
+                r[f"loss_gap_vs_{key}"] = (f"not compared: other weights ({report.numerics(r)}; {label} trains "
+                                           f"{'full-precision' if fmt == 'none' else fmt} ones)")
+                continue
             n = min(len(r["losses"]), len(base["losses"]))
             if n == 0:
                 continue
             diff = max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
-            r["max_abs_loss_diff_vs_fsdp2"] = diff
-            r["steps_compared_with_fsdp2"] = n
+            r[f"max_abs_loss_diff_vs_{key}"] = diff
+            r[f"steps_compared_with_{key}"] = n
             if job.args.lora_dropout > 0:
-                r["loss_gap_vs_fsdp2"] = "not compared: LoRA dropout draws other masks in each run"
+                r[f"loss_gap_vs_{key}"] = "not compared: LoRA dropout draws other masks in each run"
                 continue
-            bound = report.loss_gap_bound(job.args.dtype, base["losses"][:n])
-            r["loss_gap_bound"] = bound
-            r["loss_gap_vs_fsdp2"] = "beyond rounding" if diff > bound else "within rounding"
-            if diff > bound:
-                warnings.append(report.loss_gap_warning(r["name"], diff, n, bound, job.args.dtype))
-        if r is not runs[0] and r["losses"] and runs[0]["losses"]:
-            n = min(len(r["losses"]), len(runs[0]["losses"]))
-            r["max_abs_loss_diff_vs_elastic"] = max(abs(a - b) for a, b in zip(r["losses"][:n], runs[0]["losses"][:n]))
+            if fmt == "none":
+                bound = report.loss_gap_bound(dtype, base["losses"][:n])
+                r["loss_gap_bound"] = bound
+                r[f"loss_gap_vs_{key}"] = "beyond rounding" if diff > bound else "within rounding"
+                if diff > bound:
+                    warnings.append(report.loss_gap_warning(r["name"], diff, n, bound, dtype))
+            else:
+                bound = report.nf4_gap_bound(dtype, base["losses"][:n])
+                r["loss_gap_bound"] = bound
+                r[f"loss_gap_vs_{key}"] = "beyond the NF4 tolerance" if diff > bound else "within the NF4 tolerance"
+                if diff > bound:
+                    first = abs(r["losses"][0] - base["losses"][0])
+                    warnings.append(report.nf4_gap_warning(r["name"], diff, n, bound, first))
+    firsts = {}  # the first run of each weight format: what the others of that format are set against
+    for r in runs:
+        ref = firsts.setdefault(report.numerics(r), r)
+        if r is not ref and r["losses"] and ref["losses"]:
+            n = min(len(r["losses"]), len(ref["losses"]))
+            r["max_abs_loss_diff_vs_elastic"] = max(abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
     return {
         "status": "failed" if error is not None else "complete",
         "run_id": job.run_id,
@@ -221,14 +279,24 @@ def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
     if summary["status"] == "failed":
         md += f"**FAILED**: {summary['error']} (the table shows what was trained before it)\n\n"
     md += report.markdown_table(report.table_rows(runs))
-    for r in runs:
-        if "max_abs_loss_diff_vs_fsdp2" in r:
-            md += (f"\n{r['name']}: max |loss - FSDP2 loss| over {r['steps_compared_with_fsdp2']} steps = "
-                   f"{r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})  ")
+    for line in _gap_lines(runs):
+        md += f"\n{line}  "
     md += report.peer_notes(runs, summary["skipped_baselines"])
     for w in summary["warnings"]:
         md += f"\n\n**Warning**: {w}"
     return md + "\n"
+
+
+def _gap_lines(runs: list[dict]) -> list[str]:
+    """One line per run compared with the peer of its weights: the largest loss gap and its verdict."""
+    out = []
+    for kind, label in report.REFERENCE_PEERS.values():
+        key = kind.replace("-", "_")
+        for r in runs:
+            if f"max_abs_loss_diff_vs_{key}" in r:
+                out.append(f"{r['name']}: max |loss - {label} loss| over {r[f'steps_compared_with_{key}']} steps = "
+                           f"{r[f'max_abs_loss_diff_vs_{key}']:.3g} ({r[f'loss_gap_vs_{key}']})")
+    return out
 
 
 def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
@@ -246,9 +314,8 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     write_bytes_atomic(png, lambda p: report.plot(runs, p, caption))
     print()
     print(report.text_table(rows), end="")
-    for r in runs:
-        if "max_abs_loss_diff_vs_fsdp2" in r:
-            print(f"{r['name']}: max |loss - FSDP2 loss| = {r['max_abs_loss_diff_vs_fsdp2']:.3g} ({r['loss_gap_vs_fsdp2']})")
+    for line in _gap_lines(runs):
+        print(line)
     for w in summary["warnings"][len(job.notices):]:
         print(f"WARNING: {w}")
     notes = report.peer_notes(runs, summary["skipped_baselines"])

@@ -32,7 +32,6 @@ def test_policy_follows_the_options():
     (["--weight-format", "nf4", "--quant-block", "48"], r"power of two in \[32, 4096\], got 48"),
     (["--weight-format", "nf4", "--quant-block", "16"], r"--quant-block"),
     (["--weight-format", "nf4", "--pp", "2"], r"not supported with --pp"),
-    (["--weight-format", "nf4", "--baseline", "fsdp2"], r"the peers \(--baseline\) run full-precision weights"),
 ])
 def test_bad_options(extra, match, capsys):
     with pytest.raises(SystemExit):

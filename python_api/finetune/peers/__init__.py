@@ -1,7 +1,8 @@
 """The peers of the elastic runtime, trained beside it in one process group (`--baseline`):
 FSDP2 + PEFT at a reshard setting (python_api/finetune/engines.py), DeepSpeed ZeRO-3 + PEFT
-(zero3.py, an optional dependency) and DDP + PEFT with replicated weights (ddp.py); and the
-memory-throughput frontier they are compared on (frontier.py).
+(zero3.py, an optional dependency), DDP + PEFT with replicated weights (ddp.py) and FSDP2 over
+torchao NF4 weights + PEFT (fsdp2_nf4.py: torchtune's QLoRA path); and the memory-throughput
+frontier they are compared on (frontier.py).
 
     skipped = check(job)                 # collective, before any run: bad settings fail every rank,
                                          # a peer not installed on some rank is skipped on all
@@ -10,7 +11,9 @@ memory-throughput frontier they are compared on (frontier.py).
 Every peer trains the same base weights from the elastic run's initial adapters, with PEFT
 LoRA of the same r, alpha, dropout and targets, the same AdamW and the same batches, through
 the same loop (python_api/finetune/loop.py), so their losses agree with the elastic run's
-within fp32 rounding ([Note: what is compared with FSDP2, and the tolerance]).
+within fp32 rounding ([Note: what is compared with FSDP2, and the tolerance]); the NF4 peer's
+with an elastic nf4 run's within the NF4 tolerance ([Note: the NF4 peer's loss tolerance] in
+python_api/finetune/report.py).
 
 [Note: engines that own their optimizer step]
 `train()` drives every engine alike: `accumulate(is_last)` around each micro-step's forward
@@ -29,6 +32,7 @@ from python_api.finetune.errors import FinetuneError
 from python_api.finetune.job import Job
 from python_api.finetune.options import PEERS
 from python_api.finetune.peers.ddp import DDPEngine
+from python_api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
 from python_api.finetune.peers.zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error
 
 __all__ = ["PEERS", "build", "check", "missing_reason"]
@@ -36,10 +40,11 @@ __all__ = ["PEERS", "build", "check", "missing_reason"]
 
 def missing_reason(kind: str, job: Job) -> str | None:
     """Why peer `kind` cannot run on this rank for lack of its package, or None."""
-    if kind != "deepspeed":
-        return None
     try:
-        import_deepspeed(job.device)
+        if kind == "deepspeed":
+            import_deepspeed(job.device)
+        elif kind == "fsdp2-nf4":
+            import_to_nf4()
     except ImportError as exc:
         return str(exc)
     return None
@@ -49,6 +54,10 @@ def _settings_error(job: Job) -> str | None:
     args = job.args
     if "fsdp2" in args.baselines and args.fsdp2_reshard is not None:
         err = fsdp2_reshard_error(args.fsdp2_reshard, job.world_size)
+        if err:
+            return err
+    if "fsdp2-nf4" in args.baselines:
+        err = shape_error(job)
         if err:
             return err
     if "deepspeed" in args.baselines:
@@ -81,4 +90,6 @@ def build(job: Job, kind: str, counter):
         return DDPEngine(job, counter)
     if kind == "deepspeed":
         return ZeRO3Engine(job, counter, ZeRO3Setting.from_args(args))
+    if kind == "fsdp2-nf4":
+        return FSDP2NF4Engine(job, counter)
     raise FinetuneError(f"unknown peer {kind!r} (expected one of {', '.join(PEERS)})")

@@ -17,13 +17,17 @@ this memory level, and a slower one at less memory is beaten.
 from __future__ import annotations
 
 ELASTIC_KINDS = ("elastic", "planned")
-SYSTEM_NAMES = {"elastic": "elastic", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3", "ddp": "DDP"}
+SYSTEM_NAMES = {"elastic": "elastic", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3", "ddp": "DDP",
+                "fsdp2-nf4": "FSDP2-NF4", "elastic nf4": "elastic nf4", "elastic int8": "elastic int8"}
 
 
-def system_of(kind: str) -> str:
+def system_of(kind: str, weight_format: str = "none") -> str:
     """The system a run of this kind belongs to: every elastic variant (budgets, the host tier,
-    planned) is one system; each peer is its own."""
-    return "elastic" if kind in ELASTIC_KINDS else kind
+    planned) of one weight format is one system ("elastic", "elastic nf4": other numerics, so
+    another frontier); each peer is its own."""
+    if kind in ELASTIC_KINDS:
+        return "elastic" if weight_format in (None, "none") else f"elastic {weight_format}"
+    return kind
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:
@@ -56,15 +60,18 @@ def best_peer_at_or_below(memory: float | None, peers: list[dict]) -> dict | Non
 def plot_frontier(ax, points: list[dict], *, memory_label: str = "peak memory MiB", annotate: bool = True) -> None:
     """Points (dicts with 'system', 'label', 'memory' bytes, 'tokens_per_s') as markers, one
     colour and marker per system, and each system's Pareto frontier as a step line."""
-    markers = {"elastic": "o", "fsdp2": "s", "deepspeed": "^", "ddp": "D"}
-    colors = {"elastic": "C0", "fsdp2": "C1", "deepspeed": "C2", "ddp": "C3"}
-    systems = [s for s in ("elastic", "fsdp2", "deepspeed", "ddp") if any(p["system"] == s for p in points)]
+    markers = {"elastic": "o", "fsdp2": "s", "deepspeed": "^", "ddp": "D", "elastic nf4": "P", "fsdp2-nf4": "v",
+               "elastic int8": "X"}
+    colors = {"elastic": "C0", "fsdp2": "C1", "deepspeed": "C2", "ddp": "C3", "elastic nf4": "C4", "fsdp2-nf4": "C5",
+              "elastic int8": "C6"}
+    known = ("elastic", "fsdp2", "deepspeed", "ddp", "elastic nf4", "fsdp2-nf4", "elastic int8")
+    systems = [s for s in known if any(p["system"] == s for p in points)]
     systems += sorted({p["system"] for p in points} - set(systems))
     for k, s in enumerate(systems):
         pts = [p for p in points if p["system"] == s and p["memory"] is not None and p["tokens_per_s"] is not None]
         if not pts:
             continue
-        color, marker = colors.get(s, f"C{4 + k}"), markers.get(s, "x")
+        color, marker = colors.get(s, f"C{7 + k}"), markers.get(s, "x")
         xs = [p["memory"] / 2**20 for p in pts]
         ys = [p["tokens_per_s"] for p in pts]
         ax.scatter(xs, ys, color=color, marker=marker, s=36, zorder=3, label=SYSTEM_NAMES.get(s, s))

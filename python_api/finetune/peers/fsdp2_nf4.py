@@ -1,0 +1,181 @@
+"""FSDP2 over torchao NF4 weights + PEFT LoRA: the peer of `--baseline fsdp2-nf4`, torchtune's
+QLoRA path (frozen base weights as torchao `NF4Tensor`s, sharded by `fully_shard` per decoder
+layer, all-gathered packed and dequantized per use).
+
+    error = shape_error(job)                 # None, or why torchao's NF4 cannot shard this model here
+    engine = FSDP2NF4Engine(job, counter)    # a collective build, like the other peers
+
+[Note: FSDP2-NF4 as a peer]
+What the peer does, and what torchtune does that it follows (ideas, not code; torchtune's
+`training/_distributed.py` and torchao's `NF4Tensor`):
+- Which weights: exactly those the elastic run stores quantized (`elastic_weights`: the LoRA
+  targets and the frozen non-target linears of at least `replicate_below_bytes`), so both runs
+  quantize the same tensors; everything else (embeddings, norms, a small head, the adapters)
+  stays in the model's dtype and is sharded by FSDP2 as for `--baseline fsdp2`.
+- Quantization: each rank builds the base model, and each such weight becomes
+  `to_nf4(weight, block_size, 256)` (torchao 0.18: `torchao.quantization.to_nf4`; before, in
+  `torchao.dtypes.nf4tensor`), the whole weight at once as torchtune does (its
+  `load_from_full_model_state_dict` quantizes the full tensor on every rank, then chunks it):
+  the double-quantization offset (`scaler_mean`) is the mean over the whole weight, so no
+  rank could quantize its shard alone. The block size is the job's nf4 block (`--quant-block`,
+  default 64 = bitsandbytes'); the scaler block is torchao's fixed 256 (bitsandbytes' nested
+  block). The weight goes into the module as a frozen `nn.Parameter(NF4Tensor)`; PEFT's
+  `base_layer(x)` is `F.linear(x, nf4)`, which torchao routes to `linear_nf4` (dequantize to
+  the input's dtype, then the GEMM; backward the same for dgrad; no weight gradient).
+- Sharding: `fully_shard` per decoder layer (`reshard_after_forward=True`, torchtune's
+  setting) and on the root. FSDP2 shards an NF4Tensor by `torch.chunk` on dim 0, which torchao
+  implements by splitting its packed codes, int8 scalers and per-256 fp32 factors into W equal
+  parts (`nf4_split`), and gathers it through the tensor's FSDP2 extensions:
+  `fsdp_pre_all_gather` hands FSDP2 the three packed tensors of the shard (not a dequantized
+  weight), `fsdp_post_all_gather` rebuilds an NF4Tensor from the gathered ones (the offset and
+  the 16-value codebook travel as metadata, replicated). So the all-gathers move
+  numel/2 + numel/block + 4 numel/(block x 256) bytes per NF4 weight: 4.127 bits per weight
+  at block 64 (`nf4_gathered_bytes`), plus FSDP2's fp32 (or --dtype) bytes of the rest.
+  Counted by the job's AllGatherCounter at the collective, as for every peer.
+- The limit (`shape_error`): the split needs every packed part to divide by W, i.e. each NF4
+  weight's element count a multiple of block x 256 x W (65,536 at block 64 on 4 ranks), and
+  its rows a multiple of W. torchao asserts inside `fully_shard` otherwise; the peer checks
+  every weight before any run (`peers.check`, on every rank alike) and names the ones that
+  fail. nn.Linear only (torchao implements F.linear, not transformers' Conv1D's addmm). At
+  least 2 ranks: on a one-rank mesh FSDP2 (torch 2.14.1, `FSDPParamGroup.wait_for_unshard`)
+  skips the all-gather and copies only `all_gather_inputs[0]` into the unsharded parameter,
+  so torchao's `fsdp_post_all_gather`, which expects its three parts, fails at the first
+  forward (found running the CLI on one process: after the elastic and FSDP2 runs had trained).
+- Building: the whole base model on every rank (`_collective_build`), then quantized and
+  sharded; with `--model DIR` that is a full-precision copy per rank while building (torchtune
+  holds the full state dict likewise). The peak-memory figure starts after the build.
+- Numerics ([Note: the NF4 peer's loss tolerance] in report.py): torchao's NF4 is not
+  bitsandbytes' (codebook rounded to 4 decimals, scalers always double-quantized linearly to
+  int8 around the weight's mean absmax, where bitsandbytes keeps fp32 absmax or, nested, an
+  8-bit dynamic code around the chunk's mean), so this peer's losses agree with an elastic
+  `--weight-format nf4` run only within a measured tolerance, never bit for bit; against a
+  single-process model whose base weights are torchao's dequantized values they agree within
+  fp32 rounding (tests/quant/test_fsdp2_nf4.py).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from python_api.finetune.engines import (
+    FSDP2Engine,
+    _collective_build,
+    elastic_weights,
+    peft_with_initial_adapters,
+)
+from python_api.finetune.errors import FinetuneError
+from python_api.finetune.job import Job
+
+SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is 256 too)
+# The demo model (python_api/finetune/constants.py EMBEDDED: hidden 256, 8 heads) sized for this
+# peer and for the quantized formats, as `make demo`'s NF4 part, bench_quant --demo and
+# bench_frontier --preset nf4 run it: its intermediate size 688 is no multiple of the nf4 block
+# (64) and its k/v projections (4 KV heads: 128 x 256) hold 32768 weights, which torchao cannot
+# split over 4 ranks. With intermediate 768 and 8 KV heads every quantized weight holds a
+# multiple of 65536 = 64 x 256 x 4 (q/k/v/o 256 x 256, gate/up 768 x 256, down 256 x 768): it
+# qualifies on 2 and 4 ranks (not 3, nor 8; the peer needs 2 at least), and every row length
+# is a multiple of the nf4 and int8 blocks (64, 256).
+NF4_DEMO_OPTIONS = ("--intermediate-size", "768", "--num-kv-heads", "8")
+DEFAULT_BLOCK = 64  # bitsandbytes' and torchao's NF4 block
+INSTALL_HINT = "pip install torchao (requirements.txt pins 0.18.0)"
+
+
+def import_to_nf4():
+    """torchao's `to_nf4` (0.18: torchao.quantization; before: torchao.dtypes.nf4tensor), or
+    ImportError with the install hint."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4
+        except ImportError as exc:
+            raise ImportError(f"torchao cannot be imported ({exc}): {INSTALL_HINT}") from exc
+    return to_nf4
+
+
+def nf4_block(args) -> int:
+    """The peer's NF4 block: the job's --quant-block where an elastic run of the job is nf4 (the
+    same codebook settings), else 64."""
+    formats = [args.weight_format] + list(getattr(args, "compare_formats", []) or [])
+    if "nf4" in formats and args.quant_block is not None:
+        return args.quant_block
+    return DEFAULT_BLOCK
+
+
+def nf4_gathered_bytes(numel: int, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of torchao's packed NF4 parts of a weight of `numel` elements: the codes (two per
+    byte), one int8 scaler per block, one fp32 factor per SCALER_BLOCK scalers."""
+    return numel // 2 + numel // block + 4 * (numel // (block * SCALER_BLOCK))
+
+
+def shape_error(job: Job) -> str | None:
+    """Why torchao's NF4 under FSDP2 cannot shard this job's quantized weights on its world size
+    ([Note: FSDP2-NF4 as a peer]: the limit), or None. From the model's structure on the meta
+    device: the same on every rank, before anything is built."""
+    W, block = job.world_size, nf4_block(job.args)
+    if W < 2:
+        return ("--baseline fsdp2-nf4 needs at least 2 ranks: on a one-rank mesh FSDP2 (torch 2.14) copies only the "
+                "first of a tensor subclass's all-gather inputs into the unsharded parameter, and torchao's NF4 has "
+                "three (its fsdp_post_all_gather fails: 'expected 3, got 1')")
+    meta = job.spec.meta_model()
+    unit = block * SCALER_BLOCK * W
+    bad, kinds = [], []
+    for name in elastic_weights(meta, job.args, job.spec.dtype.itemsize):
+        m = meta.get_submodule(name)
+        if not isinstance(m, nn.Linear):
+            kinds.append(f"{name} ({type(m).__name__})")
+            continue
+        rows, cols = m.weight.shape
+        if (rows * cols) % unit or rows % W:
+            bad.append(f"{name}.weight ({rows} x {cols} = {rows * cols} elements)")
+    if kinds:
+        return (f"--baseline fsdp2-nf4: torchao's NF4 replaces nn.Linear weights only (it implements F.linear); "
+                f"these quantized modules are not nn.Linear: {', '.join(kinds[:4])}")
+    if bad:
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        return (f"--baseline fsdp2-nf4: on {W} ranks FSDP2 shards a torchao NF4 weight only if its element count is a "
+                f"multiple of block {block} x scaler block {SCALER_BLOCK} x {W} ranks = {unit} and its rows of {W} "
+                f"(torchao splits its packed codes, int8 scalers and per-{SCALER_BLOCK} factors evenly over the "
+                f"ranks); these are not: {', '.join(bad[:4])}{more}. Size the model so every quantized weight "
+                f"qualifies (the embedded model: --hidden-size, --intermediate-size, --num-kv-heads), run on fewer "
+                f"ranks, or leave fsdp2-nf4 out")
+    return None
+
+
+class FSDP2NF4Engine(FSDP2Engine):
+    """The base model with torchao NF4 weights where the elastic run quantizes, PEFT LoRA (the
+    elastic run's initial adapters), `fully_shard` per decoder layer and on the root
+    ([Note: FSDP2-NF4 as a peer]). The training interface is FSDP2Engine's."""
+
+    kind = "fsdp2-nf4"
+    weight_format = "nf4"  # the numerics its losses are compared within (torchao's NF4, not bitsandbytes')
+
+    def __init__(self, job: Job, counter):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        to_nf4 = import_to_nf4()
+        error = shape_error(job)  # checked before any run by peers.check; kept here for direct callers
+        if error:
+            raise FinetuneError(error)
+        base = _collective_build(job)
+        self.block = nf4_block(job.args)
+        self.nf4_weights = elastic_weights(base, job.args, job.spec.dtype.itemsize)
+        for name in self.nf4_weights:
+            linear = base.get_submodule(name)
+            linear.weight = nn.Parameter(to_nf4(linear.weight.detach().contiguous(), block_size=self.block,
+                                                scaler_block_size=SCALER_BLOCK), requires_grad=False)
+        self.model = peft_with_initial_adapters(job, base)
+        layer_types = set(getattr(base, "_no_split_modules", None) or [])
+        layers = [m for m in self.model.modules() if type(m).__name__ in layer_types]
+        if not layers:
+            raise FinetuneError(f"--baseline fsdp2-nf4: cannot find the decoder layers of {type(base).__name__} "
+                                "(_no_split_modules)")
+        mesh = init_device_mesh(job.device.type, (job.world_size,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self.model, mesh=mesh)
+        self.reshard_after_forward = True
+        self.name = f"FSDP2-NF4 + PEFT (torchao NF4 block {self.block})"
+        self.counter = counter
+        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
