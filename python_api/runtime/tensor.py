@@ -24,7 +24,7 @@ import torch
 
 from elastic_kernels import ChunkLayout, PagePool
 from python_api.host.sources import host_chunks
-from python_api.quant import quantized_layout, quantized_shard
+from python_api.quant import PackedRows, quantized_layout, quantized_shard
 
 
 class Residency(enum.IntEnum):
@@ -78,7 +78,9 @@ class ElasticTensor:
         # [Note: quantized frozen weights] in python_api/quant/__init__.py: a quantized weight
         # stores its image (1-D uint8, chunk c = blob c); `storage` is the layout of what is
         # stored, sharded, gathered and cached, `storage_dtype` its element type.
-        self.qlayout = quantized_layout(policy, name, weight.shape, self.layout.rows_per_chunk)
+        # A PackedRows (a weight its file holds quantized) chooses the layout that holds its values.
+        packed = rows if isinstance(rows, PackedRows) else None
+        self.qlayout = quantized_layout(policy, name, weight.shape, self.layout.rows_per_chunk, packed)
         if self.qlayout is None:
             self.storage, self.storage_dtype = self.layout, self.dtype
         else:
@@ -129,6 +131,12 @@ class ElasticTensor:
         """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
         as stored (quantized when the policy says so): only the rows the shard needs are read."""
         rt = self.runtime
+        if self.qlayout is not None and isinstance(rows, PackedRows):
+            # The file's codes and scales, as they are: the non-finite weights are those of its
+            # blocks whose scale is not finite.
+            shard = quantized_shard(self.qlayout, self.storage, rows, rt.rank, self.dtype, rt.device)
+            self.nonfinite_read = rows.nonfinite
+            return shard
         if self.qlayout is not None:
             # The image holds no value a finiteness check could read (its scales of a NaN block are
             # NaN, its codes are not): count the non-finite values of the rows quantized instead.
