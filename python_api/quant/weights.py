@@ -3,13 +3,15 @@ frozen weights] in python_api/quant/__init__.py)."""
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from elastic_kernels import ChunkLayout
 from elastic_kernels.quant import QuantizedLayout, quantize_chunk
 
 
-class PackedRows:
+class PackedRows(abc.ABC):
     """A weight that its file holds already quantized (a bitsandbytes 4-bit checkpoint:
     python_api/loading/bnb.py, [Note: loading a bitsandbytes 4-bit checkpoint]). The runtime
     takes it where it takes a reader of rows (`ElasticTensor(rows=...)`), and then stores the
@@ -29,14 +31,14 @@ class PackedRows:
 
     nonfinite = 0
 
-    def __call__(self, b: int, e: int) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, b: int, e: int) -> torch.Tensor: ...
 
-    def layout(self, policy, name: str, shape, rows_per_chunk: int) -> QuantizedLayout:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def layout(self, policy, name: str, shape, rows_per_chunk: int) -> QuantizedLayout: ...
 
-    def image_reader(self, qlayout: QuantizedLayout, device):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def image_reader(self, qlayout: QuantizedLayout, device): ...
 
 
 def quantized_layout(policy, name: str, shape, rows_per_chunk: int, packed: PackedRows | None = None
