@@ -2,7 +2,10 @@
 from the memory-mapped safetensors files only the rows of the frozen weights it keeps.
 
   source.py  SafetensorsSource (the files, read by rows), LoadError, LoadWarning
-  model.py   load_elastic, empty_model, read_config, params_on_meta, config_dtype, checkpoint_dtype
+  bnb.py     checkpoints saved by transformers with bitsandbytes 4-bit nf4: their format checked
+             against the policy, each weight read from its packed codes and scales
+  model.py   load_elastic, empty_model, read_config, read_checkpoint_format, params_on_meta,
+             config_dtype, checkpoint_dtype
 """
 
 from python_api.loading.model import (
@@ -11,9 +14,10 @@ from python_api.loading.model import (
     empty_model,
     load_elastic,
     params_on_meta,
+    read_checkpoint_format,
     read_config,
 )
 from python_api.loading.source import LoadError, LoadWarning, SafetensorsSource
 
 __all__ = ["LoadError", "LoadWarning", "SafetensorsSource", "checkpoint_dtype", "config_dtype", "empty_model", "load_elastic",
-           "params_on_meta", "read_config"]
+           "params_on_meta", "read_checkpoint_format", "read_config"]

@@ -28,7 +28,10 @@ such as rotary `inv_freq` keep the values the model's constructor computes), and
    rows its slice of each chunk's blob depends on (every row of the chunk with nested scales),
    cast to the model's dtype first: bit for bit the shard quantizing after an in-memory
    conversion gives ([Note: quantized frozen weights] in python_api/quant/__init__.py). A
-   checkpoint saved already quantized (`quantization_config`) is refused before any read;
+   checkpoint saved quantized by bitsandbytes 4-bit nf4 (`quantization_config`) loads from
+   its packed codes and scales as they are, never requantized, with a policy of the same
+   format; other quantized checkpoints are refused before any read ([Note: loading a
+   bitsandbytes 4-bit checkpoint] in python_api/loading/bnb.py);
 3. every other parameter (embeddings, norms, biases, small replicated linears, a tied lm_head)
    is read whole onto the target device, one tensor at a time, and tied parameters get one
    tensor for all their names, unless the files hold the tied names as different tensors
@@ -54,6 +57,7 @@ import torch.nn as nn
 
 from python_api.config import ElasticPolicy
 from python_api.distributed.agree import agree
+from python_api.loading.bnb import PackedFormatError, packed_format
 from python_api.loading.source import LoadError, SafetensorsSource, check_regular_file, list_directory
 from python_api.nn import LoRAConfig, convert_to_elastic
 
@@ -192,7 +196,7 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)
         config = read_config(source.path)
-        check_not_prequantized(config, source.path)
+        read_checkpoint_format(source, config, policy)
         if model_class is not None:
             _check_model_class(model_class, config)
         model = empty_model(config, dtype or checkpoint_dtype(config, source), model_class)
@@ -204,24 +208,24 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     return convert_to_elastic(model, lora, policy, group=group, unit_modules=unit_modules, source=source)
 
 
-def check_not_prequantized(config, path) -> None:
-    """A checkpoint saved already quantized (a `quantization_config` in its config: bitsandbytes
-    4-bit/8-bit, GPTQ, AWQ, ...) holds packed tensors load_elastic does not read: refused with a
-    LoadError before any tensor is read. Quantizing on load is ElasticPolicy(weight_format=...)
-    over a full-precision (fp32/bf16/fp16) checkpoint ([Note: quantized frozen weights] in
-    python_api/quant/__init__.py)."""
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return
-    as_dict = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
-    method = as_dict.get("quant_method", "unknown")
-    detail = ", ".join(f"{k}={as_dict[k]!r}" for k in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type")
-                       if k in as_dict)
-    raise LoadError(
-        f"{path}: the checkpoint is saved quantized (quantization_config: quant_method={method!r}"
-        f"{', ' + detail if detail else ''}); load_elastic reads full-precision safetensors only (fp32/bf16/fp16). "
-        f"Load the full-precision checkpoint and pass ElasticPolicy(weight_format='nf4' or 'int8') to quantize on "
-        f"load (reading a bitsandbytes-packed checkpoint directly is not supported yet)")
+def read_checkpoint_format(source: SafetensorsSource, config, policy):
+    """Before any tensor is read: the checkpoint's quantization (its config's
+    `quantization_config`) checked against `policy`, and `source` set to read it
+    ([Note: loading a bitsandbytes 4-bit checkpoint] in python_api/loading/bnb.py). A
+    bitsandbytes 4-bit nf4 checkpoint: the source reads its packed weights as they are and
+    `config` loses its quantization_config (nothing in memory will be bitsandbytes-packed, and
+    save_pretrained writes the dequantized weights); returns its Bnb4bitFormat. A full-precision
+    checkpoint: None, nothing changes. Anything else (another format, a policy that disagrees):
+    a LoadError naming what was found. What load_elastic does; call it too when building a
+    model from `empty_model(config)` and a SafetensorsSource by hand (e.g. for a pipeline)."""
+    try:
+        fmt = packed_format(config, policy)
+    except PackedFormatError as exc:
+        raise LoadError(f"{source.path}: {exc}") from exc
+    if fmt is not None:
+        source.read_packed(fmt)
+        del config.quantization_config
+    return fmt
 
 
 def _load_device(device) -> torch.device:

@@ -28,6 +28,17 @@ import torch
 import torch.nn as nn
 
 from python_api.distributed.agree import agree
+from python_api.loading.bnb import (
+    AUX,
+    BnbNF4Weight,
+    PackedFormatError,
+    check_packed,
+    packed_bases,
+    parse_quant_state,
+    quant_state_key,
+    read_slices,
+)
+from python_api.nn.lora import is_conv1d
 
 # The most bytes one read of a replicated tensor touches in a file's map (see `tensor`).
 READ_BLOCK_BYTES = 64 << 20
@@ -121,6 +132,13 @@ class SafetensorsSource:
         # The model's `base_model_prefix` (see `resolve`), learnt by `check(model)`.
         self.prefix: str | None = None
         self.files, self.entries = self._index()
+        # Weights the files hold packed by bitsandbytes ({key: quant type}), read only once
+        # `read_packed` is given the checkpoint's format ([Note: loading a bitsandbytes 4-bit
+        # checkpoint] in python_api/loading/bnb.py); their parsed records, by key.
+        self.packed = packed_bases(self.entries)
+        self.packed_format = None
+        self._records: dict[str, dict] = {}
+        self._shapes: dict[str, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"SafetensorsSource({self.path!r}, {len(self.entries)} tensors in {len(self.files)} file(s), device={self.device})"
@@ -185,6 +203,37 @@ class SafetensorsSource:
                     raise LoadError(f"{index_path} says {key!r} is in {name}, but {where}")
         return files, entries
 
+    def read_packed(self, fmt) -> None:
+        """Read the files' bitsandbytes-packed weights in format `fmt` (a `Bnb4bitFormat`, from
+        `python_api.loading.bnb.packed_format`, which checked it against the policy)."""
+        self.packed_format = fmt
+
+    def _record(self, key: str) -> dict:
+        """The parsed quant_state record of packed weight `key` (read once; a few hundred bytes)."""
+        if key not in self._records:
+            try:
+                self._records[key] = parse_quant_state(self._small(quant_state_key(key)), key)
+            except PackedFormatError as exc:
+                raise LoadError(str(exc)) from exc
+        return self._records[key]
+
+    def _small(self, key: str) -> torch.Tensor:
+        """A tiny tensor of the files whole (a packed weight's record or codebook)."""
+        from safetensors import safe_open
+
+        entry = self.entries[key]
+        with safe_open(os.path.join(self.path, entry.file), framework="pt") as f:
+            return f.get_tensor(key).clone()
+
+    def _packed(self, key: str) -> BnbNF4Weight:
+        """The reader of packed weight `key` (checked by `check`)."""
+        if self.packed_format is None or key not in self._shapes:
+            raise LoadError(f"{key!r} is packed by bitsandbytes and was not checked (call check() first, with the "
+                            "source told the checkpoint's format by read_packed)")
+        itemsize = torch.empty((), dtype=self.entries[key].dtype).element_size()
+        return BnbNF4Weight(key, self._record(key), self._shapes[key],
+                            read_slices(self.path, lambda k: self.entries[k].file), itemsize)
+
     def resolve(self, name: str, prefix: str | None = None) -> str | None:
         """The key under which the files hold the model's tensor `name`: `name` itself, or, for
         a checkpoint of the base model or of a wrapped one, `name` without / with the model's
@@ -220,6 +269,10 @@ class SafetensorsSource:
         from safetensors import safe_open
 
         entry = self._entry(name)
+        if entry.key in self.packed:
+            # Packed by bitsandbytes as the Linear4bit that replaced the module: [out, in]
+            # already, a Conv1D's included, so its rows are the elastic weight's.
+            return self._packed(entry.key)
         if transpose and len(entry.shape) != 2:
             raise LoadError(f"{name}: a transposed read needs a 2-D tensor, the file has shape {entry.shape}")
         full = os.path.join(self.path, entry.file)
@@ -241,6 +294,10 @@ class SafetensorsSource:
         from safetensors import safe_open
 
         entry = self._entry(name)
+        if entry.key in self.packed:
+            # A packed weight [out, in] dequantized whole (a replicated linear's: small).
+            packed = self._packed(entry.key)
+            return packed.dequantized(0, packed.rows_, dtype or packed.dtype).to(self.device)
         if entry.dtype is None:
             raise LoadError(f"{entry.key!r} in {entry.file} has dtype {entry.dtype_name}, which torch cannot hold")
         out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=self.device)
@@ -284,9 +341,24 @@ class SafetensorsSource:
                 keys.append(k)
         return keys
 
+    def _packed_problems(self, key: str, t: torch.Tensor, owners) -> list[str]:
+        """The problems of packed weight `key` against the model's parameter `t` (the source
+        reads packed weights: `read_packed` was called)."""
+        if self.packed[key] != "nf4":
+            return [f"{key!r} is packed as bitsandbytes {self.packed[key]!r}; only nf4 is read"]
+        if t.dim() != 2:
+            return [f"{key!r} is packed by bitsandbytes, the model's tensor has shape {tuple(t.shape)} (not a weight)"]
+        conv = any(kind == "param" and is_conv1d(module) for module, kind, _ in owners)
+        shape = (int(t.shape[1]), int(t.shape[0])) if conv else (int(t.shape[0]), int(t.shape[1]))
+        problems = check_packed(key, self._record(key), self.entries, self._small, self.packed_format, shape,
+                                t.dtype, self.allow_cast)
+        if not problems:
+            self._shapes[key] = shape
+        return problems
+
     def _problems(self, model: nn.Module) -> list[str]:
-        problems = []
-        for t, names, is_param, persistent, _ in self._expected(model):
+        problems, unread = [], []
+        for t, names, is_param, persistent, owners in self._expected(model):
             keys = self._present_keys(names) if persistent else []
             what = "parameter" if is_param else "buffer"
             if not keys:
@@ -301,6 +373,12 @@ class SafetensorsSource:
                 continue
             # Tied names held under several keys: each must fit (untie_differing may load it).
             for key in keys:
+                if key in self.packed and is_param:
+                    if self.packed_format is None:
+                        unread.append(key)
+                    else:
+                        problems.extend(self._packed_problems(key, t, owners))
+                    continue
                 entry = self.entries[key]
                 where = f"{key!r} in {entry.file}"
                 if entry.shape != tuple(t.shape):
@@ -315,6 +393,15 @@ class SafetensorsSource:
                         problems.append(
                             f"{where} has dtype {_dtype_name(entry.dtype)}, the model's {names[0]} expects "
                             f"{_dtype_name(t.dtype)}{hint}")
+        if unread:
+            kinds = ", ".join(sorted({repr(self.packed[k]) for k in unread}))
+            problems.insert(0, f"{len(unread)} weight(s) are stored packed by bitsandbytes ({kinds} 4-bit), e.g. "
+                               f"{unread[0]!r}, and this source reads full-precision tensors: load the checkpoint with "
+                               f"python_api.load_elastic and ElasticPolicy(weight_format='nf4', "
+                               f"quant_nested=<its bnb_4bit_use_double_quant>)")
+        if self.packed_format is not None and not self.packed:
+            problems.append(f"the config says the checkpoint is saved quantized ({self.packed_format.describe()}), "
+                            f"but no tensor of its files is packed (no *.quant_state.bitsandbytes__nf4 record)")
         return problems
 
     def unused_keys(self, model: nn.Module) -> list[str]:
@@ -327,6 +414,9 @@ class SafetensorsSource:
         used = set()
         for _, names, _, _, _ in self._expected(model):
             used.update(self._present_keys(names))
+        for key in [k for k in used if k in self.packed]:  # the tensors beside a packed weight
+            used.update(k for k in (f"{key}{a}" for a in AUX) if k in self.entries)
+            used.add(f"{key}.quant_state.bitsandbytes__{self.packed[key]}")
         ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
         return sorted(k for k in self.entries if k not in used and not any(p.search(k) for p in ignore))
 
@@ -438,6 +528,8 @@ class SafetensorsSource:
             key = self._key(names, prefix) if persistent else None
             if key is not None:
                 value = self.tensor(key, dtype=t.dtype)
+                if key in self.packed and any(is_conv1d(module) for module, kind, _ in owners if kind == "param"):
+                    value = value.t().contiguous()  # packed [out, in]; a Conv1D holds [in, out]
             elif not is_param:
                 value = t.to(self.device)  # a buffer the files do not hold (non-persistent): as built
             else:

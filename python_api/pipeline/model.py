@@ -40,7 +40,6 @@ import bisect
 import dataclasses
 import inspect
 import json
-import math
 import os
 import time
 
@@ -498,8 +497,9 @@ class PipelinedModel:
         return total
 
     def frozen_bytes_of_packs(self) -> int:
-        """Bytes of the whole frozen elastic weights of this rank's packs."""
-        return sum(math.prod(et.shape) * et.element_size for rt in self.runtimes.values() for et in rt.tensors)
+        """Bytes of the whole frozen elastic weights of this rank's packs, as stored (their
+        quantized size with a weight_format)."""
+        return sum(et.nbytes for rt in self.runtimes.values() for et in rt.tensors)
 
     def stats(self) -> dict:
         """Cumulative figures of this rank: the runtimes' counters summed over its packs, and

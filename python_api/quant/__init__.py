@@ -4,7 +4,8 @@ layout, quantizers, dequantization ops) are the kernels layer's: elastic_kernels
 elastic_kernels/ops/dequant.py.
 
   weights.py    the QuantizedLayout of a registered weight, quantizing each rank's shard of its
-                image from the weight's rows (a tensor or a file), one chunk at a time
+                image from the weight's rows (a tensor or a file), one chunk at a time, or
+                copying it from a file that holds it quantized (PackedRows)
   workspace.py  dequantizing a use's chunks into the compute dtype, into a recycled workspace
 
 [Note: quantized frozen weights]
@@ -31,7 +32,9 @@ stored quantized, and only quantized:
   quantized, nor any quantized byte it does not own. Without nested scales it quantizes only
   the rows whose codes or scales fall in its slice (blocks are independent); with nested
   scales the chunk's statistics (the offset is the mean of the chunk's absmax) need every row
-  of the chunk.
+  of the chunk. A checkpoint saved quantized by bitsandbytes (4-bit nf4) is not quantized
+  again: its codes and scales are copied into the image as they are (`PackedRows`,
+  [Note: loading a bitsandbytes 4-bit checkpoint] in python_api/loading/bnb.py).
 - Per use: the layer asks for the chunks and gets them dequantized into the compute dtype
   (`dequantize_use`), one `elastic_kernels.dequantize` call per use (per chunk on the
   chunk-by-chunk path of `ElasticLinear`), into a workspace the runtime recycles across uses;
@@ -49,7 +52,8 @@ stored quantized, and only quantized:
   weights, and loading a state dict into one re-quantizes them.
 """
 
-from python_api.quant.weights import fill_image_share, quantized_layout, quantized_shard
+from python_api.quant.weights import PackedRows, fill_image_share, quantized_layout, quantized_shard
 from python_api.quant.workspace import DequantWorkspace, dequantize_use
 
-__all__ = ["DequantWorkspace", "dequantize_use", "fill_image_share", "quantized_layout", "quantized_shard"]
+__all__ = ["DequantWorkspace", "PackedRows", "dequantize_use", "fill_image_share", "quantized_layout",
+           "quantized_shard"]

@@ -3,18 +3,54 @@ frozen weights] in python_api/quant/__init__.py)."""
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from elastic_kernels import ChunkLayout
 from elastic_kernels.quant import QuantizedLayout, quantize_chunk
 
 
-def quantized_layout(policy, name: str, shape, rows_per_chunk: int) -> QuantizedLayout | None:
-    """The QuantizedLayout of weight `name` of `shape` under `policy` (None: not quantized).
+class PackedRows(abc.ABC):
+    """A weight that its file holds already quantized (a bitsandbytes 4-bit checkpoint:
+    python_api/loading/bnb.py, [Note: loading a bitsandbytes 4-bit checkpoint]). The runtime
+    takes it where it takes a reader of rows (`ElasticTensor(rows=...)`), and then stores the
+    file's codes and scales as they are instead of quantizing rows:
+
+      rows(b, e)                  rows [b, e) dequantized, in the weight's dtype (what a reader
+                                  of rows returns: the fingerprint reads a few)
+      layout(policy, name, shape, rows_per_chunk)
+                                  the QuantizedLayout its image is stored in (ValueError when
+                                  the policy's format cannot hold the file's values exactly)
+      image_reader(qlayout, device)
+                                  `read(b, e)`: bytes [b, e) of the image, within one chunk's
+                                  blob, copied from the file's packed bytes (only those)
+      nonfinite                   non-finite weights among the blocks whose scales
+                                  `image_reader` has read (a NaN or Inf scale)
+    """
+
+    nonfinite = 0
+
+    @abc.abstractmethod
+    def __call__(self, b: int, e: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def layout(self, policy, name: str, shape, rows_per_chunk: int) -> QuantizedLayout: ...
+
+    @abc.abstractmethod
+    def image_reader(self, qlayout: QuantizedLayout, device): ...
+
+
+def quantized_layout(policy, name: str, shape, rows_per_chunk: int, packed: PackedRows | None = None
+                     ) -> QuantizedLayout | None:
+    """The QuantizedLayout of weight `name` of `shape` under `policy` (None: not quantized);
+    with `packed`, the layout that holds its file's quantized values (`PackedRows.layout`).
     Raises ValueError naming the weight and its shape when it cannot be stored in the format."""
     if policy.weight_format is None:
         return None
     policy.check_quantizable(name, shape)
+    if packed is not None:
+        return packed.layout(policy, name, shape, rows_per_chunk)
     rows, cols = int(shape[0]), int(shape[1])
     return QuantizedLayout(rows, cols, min(rows_per_chunk, rows), policy.weight_format, policy.block_size,
                            policy.quant_nested)
@@ -101,8 +137,14 @@ def quantized_shard(qlayout: QuantizedLayout, storage: ChunkLayout, read_rows, r
                     device) -> torch.Tensor:
     """Rank `rank`'s shard (1-D uint8, `storage.shard_numel` bytes) of the weight's image,
     i.e. `storage.shard(qlayout.quantize(weight), rank)`, without the image: chunk by chunk,
-    each rank quantizes only what its slice of each blob needs (`image_reader`)."""
-    return storage.shard_from_rows(image_reader(qlayout, read_rows, dtype, device), rank, torch.uint8, device)
+    each rank quantizes only what its slice of each blob needs (`image_reader`). A
+    `PackedRows` (a weight its file holds quantized) gives its bytes as they are instead:
+    nothing is quantized."""
+    if isinstance(read_rows, PackedRows):
+        read = read_rows.image_reader(qlayout, device)
+    else:
+        read = image_reader(qlayout, read_rows, dtype, device)
+    return storage.shard_from_rows(read, rank, torch.uint8, device)
 
 
 def fill_image_share(qlayout: QuantizedLayout, read_rows, r0: int, r1: int, dest: torch.Tensor, dtype: torch.dtype,

@@ -24,7 +24,7 @@ import torch
 
 from elastic_kernels import ChunkLayout, PagePool
 from python_api.host.sources import host_chunks
-from python_api.quant import fill_image_share, quantized_layout, quantized_shard
+from python_api.quant import PackedRows, fill_image_share, quantized_layout, quantized_shard
 
 
 class Residency(enum.IntEnum):
@@ -78,7 +78,9 @@ class ElasticTensor:
         # [Note: quantized frozen weights] in python_api/quant/__init__.py: a quantized weight
         # stores its image (1-D uint8, chunk c = blob c); `storage` is the layout of what is
         # stored, sharded, gathered and cached, `storage_dtype` its element type.
-        self.qlayout = quantized_layout(policy, name, weight.shape, self.layout.rows_per_chunk)
+        # A PackedRows (a weight its file holds quantized) chooses the layout that holds its values.
+        packed = rows if isinstance(rows, PackedRows) else None
+        self.qlayout = quantized_layout(policy, name, weight.shape, self.layout.rows_per_chunk, packed)
         if self.qlayout is None:
             self.storage, self.storage_dtype = self.layout, self.dtype
         else:
@@ -91,6 +93,7 @@ class ElasticTensor:
         # Quantized only: row -> its non-finite values, over the rows this rank read to quantize
         # (its shard, its share of the host store); a row read twice counts once.
         self._bad_rows: dict[int, int] = {}
+        self._nonfinite_packed = 0  # a weight its file holds quantized: its non-finite values
         # Until the host store is filled (ElasticRuntime.finish_registration): a reader of rows.
         self._reader = None
         with torch.no_grad():
@@ -145,13 +148,19 @@ class ElasticTensor:
     @property
     def nonfinite_read(self) -> int:
         """Quantized only: the non-finite values in the rows this rank read to quantize (its
-        shard, its share of the host store)."""
-        return sum(self._bad_rows.values())
+        shard, its share of the host store), or those of a weight its file holds quantized."""
+        return sum(self._bad_rows.values()) + self._nonfinite_packed
 
     def shard_of(self, rows) -> torch.Tensor:
         """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
         as stored (quantized when the policy says so): only the rows the shard needs are read."""
         rt = self.runtime
+        if self.qlayout is not None and isinstance(rows, PackedRows):
+            # The file's codes and scales, as they are: the non-finite weights are those of its
+            # blocks whose scale is not finite.
+            shard = quantized_shard(self.qlayout, self.storage, rows, rt.rank, self.dtype, rt.device)
+            self._nonfinite_packed = rows.nonfinite
+            return shard
         if self.qlayout is not None:
             return quantized_shard(self.qlayout, self.storage, self._counted(rows), rt.rank, self.dtype, rt.device)
         return self.layout.shard_from_rows(
