@@ -478,12 +478,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")
         if args.quant_nested and args.weight_format != "nf4":
             p.error("--quant-nested is an nf4 option (double quantization of its scales)")
-        if args.plan == "auto" and (args.pp == "auto" or args.pp > 1):
-            # --pp N / --compare-pp N with a format run (tests/pipeline/test_pipeline_quant.py);
-            # the pipeline planner's weights (planner/pipeline_model.py PipeWeight) are sized
-            # at full precision, so a planned pipeline would be planned for the wrong bytes.
-            p.error(f"--weight-format {args.weight_format}: not supported with --plan auto and --pp auto / > 1 (the "
-                    "pipeline planner sizes frozen weights at full precision); give --pp N without --plan auto")
     _check_compare_formats(p, args)
     if args.host_budget is not None and 0 < args.host_budget < 512:
         p.error(f"argument --host-budget: {args.host_budget} bytes is less than one 512-byte page")

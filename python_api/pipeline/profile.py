@@ -94,6 +94,7 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
     layers_of = {layer.name: layer for layer in measured.layers}
     targets = set(target_names(lm, lora))
     prefix = arch.layer_prefix
+    fmt = measured.weight_format  # how the elastic weights are stored (None: as they are)
     out = []
     for i, layer in enumerate(arch.layers(lm)):
         name = f"{prefix}{i}"
@@ -111,8 +112,12 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
             if full in targets:
                 adapters += lora.r_of(full) * (rows + cols)
             if full in backward:
-                weights.append(PipeWeight(full, rows, cols, m.weight.element_size(), backward[full]))
-        out.append(PipeLayer(name, lp.fwd_s_fixed, lp.fwd_s_per_token, lp.bwd_s_fixed, lp.bwd_s_per_token,
+                weights.append(PipeWeight(full, rows, cols, m.weight.element_size(), backward[full], fmt))
+        # A quantized model's unit times are stored net of their dequantization, one per use
+        # ([Note: dequantization in the time model] in planner/cost.py): a pack's action is one
+        # use of each of its layers, so it joins the fixed part.
+        out.append(PipeLayer(name, lp.fwd_s_fixed + lp.dequant_fwd_s, lp.fwd_s_per_token,
+                             lp.bwd_s_fixed + lp.dequant_bwd_s, lp.bwd_s_per_token,
                              lp.act_bytes_per_token, tuple(weights), adapters))
     head = lm.lm_head
     head_unit = layers_of.get("lm_head")
@@ -121,9 +126,10 @@ def pipeline_profile(lm: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, mea
     head_bwd = measured.outside.bwd_s_per_token
     if head_unit is not None:  # an elastic lm_head: its own unit in the profile
         rows, cols = _shape(head)
-        head_weights = (PipeWeight("lm_head", rows, cols, head.weight.element_size(), True),)
-        head_fwd += head_unit.fwd_s_per_token + head_unit.fwd_s_fixed / max(1, seq_len or measured.seq_len)
-        head_bwd += head_unit.bwd_s_per_token + head_unit.bwd_s_fixed / max(1, seq_len or measured.seq_len)
+        head_weights = (PipeWeight("lm_head", rows, cols, head.weight.element_size(), True, fmt),)
+        per_seq = max(1, seq_len or measured.seq_len)
+        head_fwd += head_unit.fwd_s_per_token + (head_unit.fwd_s_fixed + head_unit.dequant_fwd_s) / per_seq
+        head_bwd += head_unit.bwd_s_per_token + (head_unit.bwd_s_fixed + head_unit.dequant_bwd_s) / per_seq
     embed = arch.embedding(lm)
     first_static = _bytes(embed)
     if arch.name == "gpt2":

@@ -143,27 +143,36 @@ from python_api.planner.pipeline import (
     rank_balanced_boundaries,
     residency_trace,
 )
-from python_api.planner.profile import Link
+from python_api.planner.profile import Link, WeightFormat
 
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 value, gradient, AdamW's two moments
 
 
 @dataclass(frozen=True)
 class PipeWeight:
-    """One frozen elastic weight: [rows = out, cols = in] of `element_size` bytes."""
+    """One frozen elastic weight: [rows = out, cols = in] of `element_size` bytes, stored in
+    `fmt` (None: as is; a WeightFormat: each chunk one quantized blob)."""
 
     name: str
     rows: int
     cols: int
     element_size: int
     backward: bool = True
+    fmt: WeightFormat | None = None
 
     def layout(self, chunk_bytes: int, dp: int) -> tuple[int, int, int, int]:
-        """(chunks, chunk bytes (full), slice bytes per rank, real bytes), as ChunkLayout lays it out."""
+        """(chunks, chunk bytes (full), slice bytes per rank, real bytes), as the runtime lays
+        it out: rows per chunk from the weight's own row bytes (ElasticTensor.layout); stored
+        as is, ChunkLayout's slices; quantized, the image's (QuantizedLayout.image_layout:
+        chunk c is blob c, a full blob's bytes split over dp, the real bytes the blobs' sum)."""
         row = self.cols * self.element_size
         rpc = min(self.rows, max(1, chunk_bytes // row))
         chunks = -(-self.rows // rpc)
-        return chunks, rpc * row, -(-(rpc * self.cols) // dp) * self.element_size, self.rows * row
+        if self.fmt is None:
+            return chunks, rpc * row, -(-(rpc * self.cols) // dp) * self.element_size, self.rows * row
+        blob = self.fmt.blob_bytes(rpc, self.cols)
+        last = self.fmt.blob_bytes(self.rows - (chunks - 1) * rpc, self.cols)
+        return chunks, blob, -(-blob // dp), (chunks - 1) * blob + last
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ def test_policy_follows_the_options():
     assert (p.weight_format, p.block_size, p.quant_nested) == ("nf4", 64, True)
     p = policy_of(parse_args(BASE + ["--weight-format", "int8", "--quant-block", "64"]), None)
     assert (p.weight_format, p.block_size, p.quant_nested) == ("int8", 64, False)
-    for pp in (["--pp", "2"], ["--compare-pp", "2"]):  # pipelines quantize each pack's weights on build
+    for pp in (["--pp", "2"], ["--compare-pp", "2"], ["--pp", "auto", "--plan", "auto"]):
+        # pipelines quantize each pack's weights on build; the pipeline planner sizes them by format
         assert policy_of(parse_args(BASE + ["--weight-format", "nf4"] + pp), None).weight_format == "nf4"
 
 
@@ -33,7 +34,6 @@ def test_policy_follows_the_options():
     (["--weight-format", "int8", "--quant-nested"], r"--quant-nested is an nf4 option"),
     (["--weight-format", "nf4", "--quant-block", "48"], r"power of two in \[32, 4096\], got 48"),
     (["--weight-format", "nf4", "--quant-block", "16"], r"--quant-block"),
-    (["--weight-format", "nf4", "--pp", "2", "--plan", "auto"], r"not supported with --plan auto and --pp auto / > 1"),
 ])
 def test_bad_options(extra, match, capsys):
     with pytest.raises(SystemExit):

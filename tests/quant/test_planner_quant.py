@@ -335,3 +335,24 @@ def test_plans_keep_the_profiles_format(weights_on, kwargs):
     plain = plan_from_profile(synthetic_profile("llama2-7b", 8, 2048, "a100-40g-pcie", **tier), 40 * 10**9, 32,
                               **kwargs)
     assert plain.weight_format is None and json.loads(plain.to_json())["weight_format"] is None
+
+
+@pytest.mark.parametrize("fmt", [("nf4", 64, False), ("nf4", 64, True), ("int8", 64, False), ("int8", 256, False)])
+@pytest.mark.parametrize("rows,cols,elem,chunk_bytes,dp", [(100, 256, 4, 8 * 256 * 4, 2), (96, 512, 2, 4096, 4),
+                                                          (7, 256, 4, 1 << 20, 3)])
+def test_pipeline_weight_bytes_are_the_runtimes_quantized_layout(fmt, rows, cols, elem, chunk_bytes, dp):
+    """The pipeline planner's weight (planner/pipeline_model.py PipeWeight) sizes a quantized
+    weight as the runtime stores it: rows per chunk from the weight's own rows, each chunk a
+    blob, the image sharded by QuantizedLayout.image_layout (ragged last chunk included)."""
+    from elastic_kernels.quant import QuantizedLayout
+    from python_api.planner.pipeline_model import PipeWeight
+    from python_api.planner.profile import WeightFormat
+
+    name, block, nested = fmt
+    rpc = min(rows, chunk_bytes // (cols * elem))
+    q = QuantizedLayout(rows, cols, rpc, name, block, nested)
+    image = q.image_layout(dp)
+    got = PipeWeight("w", rows, cols, elem, True, WeightFormat(name, block, nested)).layout(chunk_bytes, dp)
+    assert got == (image.num_chunks, q.full_blob_bytes, image.slice_numel, q.total_bytes)
+    plain = PipeWeight("w", rows, cols, elem).layout(chunk_bytes, dp)
+    assert plain[0] == got[0] and got[3] < plain[3]  # same chunks, fewer bytes
