@@ -7,34 +7,9 @@ in forward order:
 - forward and backward compute time: module hooks time the unit's forward; a hook on the
   gradient of the unit's output marks the start of its backward, whose end is the start of the
   previous unit's backward (or the end of the whole backward). Only units whose every chunk is
-  resident are timed, so no gather is in the times ([Note: timing the dequantization]
-Each use of a quantized weight dequantizes all its chunks, whatever the residency, so the
-units' timed windows (resident units, hooks around the unit) already hold their uses'
-dequantization: in forward every weight, in backward those with a backward use. It is timed
-apart, once per distinct (shape, chunking, format, weight and compute dtype, call pattern):
-- on blobs quantized from normal random values of the weight's own shape (the kernels have
-  no data-dependent branch; normal values give normal fp32 scales, so no denormal slows the
-  CPU kernel); the blobs of one weight live only while it is timed;
-- by the very call the layer makes (python_api/quant/workspace.py `dequantize_use`, with the
-  impl in force on this device): one call over every chunk for a LoRA linear, one per chunk
-  for a plain ElasticLinear (which computes chunk by chunk), into the runtime's workspace
-  (grown to the largest weight by the profiling steps already: nothing is allocated), in the
-  dtype the layer computes in (`op_dtype` of its input under the caller's autocast, recorded
-  by the probe). That call is what a use pays: on CPU, for the tests' 64-wide weights of 13
-  chunks, its Python work (formats, views, the split) is 4-8x the C++ kernel's time;
-- as n back-to-back uses per window of about 0.2 ms, one sync per window (on a GPU the uses
-  queue on the stream as the layers' do; a short window is seldom cut by the scheduler of a
-  loaded host), the median of 9 windows, then the MAX over the ranks like every timing.
-The unit's fit is stored net of it ([Note: dequantization in the time model] in
-python_api/planner/cost.py): the forward dequant comes off fwd_s_fixed, the backward one off
-bwd_s_fixed, and where a fixed part is smaller (the two-point fit is noisy) the rest comes off
-the per-token part at the profiled micro-batch, so that the unit's time there, the dequant
-added back, is what was measured (only a unit measured faster than its dequant alone, clamped
-at 0, would differ). Timed apart, the dequant sees warm caches and no GEMM between calls, so
-it may differ a little from the in-layer run; tests/quant/test_planner_quant.py checks it
-against an independent timing of the same call on the same shapes.
-
-[Note: profiling within a memory bound]).
+  resident are timed, so no gather is in the times ([Note: profiling within a memory bound]);
+  a quantized weight's per-use dequantization is, and is timed apart as well ([Note: timing
+  the dequantization]).
   With two micro-batch sizes (the batch and its first half) the time is fitted as fixed +
   per-token; with one, fixed is 0.
 - activation bytes per token: `saved_tensors_hooks` count the bytes each unit's forward saves
@@ -490,34 +465,7 @@ def _group_key(layer: LayerProfile) -> tuple:
 
 
 def _choose_round(profile: Profile, limit: int, micro_batch: int, untimed: list[int]) -> list[int]:
-    """Units to keep resident in one profiling round ([Note: timing the dequantization]
-Each use of a quantized weight dequantizes all its chunks, whatever the residency, so the
-units' timed windows (resident units, hooks around the unit) already hold their uses'
-dequantization: in forward every weight, in backward those with a backward use. It is timed
-apart, once per distinct (shape, chunking, format, weight and compute dtype, call pattern):
-- on blobs quantized from normal random values of the weight's own shape (the kernels have
-  no data-dependent branch; normal values give normal fp32 scales, so no denormal slows the
-  CPU kernel); the blobs of one weight live only while it is timed;
-- by the very call the layer makes (python_api/quant/workspace.py `dequantize_use`, with the
-  impl in force on this device): one call over every chunk for a LoRA linear, one per chunk
-  for a plain ElasticLinear (which computes chunk by chunk), into the runtime's workspace
-  (grown to the largest weight by the profiling steps already: nothing is allocated), in the
-  dtype the layer computes in (`op_dtype` of its input under the caller's autocast, recorded
-  by the probe). That call is what a use pays: on CPU, for the tests' 64-wide weights of 13
-  chunks, its Python work (formats, views, the split) is 4-8x the C++ kernel's time;
-- as n back-to-back uses per window of about 0.2 ms, one sync per window (on a GPU the uses
-  queue on the stream as the layers' do; a short window is seldom cut by the scheduler of a
-  loaded host), the median of 9 windows, then the MAX over the ranks like every timing.
-The unit's fit is stored net of it ([Note: dequantization in the time model] in
-python_api/planner/cost.py): the forward dequant comes off fwd_s_fixed, the backward one off
-bwd_s_fixed, and where a fixed part is smaller (the two-point fit is noisy) the rest comes off
-the per-token part at the profiled micro-batch, so that the unit's time there, the dequant
-added back, is what was measured (only a unit measured faster than its dequant alone, clamped
-at 0, would differ). Timed apart, the dequant sees warm caches and no GEMM between calls, so
-it may differ a little from the in-layer run; tests/quant/test_planner_quant.py checks it
-against an independent timing of the same call on the same shapes.
-
-[Note: profiling within a memory bound]):
+    """Units to keep resident in one profiling round ([Note: profiling within a memory bound]):
     a unit of every group with a unit in `untimed` first, then the others, in forward order,
     while the memory model of that residency stays within `limit`."""
     groups: dict = {}
