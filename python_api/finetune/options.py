@@ -513,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check_compare_formats(p: argparse.ArgumentParser, args) -> None:
     """--compare-format's runs are elastic runs of the job in another weight format: each gets the
-    policy's own checks now (the host tier, the block), before anything runs."""
+    policy's own checks now (its block and nesting), before anything runs."""
     if args.weight_format == "none" and set(args.compare_formats) - {"none"}:
         if args.quant_block is not None and args.quant_block & (args.quant_block - 1):
             p.error(f"argument --quant-block: expected a power of two in [32, 4096], got {args.quant_block}")

@@ -240,7 +240,6 @@ def test_one_rank_is_refused(tmp_path):
     (["--quant-nested"], "need --weight-format nf4 or int8 (or --compare-format nf4 / int8)"),
     (["--compare-format", "int8", "--quant-nested"], "--quant-nested is an nf4 option"),
     (["--compare-format", "nf4", "--quant-block", "48"], "power of two in [32, 4096], got 48"),
-    (["--compare-format", "nf4", "--weights-on", "host"], "--compare-format nf4: ElasticPolicy: weight_format='nf4' with the host tier"),
 ])
 def test_compare_format_options_refused(argv, needle, capsys):
     from python_api.finetune.options import parse_args
@@ -248,6 +247,15 @@ def test_compare_format_options_refused(argv, needle, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert needle in capsys.readouterr().err
+
+
+def test_compare_format_with_the_host_tier():
+    """The host store holds quantized images too ([Note: filling the host store]): a compared
+    format with the weights on the host is a valid run, checked by the policy as it will run."""
+    from python_api.finetune.options import parse_args
+
+    args = parse_args(["--compare-format", "nf4,int8", "--weights-on", "host"])
+    assert sorted(args.compare_formats) == ["int8", "nf4"]
 
 
 def test_formats_and_peers_combine():
