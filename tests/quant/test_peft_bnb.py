@@ -86,3 +86,48 @@ def _worker(rank, world_size, nested, chunk_bytes):
 ])
 def test_matches_peft_over_bitsandbytes_linear4bit(world_size, nested, chunk_bytes):
     assert run_distributed(_worker, world_size, nested, chunk_bytes, timeout=300) == [True] * world_size
+
+
+def _bf16_checkpointing_worker(rank, world_size):
+    """As a user runs QLoRA: bf16 autocast over the fp32 model, gradient checkpointing, 2 ranks
+    with the same batch (so the all-reduced adapter gradients are the local ones)."""
+    from python_api import ElasticPolicy
+    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from tests.nn.test_lora_setups import _adapters, _bf16_vs_peft
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for checkpointing in (True, False):
+        model = quant_llama()
+        peft_model, ref = _bnb_peft(model, False), _bnb_peft(model, False)
+        elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=TARGETS),
+                                     ElasticPolicy(chunk_bytes=64 * 4 * 7, weight_format="nf4", keep_ratio=0.5,
+                                                   persist_ratio=0.0, pool_budget_bytes=0)).train()
+        names = [n for n, _ in lora_layers(elastic)]
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for n, layer in lora_layers(elastic):
+                layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen) * 0.1)
+                for other in (peft_model, ref):
+                    a_, b_ = _adapters(other, [n], True)[n]
+                    a_.copy_(layer.lora_A.weight)
+                    b_.copy_(layer.lora_B.weight)
+        if checkpointing:
+            for m in (elastic, peft_model):
+                m.train()
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                m.enable_input_require_grads()
+            # logits, loss and every adapter gradient: error vs the fp32 model on bitsandbytes'
+            # weights at most K_BF16 x PEFT-over-Linear4bit's own bf16 error ([Note: bf16 tolerances]).
+            _bf16_vs_peft(elastic, peft_model, ref, names, ids, autocast=True)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                elastic(input_ids=ids, labels=ids).loss.backward()
+        grads[checkpointing] = [t.grad.clone() for a_b in _adapters(elastic, names, False).values() for t in a_b]
+    # Recomputing the layers in backward (dequantizing again) changes nothing, bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    return True
+
+
+def test_bf16_autocast_and_gradient_checkpointing_match_peft_over_linear4bit():
+    assert run_distributed(_bf16_checkpointing_worker, 2, timeout=300) == [True, True]
