@@ -136,6 +136,17 @@ class QuantizedLayout:
             raise IndexError(f"chunk {c} out of range [0, {self.num_chunks})")
         return c * self.full_blob_bytes
 
+    def blob_span(self, b: int, e: int) -> tuple[int, int, int]:
+        """(c, lo, hi): image bytes [b, e) are bytes [lo, hi) of chunk c's blob. Raises
+        ValueError unless they lie within that one blob (a reader of the image is asked for one
+        chunk's bytes at a time)."""
+        full = self.full_blob_bytes
+        c = b // full
+        lo, hi = b - c * full, e - c * full
+        if not (0 <= c < self.num_chunks and 0 <= lo < hi <= self.formats[c].total_bytes):
+            raise ValueError(f"image bytes [{b}, {e}) are not within chunk {c}'s blob")
+        return c, lo, hi
+
     def image_layout(self, world_size: int) -> ChunkLayout:
         """The ChunkLayout that shards the image (1-D uint8) so that its chunk c is blob c."""
         return ChunkLayout(self.total_bytes, 1, self.full_blob_bytes, world_size)

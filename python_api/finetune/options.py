@@ -174,31 +174,28 @@ WEIGHT_FORMAT_CHOICES = ("none", "nf4", "int8")
 PEERS = ("fsdp2", "deepspeed", "ddp", "fsdp2-nf4")
 
 
-def _baselines(text: str) -> list[str]:
-    """'none' or a comma-separated list of peers (each at most once), in the order given."""
+def _names(text: str, allowed, what: str, expected: str) -> list[str]:
+    """A comma-separated list of `allowed` names, each at most once, in the order given."""
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if names == ["none"] or not names:
-        return []
-    bad = [n for n in names if n not in PEERS]
+    bad = [n for n in names if n not in allowed]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown baseline(s) {bad}: expected none or a comma-separated list of "
-                                         f"{', '.join(PEERS)}")
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}: expected {expected}{', '.join(allowed)}")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise argparse.ArgumentTypeError(f"baseline(s) {twice} given twice")
+        raise argparse.ArgumentTypeError(f"{what}(s) {twice} given twice")
     return names
+
+
+def _baselines(text: str) -> list[str]:
+    """'none' or a comma-separated list of peers (each at most once), in the order given."""
+    if [t.strip().lower() for t in text.split(",") if t.strip()] in (["none"], []):
+        return []
+    return _names(text, PEERS, "baseline", "none or a comma-separated list of ")
 
 
 def _compare_formats(text: str, main: str) -> list[str]:
     """--compare-format: weight formats other than the main run's (--weight-format), each once."""
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in WEIGHT_FORMAT_CHOICES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}: expected a comma-separated list of "
-                                         f"{', '.join(WEIGHT_FORMAT_CHOICES)}")
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise argparse.ArgumentTypeError(f"format(s) {twice} given twice")
+    names = _names(text, WEIGHT_FORMAT_CHOICES, "format", "a comma-separated list of ")
     if main in names:
         raise argparse.ArgumentTypeError(f"{main} is the main run's format (--weight-format {main})")
     return names

@@ -320,7 +320,7 @@ class BnbNF4Weight(PackedRows):
         file: the codes and scales of those bytes only (with the fp32 fallback of [Note: loading
         a bitsandbytes 4-bit checkpoint], the scales computed from the file's, and their nested
         scales)."""
-        formats, full = qlayout.formats, qlayout.full_blob_bytes
+        formats = qlayout.formats
         cols, rpc = self.cols, qlayout.rows_per_chunk
         self.nonfinite = 0
 
@@ -328,11 +328,8 @@ class BnbNF4Weight(PackedRows):
             self.nonfinite += int((~torch.isfinite(scales)).sum()) * BNB_BLOCK
 
         def read(b: int, e: int) -> torch.Tensor:
-            c = b // full
+            c, lo, hi = qlayout.blob_span(b, e)
             fmt = formats[c]
-            lo, hi = b - c * full, e - c * full
-            if not 0 <= lo < hi <= fmt.total_bytes:
-                raise ValueError(f"image bytes [{b}, {e}) are not within chunk {c}'s blob")
             first_el = c * rpc * cols  # the chunk's first weight
             first_block = first_el // BNB_BLOCK
             out = torch.empty(hi - lo, dtype=torch.uint8)

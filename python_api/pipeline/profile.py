@@ -61,14 +61,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.pipelining import ScheduleLoopedBFS
 
 from python_api.config import ElasticPolicy
 from python_api.nn import LoRAConfig, target_names
 from python_api.nn.lora import is_conv1d, is_linear
 from python_api.pipeline.hf_packs import architecture_of
 from python_api.pipeline.stage import PackStage, StepCounters
-from python_api.planner.pipeline import PipelineError
-from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight
+from python_api.planner.pipeline import PipelineError, PipelineLayout
+from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight, simulate
 from python_api.planner.profile import Link, Profile
 
 
@@ -269,8 +270,6 @@ def _mini_step(lm, arch, group, across: int, packs: int, micro_batches: int, ste
     """A ScheduleLoopedBFS step of `packs` no-op packs per rank over the `across` ranks of
     `group` (stage j on rank j mod across), timed: medians over `steps` steps after `warmup` of
     (wall, inside the stages, inside the busy work), per action."""
-    from torch.distributed.pipelining import ScheduleLoopedBFS
-
     me = dist.get_rank(group)
     n_layers = len(arch.layers(lm))
     counters, clock = StepCounters(), [0.0]
@@ -315,9 +314,6 @@ def mini_pipeline_step(inside_s: float, schedule_s: float, p2p_latency_s: float,
     measure_action_overhead: LoopedBFS, `packs` packs per rank, every action `inside_s` long
     (its compute and the stage's overhead), `schedule_s` before each, each handoff
     `p2p_latency_s`."""
-    from python_api.planner.pipeline import PipelineLayout
-    from python_api.planner.pipeline_model import simulate
-
     n = 2 * packs
     layers = tuple(PipeLayer(f"l{i}", inside_s, 0.0, inside_s, 0.0, 0.0, ()) for i in range(n))
     layout = PipelineLayout(2, 2, "looped-bfs", micro_batches, tuple(range(n + 1)), ("persistent",) * n, 0)

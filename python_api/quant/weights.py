@@ -112,15 +112,11 @@ def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device
     `device`). Reads and quantizes only the rows those bytes depend on (every row of the chunk
     with nested scales); nothing is kept between calls."""
     formats = qlayout.formats
-    full = qlayout.full_blob_bytes
     rows_as = _rows_as(qlayout, read_rows, dtype, device)
 
     def read(b: int, e: int) -> torch.Tensor:
-        c = b // full
+        c, lo, hi = qlayout.blob_span(b, e)
         fmt = formats[c]
-        lo, hi = b - c * full, e - c * full
-        if not 0 <= lo < hi <= fmt.total_bytes:
-            raise ValueError(f"image bytes [{b}, {e}) are not within chunk {c}'s blob")
         base = c * qlayout.rows_per_chunk
         if fmt.nested:
             return quantize_chunk(rows_as(base, base + fmt.rows), fmt)[lo:hi]
