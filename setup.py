@@ -144,7 +144,11 @@ setup(
     name="elastic-kernels",
     version="0.1.0",
     description="LoRA fine-tuning across GPUs with frozen base weights kept as an elastic, paged cache",
-    packages=find_packages(include=["elastic_kernels", "elastic_kernels.*", "python_api", "python_api.*"]),
+    # The library's folder python_api/ installs as the import package elastic_kernels.api (a
+    # name no user project can collide with); the mechanism layer is elastic_kernels itself.
+    packages=find_packages(include=["elastic_kernels", "elastic_kernels.*"])
+    + ["elastic_kernels.api" + p[len("python_api"):] for p in find_packages(include=["python_api", "python_api.*"])],
+    package_dir={"elastic_kernels.api": "python_api"},
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     # `--baseline deepspeed` (ZeRO-3 beside the elastic runs); DeepSpeed's sdist must be built
@@ -153,6 +157,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # The fine-tuning CLI; under torchrun: `torchrun --nproc-per-node N --no-python elastic-finetune ...`
-    entry_points={"console_scripts": ["elastic-finetune = python_api.finetune.cli:entry"]},
+    entry_points={"console_scripts": ["elastic-finetune = elastic_kernels.api.finetune.cli:entry"]},
     zip_safe=False,
 )

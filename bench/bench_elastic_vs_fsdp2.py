@@ -35,7 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
-from python_api.finetune.measure import AllGatherCounter, reset_rss_peak, rss_peak_bytes  # noqa: E402
+from elastic_kernels.api.finetune.measure import AllGatherCounter, reset_rss_peak, rss_peak_bytes  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
 CONFIGS = ["fsdp2-reshard", "fsdp2-no-reshard", "elastic-0%", "elastic-50%", "elastic-100%"]
@@ -54,7 +54,7 @@ class Block(nn.Module):
 
 
 def _build(kind, args, world_size):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(args.dim, args.rank) for _ in range(args.layers)])

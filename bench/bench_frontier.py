@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.harness import append_rows, context, results_dir  # noqa: E402
-from python_api.finetune.peers.fsdp2_nf4 import NF4_DEMO_OPTIONS  # noqa: E402
+from elastic_kernels.api.finetune.peers.fsdp2_nf4 import NF4_DEMO_OPTIONS  # noqa: E402
 
 PRESETS = {
     "tiny": ["--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4",
@@ -123,7 +123,7 @@ def _layer_elements(job) -> int:
 
 
 def _ds_setting(name: str, job):
-    from python_api.finetune.peers.zero3 import ZeRO3Setting
+    from elastic_kernels.api.finetune.peers.zero3 import ZeRO3Setting
 
     L = _layer_elements(job)
     biggest = max(p.numel() for p in job.spec.meta_model().parameters())
@@ -140,9 +140,9 @@ def _planned_caps(job, n: int) -> list[int]:
     which can need more than the least plan (one that recomputes): the lowest cap is the
     larger of the two, the profiler's figure (ProfileBoundError.needed_bytes, asked for with a
     bound of one byte) taken 5% over, as it varies a little between runs."""
-    from python_api.finetune.engines import ElasticEngine
-    from python_api.planner.search import least_memory, plan_from_profile
-    from python_api.planning.measure import ProfileBoundError, measure_profile
+    from elastic_kernels.api.finetune.engines import ElasticEngine
+    from elastic_kernels.api.planner.search import least_memory, plan_from_profile
+    from elastic_kernels.api.planning.measure import ProfileBoundError, measure_profile
 
     args = job.args
     engine = ElasticEngine(job, None)
@@ -164,11 +164,11 @@ def _planned_caps(job, n: int) -> list[int]:
 
 
 def configurations(opts, job, counter) -> list[Config]:
-    from python_api.finetune.engines import ElasticEngine, FSDP2Engine
-    from python_api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
-    from python_api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
-    from python_api.finetune.peers.frontier import system_of
-    from python_api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
+    from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
+    from elastic_kernels.api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
+    from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
+    from elastic_kernels.api.finetune.peers.frontier import system_of
+    from elastic_kernels.api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
 
     W = job.world_size
     fmt = job.args.weight_format
@@ -225,7 +225,7 @@ def configurations(opts, job, counter) -> list[Config]:
 def _tensor_bytes_excluding(engine) -> tuple[int, set]:
     """Live CPU tensor bytes, the pool's arena counted once from its snapshot and the host
     store left out ([Note: what the frontier's memory is] in the module docstring)."""
-    from python_api.planning.measure import _live_tensor_bytes
+    from elastic_kernels.api.planning.measure import _live_tensor_bytes
 
     exclude, pool_bytes = set(), 0
     runtime = getattr(engine, "runtime", None)
@@ -240,8 +240,8 @@ def _tensor_bytes_excluding(engine) -> tuple[int, set]:
 
 
 def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
-    from python_api.finetune.loop import train
-    from python_api.planning.measure import _live_tensor_bytes, _profiled_growth
+    from elastic_kernels.api.finetune.loop import train
+    from elastic_kernels.api.planning.measure import _live_tensor_bytes, _profiled_growth
 
     args = job.args
     saved_steps, args.steps = args.steps, steps
@@ -271,14 +271,14 @@ def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
 
 
 def _slowest(x: float) -> float:
-    from python_api.distributed.agree import exchange
+    from elastic_kernels.api.distributed.agree import exchange
 
     return max(exchange(x, what="bench_frontier step times"))
 
 
 def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[dict]:
     """One row per configuration; `refs`: per weight format, the losses its runs are set against."""
-    from python_api.finetune.peers.frontier import best_peer_at_or_below, pareto
+    from elastic_kernels.api.finetune.peers.frontier import best_peer_at_or_below, pareto
 
     rows = []
     for cfg in configs:
@@ -342,7 +342,7 @@ def picture(rows: list[dict], path: str, caption: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from python_api.finetune.peers.frontier import plot_frontier
+    from elastic_kernels.api.finetune.peers.frontier import plot_frontier
 
     fig, ax = plt.subplots(figsize=(10, 6))
     plot_frontier(ax, [{"system": r["system"], "label": r["config"].split(" (")[0],
@@ -360,11 +360,11 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
-    from python_api.finetune.job import prepare
-    from python_api.finetune.measure import AllGatherCounter, PeakMemory
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.report import nf4_gap_bound
-    from python_api.nn import adapter_state_dict
+    from elastic_kernels.api.finetune.job import prepare
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.report import nf4_gap_bound
+    from elastic_kernels.api.nn import adapter_state_dict
 
     opts, rest = _parse(sys.argv[1:] if argv is None else argv)
     rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     job.memory = PeakMemory(device)
     load = os.getloadavg()
     with AllGatherCounter() as counter:
-        from python_api.finetune.engines import ElasticEngine
+        from elastic_kernels.api.finetune.engines import ElasticEngine
 
         seed = ElasticEngine(job, None)
         job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(seed.model).items()}

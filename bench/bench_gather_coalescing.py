@@ -29,7 +29,7 @@ from tests._dist import run_distributed  # noqa: E402
 
 
 def _worker(rank, world_size, args, caps):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     out = {}
     for tokens in args.tokens:

@@ -54,7 +54,7 @@ def main(argv=None):
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
 
-    from python_api import ElasticLoRALinear, ElasticPolicy, LoRAConfig
+    from elastic_kernels.api import ElasticLoRALinear, ElasticPolicy, LoRAConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from elastic_kernels import HostStore, PagePool  # noqa: E402
-from python_api.finetune.measure import device_name  # noqa: E402
+from elastic_kernels.api.finetune.measure import device_name  # noqa: E402
 
 TARGET_RATIO = 0.9  # store copies vs the pinned copy, and copy time hidden in the layer loop (H200)
 

@@ -86,7 +86,7 @@ def measured_configs(layers: int, pp: int) -> list[tuple]:
 
 def _time_link(fn, sizes) -> tuple[float, float]:
     """latency, bytes/s from the median of 5 timed calls at two sizes."""
-    from python_api.planner.profile import Link
+    from elastic_kernels.api.planner.profile import Link
 
     ts = []
     for n in sizes:
@@ -106,8 +106,8 @@ def _links(groups):
     MAX over the ranks (one decision everywhere)."""
     import torch.distributed as dist
 
-    from python_api.distributed.collectives import all_gather_into
-    from python_api.planner.profile import Link
+    from elastic_kernels.api.distributed.collectives import all_gather_into
+    from elastic_kernels.api.planner.profile import Link
 
     def gather(n):
         x = torch.empty(n // 4 // groups.dp)
@@ -152,11 +152,11 @@ def _profiles(rank, world_size, args, groups) -> dict:
 
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.loading import empty_model
-    from python_api.pipeline.profile import measure_action_overhead, pipeline_profile
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.loading import empty_model
+    from elastic_kernels.api.pipeline.profile import measure_action_overhead, pipeline_profile
+    from elastic_kernels.api.planning.measure import measure_profile
 
     cfg = embedded_config(256, 688, args.layers, 8, 4)
     lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
@@ -183,12 +183,12 @@ def _worker(rank, world_size, args, configs):
 
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy, LoRAConfig
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.pipeline.profile import measure_step_peak_bytes
-    from python_api.planner.pipeline_model import plan_pipeline, simulate
-    from python_api.planning.measure import _live_tensor_bytes
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api.pipeline.profile import measure_step_peak_bytes
+    from elastic_kernels.api.planner.pipeline_model import plan_pipeline, simulate
+    from elastic_kernels.api.planning.measure import _live_tensor_bytes
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, args.layers, 8, 4)
@@ -301,8 +301,8 @@ def measure(args) -> None:
 
 def profile_from_dict(d: dict):
     """A PipelineProfile from dataclasses.asdict of one (read back from JSON)."""
-    from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight
-    from python_api.planner.profile import Link
+    from elastic_kernels.api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight
+    from elastic_kernels.api.planner.profile import Link
 
     d = dict(d)
     for k in ("allgather", "allreduce", "p2p", "h2d"):
@@ -315,7 +315,7 @@ def profile_from_dict(d: dict):
 
 
 def _layout_of(row):
-    from python_api.planner.pipeline import PipelineLayout
+    from elastic_kernels.api.planner.pipeline import PipelineLayout
 
     return PipelineLayout.build(int(row["world_size"]), int(row["pp"]), int(row["model"].split()[2]),
                                 row["schedule"], int(row["micro_batches"]), pack_size=int(row["pack_size"]),
@@ -323,7 +323,7 @@ def _layout_of(row):
 
 
 def _predict(profile, rows) -> list[float]:
-    from python_api.planner.pipeline_model import simulate
+    from elastic_kernels.api.planner.pipeline_model import simulate
 
     out = []
     for r in rows:
@@ -366,10 +366,10 @@ def reconstruct_profiles(rows, layers: int) -> dict:
     and links but the fitted ones are those pipeline_profile builds for the bench's model."""
     import copy
 
-    from python_api import ElasticPolicy, LoRAConfig
-    from python_api.finetune.models import embedded_config
-    from python_api.loading import empty_model
-    from python_api.planner.profile import Link
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig
+    from elastic_kernels.api.finetune.models import embedded_config
+    from elastic_kernels.api.loading import empty_model
+    from elastic_kernels.api.planner.profile import Link
 
     cfg = embedded_config(256, 688, layers, 8, 4)
     lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
@@ -407,8 +407,8 @@ def reconstruct_profiles(rows, layers: int) -> dict:
 
 def _shell_profile(lm, lora, policy, layers):
     """pipeline_profile's shapes and bytes for the bench's model, timings zero."""
-    from python_api.pipeline.profile import ActionOverhead, pipeline_profile
-    from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
+    from elastic_kernels.api.pipeline.profile import ActionOverhead, pipeline_profile
+    from elastic_kernels.api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightProfile
 
     prefix = "model.layers."
     unit = []
@@ -450,7 +450,7 @@ def spearman(a, b) -> float:
 
 
 def _check_worker(rank, world_size, args):
-    from python_api.pipeline import pipeline_groups
+    from elastic_kernels.api.pipeline import pipeline_groups
 
     torch.set_num_threads(1)
     groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
@@ -461,7 +461,7 @@ def _check_worker(rank, world_size, args):
 def check(args) -> None:
     import csv
 
-    from python_api.planner.pipeline_model import plan_pipeline, simulate
+    from elastic_kernels.api.planner.pipeline_model import plan_pipeline, simulate
 
     path = os.path.join(harness.results_dir(args.results), "packs.csv")
     rows = [r for r in csv.DictReader(open(path)) if r["kind"] == "measured"]
@@ -546,8 +546,8 @@ def check(args) -> None:
 
 
 def simulate_tiny_pipe(args) -> None:
-    from python_api.planner.pipeline import PipelineLayout, divisors
-    from python_api.planner.pipeline_model import simulate as sim, synthetic_pipeline_profile
+    from elastic_kernels.api.planner.pipeline import PipelineLayout, divisors
+    from elastic_kernels.api.planner.pipeline_model import simulate as sim, synthetic_pipeline_profile
 
     ctx = harness.context("cpu")
     rows = []

@@ -33,8 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import append_rows, context, print_table  # noqa: E402
-from python_api.planner.search import plan_from_profile  # noqa: E402
-from python_api.planner.shapes import synthetic_profile  # noqa: E402
+from elastic_kernels.api.planner.search import plan_from_profile  # noqa: E402
+from elastic_kernels.api.planner.shapes import synthetic_profile  # noqa: E402
 
 SHAPES = ["llama2-7b", "llama2-13b", "llama2-70b"]
 RANKS = 8
@@ -63,7 +63,7 @@ JITTER_CASES = [("h100-sxm", 80 * 10**9), ("a100-40g-pcie", 40 * 10**9)]
 
 def jittered_rows(repeats: int, ctx: dict) -> list[dict]:
     """Planning time with every dimension searched, on jittered and plain 70B profiles."""
-    from python_api.planner.search import _search
+    from elastic_kernels.api.planner.search import _search
 
     rows = []
     for device, memory in JITTER_CASES:

@@ -150,19 +150,19 @@ def demo(argv) -> int:
     import torch.distributed as dist
 
     from bench.bench_frontier import Config, _run, _slowest
-    from python_api.finetune.engines import ElasticEngine, FSDP2Engine
-    from python_api.finetune.job import prepare
-    from python_api.finetune.measure import AllGatherCounter, PeakMemory
-    from python_api.finetune.options import _budget, budget_label, parse_args
-    from python_api.finetune.peers.fsdp2_nf4 import (
+    from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
+    from elastic_kernels.api.finetune.job import prepare
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.options import _budget, budget_label, parse_args
+    from elastic_kernels.api.finetune.peers.fsdp2_nf4 import (
         NF4_DEMO_OPTIONS,
         FSDP2NF4Engine,
         nf4_gathered_bytes,
         shape_error,
     )
-    from python_api.finetune.report import nf4_gap_bound
-    from python_api.finetune.runner import check_compare_formats
-    from python_api.nn import adapter_state_dict
+    from elastic_kernels.api.finetune.report import nf4_gap_bound
+    from elastic_kernels.api.finetune.runner import check_compare_formats
+    from elastic_kernels.api.nn import adapter_state_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
     ap = argparse.ArgumentParser(description="bench_quant --demo (under torchrun)", allow_abbrev=False)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from python_api.finetune.measure import device_name  # noqa: F401 - shared with the fine-tuning CLI
+from elastic_kernels.api.finetune.measure import device_name  # noqa: F401 - shared with the fine-tuning CLI
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -31,8 +31,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _model():
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
-    from python_api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
 
     cfg = embedded_config(256, 688, 4, 8, 4)
     model = convert_to_elastic(embedded_model(cfg, 0), LoRAConfig(r=8, alpha=16, target_modules=TARGETS),
@@ -48,9 +48,9 @@ def _batches(vocab: int, rank: int, steps: int) -> list[torch.Tensor]:
 
 def _train(plan, steps: int, world_size: int) -> dict:
     """A fresh model under `plan` for `steps` steps: tokens/s, bytes per step, peak RSS."""
-    from python_api import no_sync, reset_stats, stats
-    from python_api.finetune.measure import PeakMemory
-    from python_api.planning.apply import apply_plan
+    from elastic_kernels.api import no_sync, reset_stats, stats
+    from elastic_kernels.api.finetune.measure import PeakMemory
+    from elastic_kernels.api.planning.apply import apply_plan
 
     mem = PeakMemory("cpu")
     mem.set_baseline()
@@ -100,7 +100,7 @@ def _measure_all(plans: dict, steps: int, world_size: int) -> dict:
 
 
 def _caps(profile, global_batch: int) -> list[int]:
-    from python_api.planner.search import least_memory, plan_from_profile
+    from elastic_kernels.api.planner.search import least_memory, plan_from_profile
 
     lo = least_memory(profile, global_batch)
     everything = plan_from_profile(profile, profile.capacity_bytes, global_batch)
@@ -110,9 +110,9 @@ def _caps(profile, global_batch: int) -> list[int]:
 
 
 def grid_worker(rank: int, world_size: int, steps: int) -> list[dict]:
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_from_profile, plan_of
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api.planner.memory import Choices
+    from elastic_kernels.api.planner.search import plan_from_profile, plan_of
+    from elastic_kernels.api.planning.measure import measure_profile
 
     torch.set_num_threads(1)
     global_batch = world_size * PER_RANK

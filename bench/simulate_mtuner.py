@@ -46,8 +46,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from python_api.planner.search import PlanningError, plan_from_profile, plan_with_residency  # noqa: E402
-from python_api.planner.shapes import DEVICES, shape_of, synthetic_profile  # noqa: E402
+from elastic_kernels.api.planner.search import PlanningError, plan_from_profile, plan_with_residency  # noqa: E402
+from elastic_kernels.api.planner.shapes import DEVICES, shape_of, synthetic_profile  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "simulate_mtuner.csv")
 SETTINGS = [("a100-40g-pcie", 8), ("h100-sxm", 32)]

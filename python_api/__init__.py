@@ -4,12 +4,24 @@ The public API (every name below). The library's rooms, each one concern (README
 config (ElasticPolicy), distributed/, runtime/, host/, nn/, hf/, loading/, planner/ (pure
 Python), planning/ (the planner meets a model), finetune/ (the application). Imports flow one
 way: finetune -> the rooms -> elastic_kernels -> _C.
+
+The folder python_api/ is installed as the import package `elastic_kernels.api` (setup.py's
+package_dir); inside it every import of the library is relative, so the code does not depend
+on the name it is mounted under. Imported as a top-level `python_api` (from the repository
+root without installing) it would be a second copy of every module, with its own runtime
+classes: refused.
 """
 
-from python_api import hf  # noqa: F401 - registers the transformers integration's conversion hook
-from python_api.config import ElasticPolicy
-from python_api.loading import load_elastic
-from python_api.nn import (
+if __name__ != "elastic_kernels.api":
+    raise ImportError(
+        f"the library's folder python_api/ was imported as {__name__!r}; import it as elastic_kernels.api "
+        f"(install the project: pip install --no-build-isolation -e .)"
+    )
+
+from . import hf  # noqa: F401 - registers the transformers integration's conversion hook
+from .config import ElasticPolicy
+from .loading import load_elastic
+from .nn import (
     ElasticLinear,
     ElasticLinearFunction,
     ElasticLoRAFunction,
@@ -26,9 +38,9 @@ from python_api.nn import (
     set_pool_budget,
     stats,
 )
-from python_api.planner import Plan, Profile
-from python_api.planning import apply_plan, measure_peak_bytes, measure_profile, plan
-from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
+from .planner import Plan, Profile
+from .planning import apply_plan, measure_peak_bytes, measure_profile, plan
+from .runtime import ElasticRuntime, ElasticTensor, Phase, Residency, residency_classes
 
 __all__ = [
     "Plan",

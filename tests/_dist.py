@@ -45,7 +45,7 @@ _GRACE_S = 5.0
 
 # What the fork server imports once, before it forks the ranks ([Note: ranks start from a
 # fork server]). A module missing here is imported by each rank as needed, as with spawn.
-_PRELOAD = ["torch", "torch.distributed", "elastic_kernels", "python_api", "transformers", "peft", "tests._dist"]
+_PRELOAD = ["torch", "torch.distributed", "elastic_kernels", "elastic_kernels.api", "transformers", "peft", "tests._dist"]
 
 
 def _context():

@@ -1,5 +1,5 @@
 """Weight formats of quantized frozen chunks (ARCHITECTURE.md, wave 3: weight format): the
-kernels layer's half, torch only (it imports nothing from python_api, nor from ops/).
+kernels layer's half, torch only (it imports nothing from elastic_kernels.api, nor from ops/).
 
   blob.py   [Note: quantized chunk blob]: one opaque uint8 blob per chunk; a weight's image
             and its ChunkLayout (QuantizedLayout)

@@ -90,7 +90,7 @@ def all_gather_into(output: torch.Tensor, send: torch.Tensor, group, async_op: b
 class ChunkRun(NamedTuple):
     """Chunks [begin, end) of one elastic tensor, landing in `pages` (chunk-shaped views)."""
 
-    tensor: object  # python_api.runtime.ElasticTensor
+    tensor: object  # elastic_kernels.api.runtime.ElasticTensor
     begin: int
     end: int
     pages: list

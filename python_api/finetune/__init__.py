@@ -1,11 +1,11 @@
 """elastic-finetune: LoRA fine-tuning of a causal language model across ranks on the elastic
 runtime, optionally beside the same run under FSDP2.
 
-    torchrun --nproc-per-node 4 -m python_api.finetune --baseline fsdp2 --save-dir out/demo
+    torchrun --nproc-per-node 4 -m elastic_kernels.api.finetune --baseline fsdp2 --save-dir out/demo
     torchrun --nproc-per-node 4 --no-python elastic-finetune ...          # the console script
     torchrun --nnodes 2 --node-rank R --master-addr HOST --master-port P --nproc-per-node 8 \\
-        -m python_api.finetune --model /models/llama --data corpus.jsonl --dtype bfloat16
-    python -m python_api.finetune ...                                     # one process
+        -m elastic_kernels.api.finetune --model /models/llama --data corpus.jsonl --dtype bfloat16
+    python -m elastic_kernels.api.finetune ...                                     # one process
 
 NCCL with one GPU per process (cuda:LOCAL_RANK) where CUDA is available, gloo on CPU otherwise
 (`--device cpu` forces CPU).
@@ -22,7 +22,7 @@ finetune.png (loss curves; throughput, traffic and memory bars), losses.csv, sum
 adapter/ (PEFT format: `PeftModel.from_pretrained(base, DIR/adapter)`), probe.safetensors (a
 held-out batch and the trained elastic model's logits on it), checkpoint/.
 
-Layout (one concern per file; `python -m python_api.finetune` runs cli.main):
+Layout (one concern per file; `python -m elastic_kernels.api.finetune` runs cli.main):
   constants.py    the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
   errors.py       FinetuneError and OutputError: what is reported as one line
   options.py      the command line: option types and ranges, build_parser, parse_args, the elastic policy
@@ -54,15 +54,15 @@ after training steps] in runner.py); a worker started by torchrun dies with its 
 ([Note: workers end with their launcher] in cli.py).
 """
 
-from python_api.finetune.agreement import (
+from .agreement import (
     agreed_configuration,
     configuration_differences,
     rank_differences,
     run_configuration,
 )
-from python_api.finetune.checkpoints import CKPT, Resume, read_checkpoint, write_checkpoint
-from python_api.finetune.cli import main
-from python_api.finetune.constants import (
+from .checkpoints import CKPT, Resume, read_checkpoint, write_checkpoint
+from .cli import main
+from .constants import (
     ADAM_BETAS,
     ADAM_EPS,
     CHECKPOINT_FORMAT,
@@ -77,14 +77,14 @@ from python_api.finetune.constants import (
     PROBE_SEQS,
     PROG,
 )
-from python_api.finetune.engines import ElasticEngine, FSDP2Engine
-from python_api.finetune.errors import FinetuneError, OutputError
-from python_api.finetune.job import Job, prepare
-from python_api.finetune.loop import train
-from python_api.finetune.models import ModelSpec, embedded_config, embedded_model
-from python_api.finetune.options import build_parser, parse_args
-from python_api.finetune.runner import run
-from python_api.finetune.save_dir import LOCK_FILE, lock_save_dir
+from .engines import ElasticEngine, FSDP2Engine
+from .errors import FinetuneError, OutputError
+from .job import Job, prepare
+from .loop import train
+from .models import ModelSpec, embedded_config, embedded_model
+from .options import build_parser, parse_args
+from .runner import run
+from .save_dir import LOCK_FILE, lock_save_dir
 
 __all__ = [
     "ADAM_BETAS", "ADAM_EPS", "CHECKPOINT_FORMAT", "CKPT", "DEFAULT_GRAD_ACCUM", "DEFAULT_MICRO_BATCH",

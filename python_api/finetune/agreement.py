@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from python_api.distributed.agree import agree, exchange
-from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.models import ModelSpec
-from python_api.finetune.options import DS_OPTIONS, budget_label, policy_of, quant_fields
+from ..distributed.agree import agree, exchange
+from .constants import ADAM_BETAS, ADAM_EPS
+from .errors import FinetuneError
+from .models import ModelSpec
+from .options import DS_OPTIONS, budget_label, policy_of, quant_fields
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",

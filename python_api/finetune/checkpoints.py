@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from python_api.distributed.agree import exchange
-from python_api.finetune.agreement import configuration_differences
-from python_api.finetune.constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import agreed_write, local_now, save_adapter_agreed, torch_save_atomic, write_json
-from python_api.finetune.options import budget_label, policy_of
+from ..distributed.agree import exchange
+from .agreement import configuration_differences
+from .constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
+from .errors import FinetuneError
+from .files import agreed_write, local_now, save_adapter_agreed, torch_save_atomic, write_json
+from .options import budget_label, policy_of
 
 CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"

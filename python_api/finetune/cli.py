@@ -1,4 +1,4 @@
-"""The entry point (`elastic-finetune`, `python -m python_api.finetune`): main() parses the
+"""The entry point (`elastic-finetune`, `python -m elastic_kernels.api.finetune`): main() parses the
 options, prepares the job, starts the process group, has the ranks agree on the
 configuration, locks the save dir, runs, and reports a failure as one line."""
 
@@ -12,16 +12,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from python_api.distributed.agree import PeerFailure
-from python_api.finetune.agreement import agree_configuration, agree_error
-from python_api.finetune.checkpoints import CKPT
-from python_api.finetune.constants import PROG
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import job_device, prepare
-from python_api.finetune.options import parse_args
-from python_api.finetune.runner import run
-from python_api.finetune.save_dir import lock_save_dir
-from python_api.loading import LoadWarning
+from ..distributed.agree import PeerFailure
+from ..loading import LoadWarning
+from .agreement import agree_configuration, agree_error
+from .checkpoints import CKPT
+from .constants import PROG
+from .errors import FinetuneError
+from .job import job_device, prepare
+from .options import parse_args
+from .runner import run
+from .save_dir import lock_save_dir
 
 
 def _dist_env() -> tuple[int, int, int]:
@@ -55,7 +55,7 @@ def _dist_env() -> tuple[int, int, int]:
 
 
 def _show_load_warnings(rank: int) -> None:
-    """The loader's warnings (python_api.loading.LoadWarning: tied weights loaded untied, tensors
+    """The loader's warnings (elastic_kernels.api.loading.LoadWarning: tied weights loaded untied, tensors
     of the files the model does not use) as one line on rank 0, like the CLI's own warnings;
     the other ranks see the same files and stay quiet. Each message once: every engine of the
     job (the main run, the comparisons) loads the same files."""
@@ -161,7 +161,7 @@ def _main(args, rank: int, world_size: int, local_rank: int) -> int:
 # the parent's pid is read when this module is imported (the earliest point of the CLI's own
 # code) and compared after the call; a worker whose parent changed in between exits at once.
 # A parent that dies before this module is imported (during `import torch`) is not seen. Not
-# set for a process started without torchrun (`python -m python_api.finetune` under nohup
+# set for a process started without torchrun (`python -m elastic_kernels.api.finetune` under nohup
 # must outlive its shell).
 _PARENT_AT_IMPORT = os.getppid()
 _PR_SET_PDEATHSIG = 1
@@ -188,7 +188,7 @@ def _die_with_parent() -> None:
 
 
 def entry() -> None:
-    """The process entry point (`python -m python_api.finetune`, the `elastic-finetune` script):
+    """The process entry point (`python -m elastic_kernels.api.finetune`, the `elastic-finetune` script):
     `main()`, then exit without the interpreter's teardown.
 
     [Note: exiting without teardown]

@@ -24,18 +24,18 @@ import math
 import torch
 import torch.nn as nn
 
-from python_api.finetune.agreement import agree_error
-from python_api.finetune.checkpoints import nonfinite
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import Job
-from python_api.finetune.models import ModelSpec, lora_config_of, target_list
-from python_api.finetune.options import budget_label, fmt_bytes, policy_of
-from python_api.finetune.planning import JobPlanner
-from python_api.loading import LoadError, SafetensorsSource, empty_model
-from python_api.nn import convert_to_elastic, runtime_of, target_names
-from python_api.nn.lora import is_linear
-from python_api.planner import PlanningError, least_memory
-from python_api.planning import plan
+from ..loading import LoadError, SafetensorsSource, empty_model
+from ..nn import convert_to_elastic, runtime_of, target_names
+from ..nn.lora import is_linear
+from ..planner import PlanningError, least_memory
+from ..planning import plan
+from .agreement import agree_error
+from .checkpoints import nonfinite
+from .errors import FinetuneError
+from .job import Job
+from .models import ModelSpec, lora_config_of, target_list
+from .options import budget_label, fmt_bytes, policy_of
+from .planning import JobPlanner
 
 
 class ElasticEngine:
@@ -259,7 +259,7 @@ def _adapters_into_peft(peft_model, state: dict) -> None:
 # [Note: FSDP2 from the files]
 # `--baseline fsdp2` used to build the whole model in host memory on every rank
 # (from_pretrained: 8 x 27 GB for a 7B in fp32) before sharding it. With a model directory it
-# now does what FSDP2 users do: the model is built on the meta device (python_api.loading's
+# now does what FSDP2 users do: the model is built on the meta device (elastic_kernels.api.loading's
 # empty_model: parameters on meta, buffers real), its files checked against it (shapes,
 # dtypes, tied weights untied as from_pretrained does), PEFT's adapters added (on meta too),
 # `fully_shard` applied, then `to_empty` gives each rank the memory of its own shard only, and

@@ -13,9 +13,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.agreement import agree_error
-from python_api.finetune.errors import FinetuneError, OutputError
-from python_api.nn import ADAPTER_WEIGHTS, runtime_of, save_adapter
+from ..nn import ADAPTER_WEIGHTS, runtime_of, save_adapter
+from .agreement import agree_error
+from .errors import FinetuneError, OutputError
 
 
 def _file_mode() -> int:

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from python_api.finetune.agreement import run_configuration
-from python_api.finetune.checkpoints import Resume, find_checkpoint, read_checkpoint
-from python_api.finetune.data import TokenWindows
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.models import ModelSpec, resolve_data, resolve_model, resolved_targets
-from python_api.finetune.options import ignored_options
-from python_api.finetune.save_dir import check_save_dir
+from .agreement import run_configuration
+from .checkpoints import Resume, find_checkpoint, read_checkpoint
+from .data import TokenWindows
+from .errors import FinetuneError
+from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
+from .options import ignored_options
+from .save_dir import check_save_dir
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Job:
     save_dir: str
     resume: Resume | None
     initial_adapters: dict = field(default_factory=dict)  # the elastic run's, copied into the baseline
-    memory: object = None  # python_api.finetune.measure.PeakMemory, set by run()
+    memory: object = None  # elastic_kernels.api.finetune.measure.PeakMemory, set by run()
     checkpoint_step: int | None = None  # the step of the last complete checkpoint in save_dir/checkpoint
     notices: list[str] = field(default_factory=list)  # options this job ignores ([Note: options a run ignores])
     run_id: str | None = None  # the run's identity: a resumed run's, else agreed when it starts (runner.run)

@@ -14,12 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.checkpoints import nonfinite, to_tuple, write_checkpoint
-from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import Job
-from python_api.finetune.options import budget_label
-from python_api.nn import load_adapter
+from ..nn import load_adapter
+from .checkpoints import nonfinite, to_tuple, write_checkpoint
+from .constants import ADAM_BETAS, ADAM_EPS
+from .errors import FinetuneError
+from .job import Job
+from .options import budget_label
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from python_api.finetune.constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
-from python_api.finetune.data import (
+from ..loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
+from ..nn import LoRAConfig, target_names
+from .constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
+from .data import (
     ByteTokenizer,
     DataError,
     HFTokenizer,
@@ -20,9 +22,7 @@ from python_api.finetune.data import (
     token_digest,
     tokenize,
 )
-from python_api.finetune.errors import FinetuneError
-from python_api.loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
-from python_api.nn import LoRAConfig, target_names
+from .errors import FinetuneError
 
 
 @dataclass

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from python_api.config import ElasticPolicy
-from python_api.finetune.constants import (
+from ..config import ElasticPolicy
+from ..planner.pipeline import RESIDENCIES, SCHEDULES
+from .constants import (
     DEFAULT_GRAD_ACCUM,
     DEFAULT_MICRO_BATCH,
     DEFAULT_SEQ_LEN,
@@ -16,7 +17,6 @@ from python_api.finetune.constants import (
     EMBEDDED,
     PROG,
 )
-from python_api.planner.pipeline import RESIDENCIES, SCHEDULES
 
 # Binary units (KiB, and K as its short form) and decimal ones (KB = 1000 bytes, as GPU memory
 # is quoted: "40 GB").
@@ -526,7 +526,7 @@ def _check_compare_formats(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--compare-format {fmt}: {exc}")
 
 
-# The options of the DeepSpeed peer, as python_api.finetune.peers.zero3.ZeRO3Setting's fields.
+# The options of the DeepSpeed peer, as elastic_kernels.api.finetune.peers.zero3.ZeRO3Setting's fields.
 DS_OPTIONS = ("ds_persistence_threshold", "ds_max_live_parameters", "ds_max_reuse_distance",
               "ds_prefetch_bucket_size", "ds_quantized_weights", "ds_quantized_nontrainable_weights")
 

@@ -1,5 +1,5 @@
 """The pipelined run of the CLI (`--pp N`, `--compare-pp N`): PipelinedEngine and its training
-loop, checkpoints and adapter, on python_api.pipeline.
+loop, checkpoints and adapter, on elastic_kernels.api.pipeline.
 
 [Note: the pipelined run and the global batch]
 The global batch of a step stays --micro-batch x --grad-accum x world size sequences whatever
@@ -34,14 +34,18 @@ import time
 import torch
 import torch.nn as nn
 
-from python_api.distributed.agree import exchange
-from python_api.finetune.agreement import agree_error
-from python_api.finetune.checkpoints import write_checkpoint
-from python_api.finetune.constants import ADAM_BETAS, ADAM_EPS
-from python_api.finetune.engines import ElasticEngine, _collective_build, _collective_build_on_meta, _nonfinite_loaded
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import save_adapter_agreed as save_elastic_adapter_agreed
-from python_api.finetune.loop import (
+from ..distributed.agree import exchange
+from ..loading import LoadError
+from ..nn import PEFT_PREFIX, adapter_state_dict
+from ..pipeline import PipelinedModel, PipelineError, PipelineLayout, pipeline_groups
+from ..pipeline.hf_packs import ARCHITECTURES
+from .agreement import agree_error
+from .checkpoints import write_checkpoint
+from .constants import ADAM_BETAS, ADAM_EPS
+from .engines import ElasticEngine, _collective_build, _collective_build_on_meta, _nonfinite_loaded
+from .errors import FinetuneError
+from .files import save_adapter_agreed as save_elastic_adapter_agreed
+from .loop import (
     _lr_at,
     _restore_rng,
     _seed_rng,
@@ -51,12 +55,8 @@ from python_api.finetune.loop import (
     nan_message,
     train,
 )
-from python_api.finetune.models import lora_config_of
-from python_api.finetune.options import policy_of
-from python_api.loading import LoadError
-from python_api.nn import PEFT_PREFIX, adapter_state_dict
-from python_api.pipeline import PipelinedModel, PipelineError, PipelineLayout, pipeline_groups
-from python_api.pipeline.hf_packs import ARCHITECTURES
+from .models import lora_config_of
+from .options import policy_of
 
 
 def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
@@ -351,13 +351,13 @@ def primary_engine(job):
 def planned_engine(job):
     import gc
 
-    from python_api.finetune.files import agreed_write, write_json
-    from python_api.finetune.planning import _host_memory_share
-    from python_api.pipeline.profile import pipeline_profile
-    from python_api.planner.pipeline_model import plan_pipeline
-    from python_api.planner.search import PlanningError
-    from python_api.planning.apply import plan as plan_pp1
-    from python_api.planning.measure import measure_profile
+    from ..pipeline.profile import pipeline_profile
+    from ..planner.pipeline_model import plan_pipeline
+    from ..planner.search import PlanningError
+    from ..planning.apply import plan as plan_pp1
+    from ..planning.measure import measure_profile
+    from .files import agreed_write, write_json
+    from .planning import _host_memory_share
 
     args, W = job.args, job.world_size
     cap = args.memory_cap if isinstance(args.memory_cap, int) else (

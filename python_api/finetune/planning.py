@@ -29,14 +29,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from python_api.finetune.constants import PROG
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import agreed_write, write_json
-from python_api.finetune.options import fmt_bytes
-from python_api.planner.profile import ProfileError
-from python_api.planner.search import PlanningError
-from python_api.planning.apply import apply_plan, plan
-from python_api.planning.measure import ProfileBoundError, measure_profile
+from ..planner.profile import ProfileError
+from ..planner.search import PlanningError
+from ..planning.apply import apply_plan, plan
+from ..planning.measure import ProfileBoundError, measure_profile
+from .constants import PROG
+from .errors import FinetuneError
+from .files import agreed_write, write_json
+from .options import fmt_bytes
 
 _REPLAN_TOLERANCE = 0.05
 

@@ -13,7 +13,7 @@ import csv
 import io
 import math
 
-from python_api.finetune.peers.frontier import ELASTIC_KINDS, best_peer_at_or_below, plot_frontier, system_of
+from .peers.frontier import ELASTIC_KINDS, best_peer_at_or_below, plot_frontier, system_of
 
 MiB = 2**20
 

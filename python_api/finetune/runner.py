@@ -11,23 +11,24 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from python_api.distributed.agree import exchange
-from python_api.finetune import peers, report
-from python_api.finetune.checkpoints import CKPT
-from python_api.finetune.constants import PROG
-from python_api.finetune.engines import ElasticEngine, elastic_weights, with_format
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.files import (
+from ..distributed.agree import exchange
+from ..nn.lora import is_conv1d
+from . import peers, report
+from .checkpoints import CKPT
+from .constants import PROG
+from .engines import ElasticEngine, elastic_weights, with_format
+from .errors import FinetuneError
+from .files import (
     agreed_write,
     local_now,
     write_bytes_atomic,
     write_json,
     write_text_atomic,
 )
-from python_api.finetune.job import Job
-from python_api.finetune.measure import AllGatherCounter, PeakMemory, device_name
-from python_api.finetune.options import budget_label, policy_of
-from python_api.finetune.pipelined import (
+from .job import Job
+from .measure import AllGatherCounter, PeakMemory, device_name
+from .options import budget_label, policy_of
+from .pipelined import (
     PipelinedEngine,
     close_engine,
     engine_adapters,
@@ -35,7 +36,6 @@ from python_api.finetune.pipelined import (
     save_engine_adapter,
     train_engine,
 )
-from python_api.nn.lora import is_conv1d
 
 
 def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:

@@ -9,9 +9,9 @@ import os
 import socket
 import tempfile
 
-from python_api.finetune.checkpoints import CKPT
-from python_api.finetune.constants import PROG
-from python_api.finetune.errors import FinetuneError, OutputError
+from .checkpoints import CKPT
+from .constants import PROG
+from .errors import FinetuneError, OutputError
 
 LOCK_FILE = ".elastic-finetune.lock"
 

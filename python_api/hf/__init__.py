@@ -1,4 +1,4 @@
-"""The transformers integration, on top of python_api.nn (nothing in nn/ imports it):
+"""The transformers integration, on top of elastic_kernels.api.nn (nothing in nn/ imports it):
 
   pretrained.py  the class swap of a converted `PreTrainedModel`: save_pretrained(merged=...),
                  num_parameters (registered below as a conversion hook, so every conversion
@@ -9,10 +9,10 @@
 `ElasticTrainer` is built on first use, so importing this package does not import transformers.
 """
 
-from python_api.hf import trainer
-from python_api.hf.pretrained import ElasticPreTrainedMixin, swap_class_of_hf_model
-from python_api.hf.trainer import ElasticTrainerMixin
-from python_api.nn.convert import register_conversion_hook
+from ..nn.convert import register_conversion_hook
+from . import trainer
+from .pretrained import ElasticPreTrainedMixin, swap_class_of_hf_model
+from .trainer import ElasticTrainerMixin
 
 register_conversion_hook(swap_class_of_hf_model)
 

@@ -20,10 +20,10 @@ import math
 
 import torch.nn as nn
 
-from python_api.distributed.agree import rank0_then_agree
-from python_api.nn.adapters import merge_into, split_state_dict, write_adapter
-from python_api.nn.linear import RUNTIME_ATTR
-from python_api.nn.state_dict import gather_only
+from ..distributed.agree import rank0_then_agree
+from ..nn.adapters import merge_into, split_state_dict, write_adapter
+from ..nn.linear import RUNTIME_ATTR
+from ..nn.state_dict import gather_only
 
 
 def _is_hf_model(model: nn.Module) -> bool:

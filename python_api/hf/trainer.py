@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from python_api.nn.adapters import ADAPTER_WEIGHTS, load_adapter
-from python_api.nn.linear import RUNTIME_ATTR
-from python_api.nn.state_dict import gather_only
+from ..nn.adapters import ADAPTER_WEIGHTS, load_adapter
+from ..nn.linear import RUNTIME_ATTR
+from ..nn.state_dict import gather_only
 
 
 class ElasticTrainerMixin:

@@ -69,7 +69,7 @@ changed for good. `host_budget_bytes`: None is no cap, 0 offloads nothing, and a
 between 0 and one smallest buffer (`MIN_HOST_BUFFER_BYTES`, one PagePool page alignment) can
 hold nothing and is refused with a ValueError when the offloader is created (the first
 forward, before that layer's first gather; `ElasticPolicy` refuses it already when offload is
-on: `python_api.config.check_host_budget`).
+on: `elastic_kernels.api.config.check_host_budget`).
 Pinned allocations happen in the first step only (the caching host allocator may sync there).
 
 Not measured yet: the overlap of the CUDA copies with the LoRA backward (CPU-only sessions so
@@ -131,7 +131,7 @@ import weakref
 
 import torch
 
-from python_api.config import MIN_HOST_BUFFER_BYTES, check_host_budget
+from ..config import MIN_HOST_BUFFER_BYTES, check_host_budget
 
 _ATTR = "activation_offload"  # the runtime attribute that holds the offloader
 _CTX_ATTR = "_elastic_offloaded"  # the autograd ctx attribute that holds a layer's handle

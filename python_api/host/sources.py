@@ -34,7 +34,7 @@ from its file through the loader's reader):
 - a full-precision weight: those rows, cast to the weight's dtype;
 - a quantized weight ([Note: quantized frozen weights] in python_api/quant/__init__.py):
   quantized once, here, by the rank that reads them, and only they are
-  (`python_api.quant.fill_image_share`): without nested scales the codes and scales of exactly
+  (`elastic_kernels.api.quant.fill_image_share`): without nested scales the codes and scales of exactly
   its rows (blocks never straddle rows, so the shares' bytes are disjoint); with nested scales
   a chunk's statistics need all its rows, so the rank owning a chunk's first row quantizes
   that whole chunk. The store never holds a full-precision copy, and each row of a node's
@@ -65,7 +65,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from python_api.config import PAGE_ALIGN
+from ..config import PAGE_ALIGN
 
 
 def host_chunks(num_chunks: int, fraction: float) -> list[bool]:

@@ -92,7 +92,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_kernels.host_store import HostStore, HostStoreError
-from python_api.distributed.agree import agreed_message, exchange
+
+from ..distributed.agree import agreed_message, exchange
 
 __all__ = [
     "SETUP_BYTES_PER_S", "HostStoreSetupError", "NodeLayout", "NodeStoreInfo", "build_node_host_store", "local_share",

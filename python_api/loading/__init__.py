@@ -8,7 +8,7 @@ from the memory-mapped safetensors files only the rows of the frozen weights it 
              config_dtype, checkpoint_dtype
 """
 
-from python_api.loading.model import (
+from .model import (
     checkpoint_dtype,
     config_dtype,
     empty_model,
@@ -17,7 +17,7 @@ from python_api.loading.model import (
     read_checkpoint_format,
     read_config,
 )
-from python_api.loading.source import LoadError, LoadWarning, SafetensorsSource
+from .source import LoadError, LoadWarning, SafetensorsSource
 
 __all__ = ["LoadError", "LoadWarning", "SafetensorsSource", "checkpoint_dtype", "config_dtype", "empty_model", "load_elastic",
            "params_on_meta", "read_checkpoint_format", "read_config"]

@@ -71,7 +71,8 @@ import torch
 
 from elastic_kernels import dequantize
 from elastic_kernels.quant import DYNAMIC_CODE, NESTED_BLOCK, NF4_CODE, NF4ChunkFormat, QuantizedLayout
-from python_api.quant import PackedRows
+
+from ..quant import PackedRows
 
 BNB_BLOCK = 64  # the only block size read (bitsandbytes' default; transformers sets no other)
 QUANT_STATE = ".quant_state.bitsandbytes__"
@@ -81,7 +82,7 @@ AUX = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 
 class PackedFormatError(ValueError):
     """A quantized checkpoint that cannot be read, or a policy that disagrees with it (raised
-    as a LoadError by python_api.loading)."""
+    as a LoadError by elastic_kernels.api.loading)."""
 
 
 @dataclass(frozen=True)

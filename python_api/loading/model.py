@@ -55,11 +55,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from python_api.config import ElasticPolicy
-from python_api.distributed.agree import agree
-from python_api.loading.bnb import PackedFormatError, packed_format
-from python_api.loading.source import LoadError, SafetensorsSource, check_regular_file, list_directory
-from python_api.nn import LoRAConfig, convert_to_elastic
+from ..config import ElasticPolicy
+from ..distributed.agree import agree
+from ..nn import LoRAConfig, convert_to_elastic
+from .bnb import PackedFormatError, packed_format
+from .source import LoadError, SafetensorsSource, check_regular_file, list_directory
 
 # ---------------------------------------------------------------------- building on meta
 
@@ -182,9 +182,9 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     dropout."""
     # Arguments: the same on every rank (a programming error, raised before any collective).
     if not isinstance(lora, LoRAConfig):
-        raise TypeError(f"load_elastic: lora must be a python_api.LoRAConfig, got {type(lora).__name__}")
+        raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig, got {type(lora).__name__}")
     if not isinstance(policy, ElasticPolicy):
-        raise TypeError(f"load_elastic: policy must be a python_api.ElasticPolicy, got {type(policy).__name__} "
+        raise TypeError(f"load_elastic: policy must be a elastic_kernels.api.ElasticPolicy, got {type(policy).__name__} "
                         f"(ElasticPolicy() for the defaults)")
     device = _load_device(device)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -239,7 +239,7 @@ def _load_device(device) -> torch.device:
         raise ValueError(f"load_elastic: device {device!r} is not a torch device: {exc}") from exc
     if d.type == "meta":
         raise ValueError("load_elastic: device='meta' holds no data, so nothing can be loaded into it; for the "
-                         "model's structure without its weights use python_api.loading.empty_model(path)")
+                         "model's structure without its weights use elastic_kernels.api.loading.empty_model(path)")
     if d.type not in ("cpu", "cuda"):
         raise ValueError(f"load_elastic: device {str(d)!r}: the elastic runtime runs on 'cpu' or 'cuda' devices")
     if d.type == "cuda":

@@ -27,8 +27,9 @@ import warnings
 import torch
 import torch.nn as nn
 
-from python_api.distributed.agree import agree
-from python_api.loading.bnb import (
+from ..distributed.agree import agree
+from ..nn.lora import is_conv1d
+from .bnb import (
     AUX,
     BnbNF4Weight,
     PackedFormatError,
@@ -38,7 +39,6 @@ from python_api.loading.bnb import (
     quant_state_key,
     read_slices,
 )
-from python_api.nn.lora import is_conv1d
 
 # The most bytes one read of a replicated tensor touches in a file's map (see `tensor`).
 READ_BLOCK_BYTES = 64 << 20
@@ -205,7 +205,7 @@ class SafetensorsSource:
 
     def read_packed(self, fmt) -> None:
         """Read the files' bitsandbytes-packed weights in format `fmt` (a `Bnb4bitFormat`, from
-        `python_api.loading.bnb.packed_format`, which checked it against the policy)."""
+        `elastic_kernels.api.loading.bnb.packed_format`, which checked it against the policy)."""
         self.packed_format = fmt
 
     def _record(self, key: str) -> dict:
@@ -369,7 +369,7 @@ class SafetensorsSource:
                 elif t.is_meta:
                     problems.append(
                         f"{names[0]} (buffer) is on the meta device and in none of the files: build the model with "
-                        f"python_api.loading.empty_model (parameters on meta, buffers real)")
+                        f"elastic_kernels.api.loading.empty_model (parameters on meta, buffers real)")
                 continue
             # Tied names held under several keys: each must fit (untie_differing may load it).
             for key in keys:
@@ -397,7 +397,7 @@ class SafetensorsSource:
             kinds = ", ".join(sorted({repr(self.packed[k]) for k in unread}))
             problems.insert(0, f"{len(unread)} weight(s) are stored packed by bitsandbytes ({kinds} 4-bit), e.g. "
                                f"{unread[0]!r}, and this source reads full-precision tensors: load the checkpoint with "
-                               f"python_api.load_elastic and ElasticPolicy(weight_format='nf4', "
+                               f"elastic_kernels.api.load_elastic and ElasticPolicy(weight_format='nf4', "
                                f"quant_nested=<its bnb_4bit_use_double_quant>)")
         if self.packed_format is not None and not self.packed:
             problems.append(f"the config says the checkpoint is saved quantized ({self.packed_format.describe()}), "

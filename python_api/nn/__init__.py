@@ -10,7 +10,7 @@
   ddp.py         running inside DistributedDataParallel
 """
 
-from python_api.nn.adapters import (
+from .adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
@@ -20,7 +20,7 @@ from python_api.nn.adapters import (
     merge_adapters,
     save_adapter,
 )
-from python_api.nn.convert import (
+from .convert import (
     convert_to_elastic,
     elasticize,
     no_sync,
@@ -30,9 +30,9 @@ from python_api.nn.convert import (
     set_pool_budget,
     stats,
 )
-from python_api.nn.linear import ElasticLinear, ElasticLinearFunction
-from python_api.nn.lora import ElasticLoRAFunction, ElasticLoRALinear, LoRAConfig, target_names
-from python_api.nn.state_dict import gather_only, load_full_weight
+from .linear import ElasticLinear, ElasticLinearFunction
+from .lora import ElasticLoRAFunction, ElasticLoRALinear, LoRAConfig, target_names
+from .state_dict import gather_only, load_full_weight
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticLinear", "ElasticLinearFunction",

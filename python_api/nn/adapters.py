@@ -13,10 +13,10 @@ import warnings
 import torch
 import torch.nn as nn
 
-from python_api.distributed.agree import rank0_then_agree
-from python_api.nn.convert import runtime_of
-from python_api.nn.linear import RUNTIME_ATTR, ElasticLinear
-from python_api.nn.lora import (
+from ..distributed.agree import rank0_then_agree
+from .convert import runtime_of
+from .linear import RUNTIME_ATTR, ElasticLinear
+from .lora import (
     ElasticLoRALinear,
     LoRAConfig,
     conv1d_class,

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from python_api.config import ElasticPolicy
-from python_api.nn import ddp, state_dict  # submodules (hooks installed by attach)
-from python_api.nn.linear import RUNTIME_ATTR, ElasticLinear
-from python_api.nn.lora import (
+from ..config import ElasticPolicy
+from ..runtime import ElasticRuntime
+from . import ddp, state_dict  # submodules (hooks installed by attach)
+from .linear import RUNTIME_ATTR, ElasticLinear
+from .lora import (
     ElasticLoRALinear,
     LoRAConfig,
     frozen_weight,
@@ -35,8 +36,7 @@ from python_api.nn.lora import (
     is_linear,
     target_names,
 )
-from python_api.nn.units import assign_units
-from python_api.runtime import ElasticRuntime
+from .units import assign_units
 
 _ATTACHED_ATTR = "_elastic_attached"  # (runtime, forward pre-hook handle) of the last attach
 _CONVERSION_HOOKS: list = []
@@ -63,8 +63,8 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
     with each parameter]); call on every rank of `group` with the same model. `unit_modules`
     groups the weights gathered in one collective (default: the HF decoder layers,
-    `_no_split_modules`; see `python_api.nn.units.assign_units`). `source` (a
-    `python_api.loading.SafetensorsSource`): the weights come from its files, not from `model`,
+    `_no_split_modules`; see `elastic_kernels.api.nn.units.assign_units`). `source` (a
+    `elastic_kernels.api.loading.SafetensorsSource`): the weights come from its files, not from `model`,
     whose parameters may be on the meta device; each rank reads only its shard of each elastic
     weight and the replicated tensors, on `source.device` ([Note: loading from files] in
     python_api/loading/). Returns `model`."""
@@ -124,7 +124,7 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
 
     `should_wrap(name, module)` picks the layers (default: every `nn.Linear` whose weight does
     not require grad). `unit_modules` groups the weights gathered together (default: HF
-    decoder layers; see `python_api.nn.units.assign_units`). Call it on every rank of `group`
+    decoder layers; see `elastic_kernels.api.nn.units.assign_units`). Call it on every rank of `group`
     with the same model and policy.
     Returns the model; `stats(model)`, `reset_stats(model)`, `set_pool_budget(model, b)` reach
     its runtime.

@@ -20,7 +20,7 @@ import logging
 
 import torch.nn as nn
 
-from python_api.nn.linear import RUNTIME_ATTR
+from .linear import RUNTIME_ATTR
 
 logger = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from python_api.quant import dequantize_use
-from python_api.runtime import ElasticRuntime, ElasticTensor, Phase
+from ..quant import dequantize_use
+from ..runtime import ElasticRuntime, ElasticTensor, Phase
 
 # The attribute of a converted model (or of a layer built alone) that holds its runtime.
 RUNTIME_ATTR = "_elastic_runtime"

@@ -50,9 +50,11 @@ import torch
 import torch.nn as nn
 
 from elastic_kernels import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
-from python_api.config import ElasticPolicy
-from python_api.host.offload import activation_offload_of, save_for_backward, saved_for_backward
-from python_api.nn.linear import (
+
+from ..config import ElasticPolicy
+from ..host.offload import activation_offload_of, save_for_backward, saved_for_backward
+from ..runtime import ElasticRuntime, ElasticTensor, Phase, in_backward
+from .linear import (
     LOW_PRECISION,
     RUNTIME_ATTR,
     keeps_for_backward,
@@ -61,7 +63,6 @@ from python_api.nn.linear import (
     refuse_conversion,
     weight_chunks,
 )
-from python_api.runtime import ElasticRuntime, ElasticTensor, Phase, in_backward
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from python_api.distributed.agree import agree
-from python_api.runtime import ElasticRuntime, ElasticTensor
+from ..distributed.agree import agree
+from ..runtime import ElasticRuntime, ElasticTensor
 
 
 def _is_elastic_layer(module: nn.Module) -> bool:
@@ -95,7 +95,7 @@ def _rendezvous(rt: ElasticRuntime, what: str) -> None:
             f"{rt.world_size} ranks), but ranks {missing} did not call it within "
             f"{timeout} s (ElasticPolicy.collective_timeout_s). Call state_dict()/save_pretrained() "
             "on every rank. With transformers.Trainer on several ranks only rank 0 saves: use "
-            "python_api.hf.ElasticTrainer (or ElasticTrainerMixin), which gathers on every rank first."
+            "elastic_kernels.api.hf.ElasticTrainer (or ElasticTrainerMixin), which gathers on every rank first."
         ) from exc
 
 

@@ -11,13 +11,7 @@ planner/pipeline.py's, pure Python.
   model.py      PipelinedModel: build, train_step, evaluate, adapters, figures
 """
 
-from python_api.pipeline.failure import FailureWatch
-from python_api.pipeline.hf_packs import ARCHITECTURES, architecture_of
-from python_api.pipeline.mesh import PipelineGroups, pipeline_groups
-from python_api.pipeline.model import PipelinedModel
-from python_api.pipeline.residency import PackResidency
-from python_api.pipeline.stage import PackStage, StepCounters
-from python_api.planner.pipeline import (
+from ..planner.pipeline import (
     RESIDENCIES,
     SCHEDULES,
     PipelineError,
@@ -25,6 +19,12 @@ from python_api.planner.pipeline import (
     balanced_boundaries,
     schedule_order,
 )
+from .failure import FailureWatch
+from .hf_packs import ARCHITECTURES, architecture_of
+from .mesh import PipelineGroups, pipeline_groups
+from .model import PipelinedModel
+from .residency import PackResidency
+from .stage import PackStage, StepCounters
 
 __all__ = [
     "ARCHITECTURES", "RESIDENCIES", "SCHEDULES", "FailureWatch", "PackResidency", "PackStage", "PipelineError",

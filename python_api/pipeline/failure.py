@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from python_api.planner.pipeline import PipelineError
+from ..planner.pipeline import PipelineError
 
 EXIT_CODE = 1
 _POLL_S = 0.2

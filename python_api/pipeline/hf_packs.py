@@ -37,7 +37,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from python_api.planner.pipeline import PipelineError
+from ..planner.pipeline import PipelineError
 
 
 class _Holder(nn.Module):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from python_api.planner.pipeline import PipelineError, divisors
+from ..planner.pipeline import PipelineError, divisors
 
 
 @dataclass(frozen=True)

@@ -48,17 +48,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
-from python_api.config import ElasticPolicy
-from python_api.distributed.agree import agree, exchange, rank0_then_agree
-from python_api.nn import LoRAConfig, adapter_state_dict, convert_to_elastic, runtime_of, target_names
-from python_api.nn.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, atomic_write, peft_config
-from python_api.nn.lora import is_conv1d
-from python_api.pipeline.failure import FailureWatch
-from python_api.pipeline.hf_packs import architecture_of, check_checkpointing
-from python_api.pipeline.mesh import PipelineGroups
-from python_api.pipeline.residency import PackResidency
-from python_api.pipeline.stage import PackStage, StepCounters
-from python_api.planner.pipeline import PipelineError, PipelineLayout
+from ..config import ElasticPolicy
+from ..distributed.agree import agree, exchange, rank0_then_agree
+from ..nn import LoRAConfig, adapter_state_dict, convert_to_elastic, runtime_of, target_names
+from ..nn.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, atomic_write, peft_config
+from ..nn.lora import is_conv1d
+from ..planner.pipeline import PipelineError, PipelineLayout
+from .failure import FailureWatch
+from .hf_packs import architecture_of, check_checkpointing
+from .mesh import PipelineGroups
+from .residency import PackResidency
+from .stage import PackStage, StepCounters
 
 _SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",

@@ -63,14 +63,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
-from python_api.config import ElasticPolicy
-from python_api.nn import LoRAConfig, target_names
-from python_api.nn.lora import is_conv1d, is_linear
-from python_api.pipeline.hf_packs import architecture_of
-from python_api.pipeline.stage import PackStage, StepCounters
-from python_api.planner.pipeline import PipelineError, PipelineLayout
-from python_api.planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight, simulate
-from python_api.planner.profile import Link, Profile
+from ..config import ElasticPolicy
+from ..nn import LoRAConfig, target_names
+from ..nn.lora import is_conv1d, is_linear
+from ..planner.pipeline import PipelineError, PipelineLayout
+from ..planner.pipeline_model import PipeLayer, PipelineProfile, PipeWeight, simulate
+from ..planner.profile import Link, Profile
+from .hf_packs import architecture_of
+from .stage import PackStage, StepCounters
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
@@ -177,7 +177,7 @@ def measure_step_peak_bytes(pipe, run) -> int:
     one runtime (python_api/planning/measure.py): CUDA's max_memory_allocated, or on CPU the
     storages alive at the start (each pack's pool segments once) plus the profiler's
     allocation high-water mark during the call."""
-    from python_api.planning.measure import _live_tensor_bytes, _profiled_growth
+    from ..planning.measure import _live_tensor_bytes, _profiled_growth
 
     device = pipe.device
     if device.type == "cuda":

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from python_api.planner.pipeline import BACKWARD, FORWARD, PipelineLayout, load_events
-from python_api.runtime import ElasticRuntime, Phase
+from ..planner.pipeline import BACKWARD, FORWARD, PipelineLayout, load_events
+from ..runtime import ElasticRuntime, Phase
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining import PipelineStage
 
-from python_api.planner.pipeline import BACKWARD, FORWARD
+from ..planner.pipeline import BACKWARD, FORWARD
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The planner: from a profile and a memory capacity to a plan the runtime follows exactly.
 
-    from python_api.planner import synthetic_profile, plan_from_profile
+    from . import synthetic_profile, plan_from_profile
     plan = plan_from_profile(synthetic_profile("llama2-70b", ranks=8), 40 * 10**9, global_batch=64)
     print(plan.table())
 
@@ -13,7 +13,7 @@ search.py   the search: plan_from_profile, least_memory, plan_with_residency
 Pure Python: nothing here imports torch or needs a model (python_api/planning/ is the torch side).
 """
 
-from python_api.planner.cost import (
+from .cost import (
     StepCost,
     allgather_bytes_per_micro_batch,
     allgather_bytes_per_step,
@@ -21,9 +21,9 @@ from python_api.planner.cost import (
     h2d_bytes_per_step,
     step_cost,
 )
-from python_api.planner.memory import Choices, MemoryCurve, memory_curve, pool_budget_bytes, pool_pages, timeline
-from python_api.planner.plan import LayerPlan, Plan, PlanningError, WeightPlan, plan_of
-from python_api.planner.profile import (
+from .memory import Choices, MemoryCurve, memory_curve, pool_budget_bytes, pool_pages, timeline
+from .plan import LayerPlan, Plan, PlanningError, WeightPlan, plan_of
+from .profile import (
     LayerProfile,
     Link,
     OutsideProfile,
@@ -32,8 +32,8 @@ from python_api.planner.profile import (
     WeightFormat,
     WeightProfile,
 )
-from python_api.planner.search import least_memory, plan_from_profile, plan_with_residency
-from python_api.planner.shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, synthetic_profile
+from .search import least_memory, plan_from_profile, plan_with_residency
+from .shapes import DEVICES, SHAPES, DeviceSpec, ModelShape, synthetic_profile
 
 __all__ = [
     "DEVICES", "SHAPES", "Choices", "DeviceSpec", "LayerPlan", "LayerProfile", "Link", "MemoryCurve", "ModelShape",

@@ -1,6 +1,6 @@
 """Plan for a synthetic profile of a named shape (no model is built):
 
-    python -m python_api.planner --shape llama2-70b --ranks 8 --memory 40GB [--seq-len 4096]
+    python -m elastic_kernels.api.planner --shape llama2-70b --ranks 8 --memory 40GB [--seq-len 4096]
         [--global-batch G] [--device-spec a100-40g-pcie|h100-sxm] [--host-tier] [--weights-on device|host]
         [--weight-format none|nf4|int8 [--quant-block-size B] [--quant-nested]] [--json]
 
@@ -13,9 +13,9 @@ import argparse
 import re
 import sys
 
-from python_api.planner.profile import ProfileError
-from python_api.planner.search import PlanningError, plan_from_profile
-from python_api.planner.shapes import DEVICES, SHAPES, synthetic_profile
+from .profile import ProfileError
+from .search import PlanningError, plan_from_profile
+from .shapes import DEVICES, SHAPES, synthetic_profile
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -45,7 +45,7 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m python_api.planner",
+    parser = argparse.ArgumentParser(prog="python -m elastic_kernels.api.planner",
                                      description="Plan residency, recompute and micro-batches for a synthetic "
                                                  "profile of a Llama-2 shape (no model is built).")
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))

@@ -114,8 +114,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from python_api.planner.memory import FORWARD, RECOMPUTE, Choices, Use, is_segment, offload_served, timeline
-from python_api.planner.profile import Profile
+from .memory import FORWARD, RECOMPUTE, Choices, Use, is_segment, offload_served, timeline
+from .profile import Profile
 
 
 def allgather_bytes_per_micro_batch(profile: Profile, choices: Choices) -> int:

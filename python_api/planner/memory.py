@@ -91,8 +91,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from python_api.config import MIN_HOST_BUFFER_BYTES
-from python_api.planner.profile import Profile, ProfileError
+from ..config import MIN_HOST_BUFFER_BYTES
+from .profile import Profile, ProfileError
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
@@ -244,7 +244,7 @@ def timeline(profile: Profile, choices: Choices) -> tuple[list[Use], list[Use]]:
 
 
 def offload_size_class(nbytes: int) -> int:
-    """python_api.host.offload.size_class: the next power of two, at least the minimum."""
+    """elastic_kernels.api.host.offload.size_class: the next power of two, at least the minimum."""
     return max(MIN_HOST_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 

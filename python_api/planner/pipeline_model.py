@@ -129,8 +129,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from python_api.config import PAGE_ALIGN
-from python_api.planner.pipeline import (
+from ..config import PAGE_ALIGN
+from .pipeline import (
     BACKWARD,
     FORWARD,
     MULTI_STAGE_SCHEDULES,
@@ -143,7 +143,7 @@ from python_api.planner.pipeline import (
     rank_balanced_boundaries,
     residency_trace,
 )
-from python_api.planner.profile import Link, WeightFormat
+from .profile import Link, WeightFormat
 
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 value, gradient, AdamW's two moments
 

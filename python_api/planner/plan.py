@@ -6,7 +6,7 @@ search.py.
 A plan records the weight format of the profile it was made for (`weight_format`: None for
 weights stored as they are). The format is the user's choice, never a planner dimension (it
 changes the model's numerics): every plan of a profile has the profile's format, and
-`check_profile` / `python_api.planning.apply_plan` refuse a plan whose format is not the
+`check_profile` / `elastic_kernels.api.planning.apply_plan` refuse a plan whose format is not the
 profile's / the model's."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from python_api.planner.cost import allgather_bytes_per_step, h2d_bytes_per_step, step_cost
-from python_api.planner.memory import Choices, effective_host_fraction, memory_curve, pool_budget_bytes
-from python_api.planner.profile import (
+from .cost import allgather_bytes_per_step, h2d_bytes_per_step, step_cost
+from .memory import Choices, effective_host_fraction, memory_curve, pool_budget_bytes
+from .profile import (
     Profile,
     ProfileError,
     WeightFormat,

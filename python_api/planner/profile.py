@@ -54,7 +54,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from python_api.config import MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
+from ..config import MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
 
 PROFILE_VERSION = 1
 

@@ -101,8 +101,8 @@ from bisect import bisect_left, insort
 from itertools import accumulate
 from operator import add
 
-from python_api.planner.cost import ActivationEvents, activation_events, simulate_micro_batch
-from python_api.planner.memory import (
+from .cost import ActivationEvents, activation_events, simulate_micro_batch
+from .memory import (
     BACKWARD,
     FORWARD,
     Choices,
@@ -114,8 +114,8 @@ from python_api.planner.memory import (
     per_linear,
     use_at,
 )
-from python_api.planner.plan import Plan, PlanningError, plan_of
-from python_api.planner.profile import Profile
+from .plan import Plan, PlanningError, plan_of
+from .profile import Profile
 
 GRANULARITIES = ("chunks", "eighths")
 # The host fractions the search tries when the profile has a host store ([Note: the host

@@ -71,8 +71,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from python_api.config import DEFAULT_QUANT_BLOCK, PAGE_ALIGN, WEIGHT_FORMATS
-from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
+from ..config import DEFAULT_QUANT_BLOCK, PAGE_ALIGN, WEIGHT_FORMATS
+from .profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
 
 BF16 = 2  # bytes per element of the frozen weights and activations
 DEFAULT_CHUNK_BYTES = 4 << 20  # ElasticPolicy.chunk_bytes default

@@ -5,7 +5,7 @@ python_api/planner/):
   apply.py    plan(model, profile, ...) and apply_plan(model, plan): the runtime follows the plan
 """
 
-from python_api.planning.apply import apply_plan, check_plan_matches, plan, set_recompute
-from python_api.planning.measure import measure_peak_bytes, measure_profile
+from .apply import apply_plan, check_plan_matches, plan, set_recompute
+from .measure import measure_peak_bytes, measure_profile
 
 __all__ = ["apply_plan", "check_plan_matches", "measure_peak_bytes", "measure_profile", "plan", "set_recompute"]

@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from python_api.distributed.agree import digest, exchange
-from python_api.nn.convert import runtime_of
-from python_api.planner.plan import format_name
-from python_api.planner.profile import WeightFormat
-from python_api.planner.search import plan_from_profile
+from ..distributed.agree import digest, exchange
+from ..nn.convert import runtime_of
+from ..planner.plan import format_name
+from ..planner.profile import WeightFormat
+from ..planner.search import plan_from_profile
 
 _WRAPPED = "_elastic_recompute_forward"
 

@@ -124,16 +124,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elastic_kernels.quant import quantize_chunk
-from python_api.distributed.collectives import all_gather_into
-from python_api.host.offload import observe_activations
-from python_api.host.sources import HostCopyWork
-from python_api.nn.convert import runtime_of
-from python_api.nn.linear import ElasticLinear, op_dtype
-from python_api.planner.memory import Choices, memory_curve
-from python_api.planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
-from python_api.planning.apply import set_recompute
-from python_api.quant import dequantize_use
-from python_api.runtime import Phase
+
+from ..distributed.collectives import all_gather_into
+from ..host.offload import observe_activations
+from ..host.sources import HostCopyWork
+from ..nn.convert import runtime_of
+from ..nn.linear import ElasticLinear, op_dtype
+from ..planner.memory import Choices, memory_curve
+from ..planner.profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
+from ..quant import dequantize_use
+from ..runtime import Phase
+from .apply import set_recompute
 
 _PROFILE_MARGIN = 0.05  # the planner's default margin, kept below the bound when choosing a round
 
@@ -409,7 +410,7 @@ def _max_over_ranks(obj, rt, what: str):
     runtime's group: one collective; ranks whose structures differ fail together."""
     if rt.world_size == 1:
         return obj
-    from python_api.distributed.agree import exchange
+    from ..distributed.agree import exchange
 
     every = exchange(obj, rt.group, timeout_s=rt.policy.collective_timeout_s, what=what, error_type=RuntimeError)
 

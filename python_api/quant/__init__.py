@@ -52,8 +52,8 @@ stored quantized, and only quantized:
   weights, and loading a state dict into one re-quantizes them.
 """
 
-from python_api.quant.weights import PackedRows, fill_image_share, quantized_layout, quantized_shard
-from python_api.quant.workspace import DequantWorkspace, dequantize_use
+from .weights import PackedRows, fill_image_share, quantized_layout, quantized_shard
+from .workspace import DequantWorkspace, dequantize_use
 
 __all__ = ["DequantWorkspace", "PackedRows", "dequantize_use", "fill_image_share", "quantized_layout",
            "quantized_shard"]

@@ -1,10 +1,10 @@
 """The elastic frozen-weight runtime: `ElasticRuntime` (runtime.py, its concerns in private
 modules beside it) and `ElasticTensor`, one frozen weight under it (tensor.py)."""
 
-from python_api.runtime._gathers import Resident
-from python_api.runtime._order import in_backward
-from python_api.runtime.runtime import ElasticRuntime
-from python_api.runtime.tensor import ElasticTensor, Phase, Residency, residency_classes, residency_of_counts
+from ._gathers import Resident
+from ._order import in_backward
+from .runtime import ElasticRuntime
+from .tensor import ElasticTensor, Phase, Residency, residency_classes, residency_of_counts
 
 __all__ = [
     "ElasticRuntime", "ElasticTensor", "Phase", "Residency", "Resident", "in_backward", "residency_classes",

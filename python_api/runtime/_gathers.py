@@ -24,9 +24,10 @@ import torch
 from torch.profiler import record_function
 
 from elastic_kernels import dequantize, unpack_gathered
-from python_api.distributed.collectives import ChunkRun, GatherWork, all_gather_into
-from python_api.host.sources import HostCopyWork
-from python_api.runtime.tensor import ElasticTensor, Residency
+
+from ..distributed.collectives import ChunkRun, GatherWork, all_gather_into
+from ..host.sources import HostCopyWork
+from .tensor import ElasticTensor, Residency
 
 
 class _Use:

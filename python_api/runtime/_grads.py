@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from python_api.runtime.tensor import Phase
+from .tensor import Phase
 
 
 class _GradReduction:

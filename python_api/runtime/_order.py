@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from python_api.runtime._gathers import _Use
-from python_api.runtime.tensor import ElasticTensor, Phase, Residency
+from ._gathers import _Use
+from .tensor import ElasticTensor, Phase, Residency
 
 
 def in_backward() -> bool:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from python_api.distributed.agree import exchange
-from python_api.host.sources import store_offsets
-from python_api.host.store import build_node_host_store
-from python_api.runtime.tensor import ElasticTensor
+from ..distributed.agree import exchange
+from ..host.sources import store_offsets
+from ..host.store import build_node_host_store
+from .tensor import ElasticTensor
 
 
 class _Registration:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 
 from elastic_kernels import PagePool
-from python_api.config import PAGE_ALIGN
-from python_api.host.sources import host_chunks
-from python_api.runtime.tensor import ElasticTensor, Phase, Residency, residency_of_counts
+
+from ..config import PAGE_ALIGN
+from ..host.sources import host_chunks
+from .tensor import ElasticTensor, Phase, Residency, residency_of_counts
 
 
 class _Residency:

@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 
 from elastic_kernels import PagePool
-from python_api.config import ElasticPolicy
-from python_api.quant import DequantWorkspace
-from python_api.runtime._gathers import Resident, _Gathers, _Use
-from python_api.runtime._grads import _GradReduction
-from python_api.runtime._order import _Order, in_backward
-from python_api.runtime._registration import _Registration
-from python_api.runtime._residency import _Residency
-from python_api.runtime.tensor import ElasticTensor, Phase, Residency
+
+from ..config import ElasticPolicy
+from ..quant import DequantWorkspace
+from ._gathers import Resident, _Gathers, _Use
+from ._grads import _GradReduction
+from ._order import _Order, in_backward
+from ._registration import _Registration
+from ._residency import _Residency
+from .tensor import ElasticTensor, Phase, Residency
 
 
 def check_nccl_device(device: torch.device, current: int, device_count: int, local_rank: str | None) -> None:

@@ -23,8 +23,9 @@ import zlib
 import torch
 
 from elastic_kernels import ChunkLayout, PagePool
-from python_api.host.sources import host_chunks
-from python_api.quant import PackedRows, fill_image_share, quantized_layout, quantized_shard
+
+from ..host.sources import host_chunks
+from ..quant import PackedRows, fill_image_share, quantized_layout, quantized_shard
 
 
 class Residency(enum.IntEnum):

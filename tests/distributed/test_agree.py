@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from python_api.distributed.agree import PeerFailure, agree, agreed_message, exchange
+from elastic_kernels.api.distributed.agree import PeerFailure, agree, agreed_message, exchange
 from tests._dist import run_distributed
 
 
@@ -48,7 +48,7 @@ def test_a_peer_that_does_not_take_part_is_a_peer_failure(call):
     assert name == "PeerFailure", (name, text)
     assert ("the digests" if call == "exchange" else "the check") in text and "a peer rank probably failed" in text
     assert took < 30, took  # bounded by timeout_s (2 s), not by the process group's 60 s
-    from python_api.finetune.cli import _peer_failure
+    from elastic_kernels.api.finetune.cli import _peer_failure
 
     assert _peer_failure(PeerFailure(text))
 

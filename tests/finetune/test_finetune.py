@@ -1,4 +1,4 @@
-"""The fine-tuning CLI (python -m python_api.finetune) end to end, on 2 gloo ranks under torchrun.
+"""The fine-tuning CLI (python -m elastic_kernels.api.finetune) end to end, on 2 gloo ranks under torchrun.
 
 Every run uses a tiny embedded Llama (hidden 32, 2 layers, vocabulary 257) on the embedded
 corpus, 8 sequences of 24 tokens per step; each launch takes ~15-25 s on the 2-core machine.
@@ -64,7 +64,7 @@ def _env():
 
 
 def _start(launcher_args: list[str], job_args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "python_api.finetune", *job_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "elastic_kernels.api.finetune", *job_args]
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -184,7 +184,7 @@ def test_adapter_loads_in_peft_and_reproduces_logits(reference_run):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     d, _ = reference_run
     probe = load_file(os.path.join(d, "probe.safetensors"))
@@ -244,14 +244,14 @@ def test_two_node_launch_matches_single_node(reference_run, tmp_path):
 
 
 def _prepare(argv, world_size=2, rank=0):
-    from python_api.finetune import parse_args, prepare
+    from elastic_kernels.api.finetune import parse_args, prepare
 
     return prepare(parse_args(argv), rank, world_size, 0)
 
 
 def _tiny_model_dir(path, vocab=None, tokenizer=False):
     """save_pretrained of the tiny embedded model (vocabulary changed if asked)."""
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     cfg = embedded_config(**DIMS)
     if vocab is not None:
@@ -263,7 +263,7 @@ def _tiny_model_dir(path, vocab=None, tokenizer=False):
 def test_local_model_and_data_files(tmp_path):
     """A save_pretrained directory and .txt/.jsonl data are accepted; the model loads the
     very weights that were saved; documents are joined by the end-of-document id."""
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     mdir = _tiny_model_dir(str(tmp_path / "model"))
     data = tmp_path / "d.jsonl"
@@ -339,7 +339,7 @@ def _bad_cases(tmp_path, ckpt_dir):
 def test_bad_input_is_refused_before_training(dropout_runs, tmp_path):
     """Each bad input: a FinetuneError naming the problem from the checks that run before the
     first collective, and nothing written anywhere."""
-    from python_api.finetune import FinetuneError
+    from elastic_kernels.api.finetune import FinetuneError
 
     _, _, half = dropout_runs
     before = _tree_digest(half)
@@ -354,7 +354,7 @@ def test_bad_input_is_refused_before_training(dropout_runs, tmp_path):
     assert sorted(os.listdir(tmp_path)) == listing  # no --save-dir was created
     assert _tree_digest(half) == before
     # Option errors stop in argparse (exit status 2) before anything else.
-    from python_api.finetune import parse_args
+    from elastic_kernels.api.finetune import parse_args
 
     for argv in (["--pool-budget", "lots"], ["--keep-ratio", "0.2", "--persist-ratio", "0.5"], ["--steps", "0"],
                  ["--lora-targets", "q_proj,,v_proj"], ["--compare-budgets", "0,x"]):
@@ -385,8 +385,8 @@ def test_error_on_one_rank_stops_every_rank(dropout_runs, tmp_path):
 def _no_sync_worker(rank, world_size):
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic, no_sync
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, no_sync
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     def make(reduce):
         m = convert_to_elastic(embedded_model(embedded_config(**DIMS), seed=0),
@@ -443,7 +443,7 @@ def test_no_sync_reduces_once_per_accumulation():
 
 
 def test_pool_budget_option():
-    from python_api.finetune.options import _budget, budget_label
+    from elastic_kernels.api.finetune.options import _budget, budget_label
 
     assert _budget("all") is None and _budget("0") == 0 and _budget("64MiB") == 64 << 20
     assert _budget("1.5GiB") == 3 << 29 and _budget("2k") == 2048 and _budget("50%") == ("fraction", 0.5)

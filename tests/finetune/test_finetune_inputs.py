@@ -29,7 +29,7 @@ from tests.finetune.test_finetune import DIMS, TINY, _prepare
 def test_values_starting_with_a_dash_are_named(argv, message, capsys):
     """argparse takes '-5GB' for an option and says "expected one argument"; the option's own
     check must see the value and name it."""
-    from python_api.finetune import parse_args
+    from elastic_kernels.api.finetune import parse_args
 
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
@@ -39,7 +39,7 @@ def test_values_starting_with_a_dash_are_named(argv, message, capsys):
 
 
 def test_a_missing_value_is_still_reported(capsys):
-    from python_api.finetune import parse_args
+    from elastic_kernels.api.finetune import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--steps", "--lr", "1"])
@@ -48,7 +48,7 @@ def test_a_missing_value_is_still_reported(capsys):
 
 
 def test_decimal_and_binary_sizes():
-    from python_api.finetune.options import _size
+    from elastic_kernels.api.finetune.options import _size
 
     assert _size("40GB") == 40 * 10**9 and _size("40GiB") == 40 << 30 and _size("40G") == 40 << 30
     assert _size("512MB") == 512 * 10**6 and _size("1TiB") == 1 << 40 and _size("2k") == 2048
@@ -62,7 +62,7 @@ def test_model_dir_defaults_to_the_checkpoints_dtype(tmp_path, saved):
     """`--model DIR` without --dtype trains in the checkpoint's dtype (it trained a bf16
     checkpoint in float32: twice the memory, other numerics); --dtype still overrides it; the
     embedded model stays float32."""
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     mdir = str(tmp_path / "model")
     embedded_model(embedded_config(**DIMS), seed=3, dtype=saved).save_pretrained(mdir)
@@ -106,8 +106,8 @@ def test_ignored_options_are_named(tmp_path):
 def test_ignored_options_change_nothing_they_should_not(tmp_path):
     """--weights-on host --compare-host trains the main run once (no duplicate comparison); one
     rank with --host-fraction builds no host store and is not labelled as taking from it."""
-    from python_api.finetune.options import policy_of
-    from python_api.finetune.runner import comparison_builds
+    from elastic_kernels.api.finetune.options import policy_of
+    from elastic_kernels.api.finetune.runner import comparison_builds
 
     job = _prepare(TINY + ["--weights-on", "host", "--compare-host", "--baseline", "fsdp2", "--save-dir",
                            str(tmp_path / "o")])
@@ -125,7 +125,7 @@ def test_ignored_options_change_nothing_they_should_not(tmp_path):
 
 
 def _fake_job(tmp_path, dtype="float32", dropout=0.0):
-    from python_api.finetune import parse_args
+    from elastic_kernels.api.finetune import parse_args
 
     args = parse_args(TINY + ["--save-dir", str(tmp_path)])
     args.dtype, args.lora_dropout, args._argv = dtype, dropout, ["--fake"]
@@ -150,7 +150,7 @@ def test_a_loss_gap_beyond_rounding_is_a_warning(tmp_path, monkeypatch, capsys):
     is not; with LoRA dropout the runs are not compared."""
     import torch.distributed as dist
 
-    from python_api.finetune import report, runner
+    from elastic_kernels.api.finetune import report, runner
 
     monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
     monkeypatch.setattr(report, "plot", lambda runs, path, caption: open(path, "wb").close())

@@ -52,7 +52,7 @@ STEPS = 2
 def _launch(launcher_args, job_args, timeout, *, script=None, env=None, umask=None):
     """torchrun the CLI (or `script`, a launcher file that ends by calling the CLI's main());
     (returncode, stdout, stderr); killed with its process group and failed past `timeout`."""
-    entry = [script] if script else ["-m", "python_api.finetune"]
+    entry = [script] if script else ["-m", "elastic_kernels.api.finetune"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, *entry, *job_args]
     e = _env()
     e.update(env or {})
@@ -88,7 +88,7 @@ def _assert_clean_error(rc, err, *patterns):
 FAULTS = r'''
 import errno, os
 
-import python_api.finetune as ft
+import elastic_kernels.api.finetune as ft
 
 fault, rank = os.environ["FT_FAULT"], int(os.environ["RANK"])
 
@@ -122,7 +122,7 @@ elif fault == "readonly-rank1" and rank == 1:  # the folder is read-only for ran
         return real_mkdtemp(*a, **k)
 
     tempfile.mkdtemp = mkdtemp
-from python_api.finetune.cli import entry
+from elastic_kernels.api.finetune.cli import entry
 
 entry()  # main(), then the CLI's own exit (process group destroyed, no interpreter teardown)
 '''
@@ -149,7 +149,7 @@ def test_ranks_with_different_settings_are_refused(tmp_path):
     procs = {}
     for n, extra in per_node.items():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
-               "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "python_api.finetune",
+               "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "elastic_kernels.api.finetune",
                *TINY, *extra, "--save-dir", out]
         procs[n] = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
@@ -173,7 +173,7 @@ def test_ranks_with_different_settings_are_refused(tmp_path):
 
 
 def test_rank_differences_groups_ranks():
-    from python_api.finetune import rank_differences
+    from elastic_kernels.api.finetune import rank_differences
 
     same = {"lora": {"r": 4}, "steps": 5}
     configs = [same, {"lora": {"r": 8}, "steps": 5}, same, {"lora": {"r": 8}, "steps": 5}]
@@ -188,7 +188,7 @@ def test_rank_differences_groups_ranks():
 
 
 def test_unwritable_save_dir_is_refused_before_anything(tmp_path, monkeypatch):
-    from python_api.finetune import FinetuneError
+    from elastic_kernels.api.finetune import FinetuneError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
@@ -250,7 +250,7 @@ def test_failed_checkpoint_write_stops_every_rank(tmp_path, fault, pattern):
     assert len(rows) == 3 and [float(r.split(",")[1]) for r in rows[1:]] == run["losses"], rows
     with open(os.path.join(out, "results.md")) as f:
         assert "**FAILED**" in f.read()
-    from python_api.finetune import LOCK_FILE
+    from elastic_kernels.api.finetune import LOCK_FILE
 
     with open(os.path.join(out, LOCK_FILE), "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
@@ -264,7 +264,7 @@ def test_stopped_rank_ends_its_peers_with_a_clear_error(tmp_path):
 
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "python_api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--timeout-s", "10", "--save-dir", out]
+           "elastic_kernels.api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--timeout-s", "10", "--save-dir", out]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -315,7 +315,7 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
 
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "python_api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--save-dir", out]
+           "elastic_kernels.api.finetune", *TINY, "--steps", "100000", "--save-every", "1", "--save-dir", out]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     workers = []
@@ -348,7 +348,7 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path):
 def test_save_dir_lock(tmp_path):
     """A second run into a folder that a run holds is refused, in prepare() (before anything
     starts) and by the lock itself; closing the holder's descriptor releases it."""
-    from python_api.finetune import LOCK_FILE, FinetuneError, lock_save_dir
+    from elastic_kernels.api.finetune import LOCK_FILE, FinetuneError, lock_save_dir
 
     d = str(tmp_path / "out")
     fd = lock_save_dir(d)
@@ -406,8 +406,8 @@ def test_nan_message_tells_causes_apart():
     after updates (divergence), with the adapters named when they are NaN."""
     from types import SimpleNamespace
 
-    from python_api.finetune import parse_args
-    from python_api.finetune.loop import nan_message
+    from elastic_kernels.api.finetune import parse_args
+    from elastic_kernels.api.finetune.loop import nan_message
 
     job = SimpleNamespace(args=parse_args(["--dtype", "float16", "--lr", "0.5"]), resume=None)
     engine = SimpleNamespace(name="elastic, budget all")
@@ -532,7 +532,7 @@ def test_damaged_checkpoint_is_refused_before_training(checkpointed, tmp_path):
     """Every damaged or edited checkpoint file is refused by prepare() (before the process
     group and the model) with the file named; the checkpoint is not touched. The manifest is
     rewritten to match each damage (`_rehash`): these are the checks behind the checksums."""
-    from python_api.finetune import FinetuneError
+    from elastic_kernels.api.finetune import FinetuneError
 
     base = os.path.join(checkpointed, "checkpoint")
     for what, damage, pattern in _damage(base):
@@ -589,7 +589,7 @@ def test_tampered_checkpoint_fails_its_checksum(checkpointed, tmp_path):
     set, another run's adapters, all-zero ones). The checkpoint's manifest.json holds the sha256
     of every file (and the run's identity): each damage is refused by prepare(), naming the
     file; so is a checkpoint without a manifest, and a manifest of another run."""
-    from python_api.finetune import FinetuneError
+    from elastic_kernels.api.finetune import FinetuneError
 
     base = os.path.join(checkpointed, "checkpoint")
     resume = TINY + ["--steps", str(STEPS + 1), "--save-dir", str(tmp_path / "out"), "--resume"]
@@ -632,7 +632,7 @@ def test_all_zero_adapters_are_refused_even_with_a_matching_manifest(checkpointe
     """Behind the checksums: all-zero adapters (lora_A and lora_B of a module both zero) can never
     train (both gradients are zero), so they are refused even when the manifest was rewritten
     to match them."""
-    from python_api.finetune import FinetuneError
+    from elastic_kernels.api.finetune import FinetuneError
 
     c = str(tmp_path / "zero")
     shutil.copytree(os.path.join(checkpointed, "checkpoint"), c)
@@ -711,7 +711,7 @@ def test_losses_csv_labels_each_budget(checkpointed, tmp_path):
     ("--collective-kib", str(2**63)), ("--steps", str(2**40)), ("--hidden-size", str(2**40)),
 ])
 def test_out_of_range_options_are_refused(option, value, tmp_path, capsys):
-    from python_api.finetune import main
+    from elastic_kernels.api.finetune import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as info:

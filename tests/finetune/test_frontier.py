@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from python_api.finetune.peers.frontier import best_peer_at_or_below, pareto, system_of
+from elastic_kernels.api.finetune.peers.frontier import best_peer_at_or_below, pareto, system_of
 
 
 def test_pareto_keeps_exactly_the_undominated_points_by_increasing_memory():

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed]
 def _counter_worker(rank, world_size):
     import torch.distributed as dist
 
-    from python_api.finetune.measure import AllGatherCounter
+    from elastic_kernels.api.finetune.measure import AllGatherCounter
 
     inp = torch.full((3, 5), float(rank))
     out = torch.empty(world_size * 3, 5)
@@ -90,7 +90,7 @@ def _frozen_backward_uses(job) -> dict[str, bool]:
     """For each parameter of the PEFT model, by name: does its module's backward run (its
     output requires grad)? From autograd on a plain PEFT copy: the reference for which
     weights ZeRO-3 must gather again in backward."""
-    from python_api.finetune.engines import peft_with_initial_adapters
+    from elastic_kernels.api.finetune.engines import peft_with_initial_adapters
 
     model = peft_with_initial_adapters(job, job.spec.build())
     needs = {}
@@ -116,13 +116,13 @@ def _peers_worker(rank, world_size, save_dir):
 
     import torch.distributed as dist
 
-    from python_api.finetune.engines import ElasticEngine
-    from python_api.finetune.job import prepare
-    from python_api.finetune.loop import train
-    from python_api.finetune.measure import AllGatherCounter, PeakMemory
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.peers import DDPEngine, ZeRO3Engine, ZeRO3Setting
-    from python_api.nn import adapter_state_dict
+    from elastic_kernels.api.finetune.engines import ElasticEngine
+    from elastic_kernels.api.finetune.job import prepare
+    from elastic_kernels.api.finetune.loop import train
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, ZeRO3Setting
+    from elastic_kernels.api.nn import adapter_state_dict
 
     args = parse_args(TINY + PEER_ARGS + ["--steps", str(STEPS), "--baseline", "deepspeed,ddp", "--save-dir", save_dir,
                               "--overwrite"])
@@ -238,7 +238,7 @@ def test_deepspeed_gathers_what_a_hand_count_says(peer_runs):
 _BLOCKER = """import runpy, sys
 sys.modules["deepspeed"] = None  # `import deepspeed` raises ImportError, as where it is not installed
 sys.argv[0] = "elastic-finetune"
-runpy.run_module("python_api.finetune", run_name="__main__")
+runpy.run_module("elastic_kernels.api.finetune", run_name="__main__")
 """
 
 
@@ -276,9 +276,9 @@ def test_without_deepspeed_the_other_baselines_run(tmp_path):
 
 
 def test_settings_no_peer_can_run_are_refused(capsys):
-    from python_api.finetune.engines import fsdp2_reshard_error
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.peers.zero3 import ZeRO3Setting, setting_error
+    from elastic_kernels.api.finetune.engines import fsdp2_reshard_error
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.peers.zero3 import ZeRO3Setting, setting_error
 
     cpu = torch.device("cpu")
     for flag in ("quantized_weights", "quantized_nontrainable_weights"):

@@ -20,14 +20,14 @@ CHANGE_AT = 3
 
 def _smallest_feasible_cap(profile, global_batch: int) -> int:
     """The least memory per rank for which the planner finds a plan (feasibility is monotone)."""
-    from python_api.planner.search import least_memory
+    from elastic_kernels.api.planner.search import least_memory
 
     return least_memory(profile, global_batch)
 
 
 def test_planned_run_adapts_accumulation_when_memory_shrinks(tmp_path):
-    from python_api.planner.profile import Profile
-    from python_api.planner.search import plan_from_profile
+    from elastic_kernels.api.planner.profile import Profile
+    from elastic_kernels.api.planner.search import plan_from_profile
 
     # The memory quantities of a profile are deterministic (bytes, not timings): a first short
     # planned run gives the profile from which the test picks a cap where only micro-batch 1 fits.
@@ -73,7 +73,7 @@ def test_planned_run_adapts_accumulation_when_memory_shrinks(tmp_path):
         assert key in doc, key
     assert doc["memory_bytes"] == cap and len(doc["adaptations"]) == 2
     assert all("recompute" in layer and "weights" in layer for layer in doc["layers"])
-    from python_api.planner import Plan  # what the CLI writes, the API reads
+    from elastic_kernels.api.planner import Plan  # what the CLI writes, the API reads
 
     assert Plan.load(os.path.join(planned, "plan.json")).to_dict() == {k: v for k, v in doc.items()
                                                                        if k not in ("adaptations", "profile_seconds")}

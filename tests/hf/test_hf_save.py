@@ -24,8 +24,8 @@ POLICY = dict(chunk_bytes=32 * 4 * 5, replicate_below_bytes=0)
 
 
 def _converted(seed=0, **policy):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(tiny_llama(seed), LoRAConfig(r=4, alpha=8, target_modules=TARGETS),
                                ElasticPolicy(**{**POLICY, **policy}))
@@ -100,7 +100,7 @@ def _state_dict_worker(rank, world_size):
     non_strict = other.load_state_dict(plain_sd, strict=False)
 
     # A rank that will not write joins the gathers but keeps nothing (ElasticTrainer's non-writers).
-    from python_api.nn import gather_only
+    from elastic_kernels.api.nn import gather_only
 
     if rank == 1:
         with gather_only():
@@ -110,8 +110,8 @@ def _state_dict_worker(rank, world_size):
         assert torch.equal(model.state_dict()["lm_head.weight"], want_base["lm_head.weight"])
 
     # Merged back to plain layers, then converted again: the new layers get the hooks too.
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, merge_adapters
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, merge_adapters
 
     merged = merge_adapters(model)
     merged_sd = {k: v.clone() for k, v in merged.state_dict().items()}
@@ -221,7 +221,7 @@ def _trainer_one_process_worker(rank, world_size, tmp):
     got = _logits(AutoModelForCausalLM.from_pretrained(saved))
 
     # Resuming: the plain Trainer restores the base weights only; ElasticTrainer the adapters too.
-    from python_api import hf
+    from elastic_kernels.api import hf
 
     fresh_plain, fresh = _converted(seed=1), _converted(seed=1)
     Trainer(model=fresh_plain, args=_args(tmp))._load_from_checkpoint(saved)
@@ -239,7 +239,7 @@ def test_trainer_save_model_one_process(tmp_path):
 def _trainer_two_ranks_worker(rank, world_size, tmp):
     from transformers import AutoModelForCausalLM, Trainer
 
-    from python_api import hf
+    from elastic_kernels.api import hf
 
     # What torchrun would set; accelerate reads them (the process group itself is already up).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -266,7 +266,7 @@ def _trainer_two_ranks_worker(rank, world_size, tmp):
     # returns. A short timeout for this part only (training under load may lag more than 3 s).
     import dataclasses
 
-    from python_api.nn import runtime_of
+    from elastic_kernels.api.nn import runtime_of
 
     rt = runtime_of(model)
     policy = rt.policy
@@ -310,7 +310,7 @@ def _ddp_worker(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from python_api.nn import no_sync
+    from elastic_kernels.api.nn import no_sync
 
     # DDP refuses a module whose trainable parameters are all ignored, so it cannot be told to
     # leave the adapters to the runtime (see [Note: DDP and the runtime's all-reduce]).
@@ -393,7 +393,7 @@ def test_ddp_reduces_once():
 
 
 def _unwritable_worker(rank, world_size, tmp):
-    from python_api.nn import save_adapter
+    from elastic_kernels.api.nn import save_adapter
 
     model = _converted()
     blocker = os.path.join(tmp, "a_file")
@@ -427,8 +427,8 @@ def test_save_errors_on_every_rank(tmp_path):
 def _gpt2_worker(rank, world_size, tmp):
     from transformers import AutoModelForCausalLM
 
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
     from tests.nn.test_lora_setups import tiny_gpt2
 
     want_base = tiny_gpt2().state_dict()

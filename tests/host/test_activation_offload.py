@@ -32,7 +32,7 @@ CHUNKED = dict(chunk_bytes=32 * 4 * 5, replicate_below_bytes=0)  # ragged chunks
 
 
 def _build(dropout: float, offload: bool, **policy):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(
         tiny_llama(), LoRAConfig(r=R, alpha=8, dropout=dropout, target_modules=TARGETS),
@@ -46,13 +46,13 @@ def _build(dropout: float, offload: bool, **policy):
 
 
 def lora_layers(model):
-    from python_api.nn import lora_layers as layers
+    from elastic_kernels.api.nn import lora_layers as layers
 
     return layers(model)
 
 
 def _offloader(model):
-    from python_api import runtime_of
+    from elastic_kernels.api import runtime_of
 
     return runtime_of(model).activation_offload
 
@@ -73,7 +73,7 @@ def _saved_bytes_per_forward(act_bytes: int, xa_bytes: int, dropout: bool) -> li
 def _step(model, ids, micro: int, seed: int, autocast: bool):
     """One optimizer step's worth: `micro` micro-batches, each forward + backward, gradients
     accumulated (the runtime's no_sync for all but the last). Returns the losses."""
-    from python_api import no_sync
+    from elastic_kernels.api import no_sync
 
     losses = []
     for m in range(micro):
@@ -155,7 +155,7 @@ def test_parity_and_traffic_offload_on_vs_off(world_size):
             # Host buffers held: one forward's worth, each activation in its size class (the
             # micro-batches run one after the other, so the second recycles the first's); none
             # with checkpointing, which offloads nothing.
-            from python_api.host.offload import size_class
+            from elastic_kernels.api.host.offload import size_class
 
             held = 0 if ckpt else sum(size_class(b) for b in _saved_bytes_per_forward(2 if autocast else 4, 4, dropout > 0))
             for step, row in enumerate(per_step):
@@ -180,7 +180,7 @@ def test_parity_and_traffic_offload_on_vs_off(world_size):
 def _expected_kept(sizes: list[int], budget: int) -> list[bool]:
     """The pool's rule in the first step (all buffers busy until backward): in forward order a
     tensor is offloaded iff a new buffer of its class fits under the budget."""
-    from python_api.host.offload import size_class
+    from elastic_kernels.api.host.offload import size_class
 
     held, kept = 0, []
     for n in sizes:
@@ -194,8 +194,8 @@ def _expected_kept(sizes: list[int], budget: int) -> list[bool]:
 
 
 def _budget_worker(rank, world_size, budget: int, steps: int):
-    from python_api import reset_stats, stats
-    from python_api.nn import ElasticLoRAFunction
+    from elastic_kernels.api import reset_stats, stats
+    from elastic_kernels.api.nn import ElasticLoRAFunction
 
     ref, model = _build(0.0, False), _build(0.0, True, host_budget_bytes=budget)
     nodes = []
@@ -239,7 +239,7 @@ def test_budget_keeps_exactly_the_expected_tensors_on_device():
     tensors the pool's rule predicts stay on the device, the rest are offloaded, the gradients
     are bit-identical to offload off, the held bytes never exceed the budget, and step 2 on
     allocates nothing."""
-    from python_api.host.offload import size_class
+    from elastic_kernels.api.host.offload import size_class
 
     sizes = _saved_bytes_per_forward(4, 4, False)
     classes = sorted({size_class(n) for n in sizes})
@@ -262,8 +262,8 @@ def test_budget_keeps_exactly_the_expected_tensors_on_device():
 def test_zero_budget_offloads_nothing_and_bad_budget_is_refused():
     """host_budget_bytes=0 offloads nothing (every tensor counted as kept); a budget smaller
     than one host buffer is refused with a clear error when the model is wrapped."""
-    from python_api import ElasticPolicy
-    from python_api.host.offload import MIN_HOST_BUFFER_BYTES, ActivationOffload, HostBufferPool
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.host.offload import MIN_HOST_BUFFER_BYTES, ActivationOffload, HostBufferPool
 
     model = _build(0.0, True, host_budget_bytes=0)
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -272,8 +272,8 @@ def test_zero_budget_offloads_nothing_and_bad_budget_is_refused():
     assert s["d2h_bytes"] == s["host_pinned_bytes"] == s["host_allocations"] == 0
     assert s["kept_tensors"] == len(_saved_bytes_per_forward(4, 4, False))
 
-    from python_api import runtime_of
-    from python_api.host.offload import offload_stats
+    from elastic_kernels.api import runtime_of
+    from elastic_kernels.api.host.offload import offload_stats
 
     plain = _build(0.0, False)
     plain(input_ids=ids, labels=ids).loss.backward()
@@ -308,7 +308,7 @@ def test_no_leak_no_grad_forward_twice_failed_backward_retain_graph():
 
     with torch.no_grad():
         model(input_ids=ids, labels=ids)
-    from python_api import runtime_of
+    from elastic_kernels.api import runtime_of
 
     off = runtime_of(model).activation_offload
     assert off is not None and off.stats(detail=True)["d2h_bytes"] == 0 and off.pool.allocations == 0
@@ -370,7 +370,7 @@ def test_no_leak_no_grad_forward_twice_failed_backward_retain_graph():
 def test_copy_back_runs_one_layer_ahead(monkeypatch):
     """When the backward of the k-th offloading layer asks for its tensors, the copy-back of
     the (k-1)-th is issued right then (before the k-th layer's backward computes)."""
-    from python_api.host import offload as ao
+    from elastic_kernels.api.host import offload as ao
 
     model = _build(0.0, True)
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -406,7 +406,7 @@ def test_copy_back_runs_one_layer_ahead(monkeypatch):
 
 
 def test_host_buffer_pool():
-    from python_api.host.offload import MIN_HOST_BUFFER_BYTES, HostBufferPool, size_class
+    from elastic_kernels.api.host.offload import MIN_HOST_BUFFER_BYTES, HostBufferPool, size_class
 
     assert [size_class(n) for n in (0, 1, 512, 513, 4096, 4097)] == [512, 512, 512, 1024, 4096, 8192]
     pool = HostBufferPool(3 * 1024, pin=False)
@@ -428,7 +428,7 @@ def test_idle_buffers_include_those_given_back_but_not_filed():
     """What a step's backward gives back waits in the return queue until the next request;
     idle_buffers() is every buffer not in use, those included (the CPU peak measurement
     excludes them as host memory: python_api/planning/measure.py, _host_tier_storages)."""
-    from python_api.host.offload import HostBufferPool
+    from elastic_kernels.api.host.offload import HostBufferPool
 
     pool = HostBufferPool(None, pin=False)
     a, b, c = pool.acquire(1000), pool.acquire(3000), pool.acquire(3000)
@@ -446,7 +446,7 @@ def test_idle_buffers_include_those_given_back_but_not_filed():
 def test_cuda_offload_bit_identical_pinned_and_stream_ordered():
     """On CUDA: host buffers pinned, copies on the offloader's copy stream, gradients bit-
     identical to offload off over several steps, h2d == d2h, steady state."""
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic, runtime_of
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, runtime_of
 
     def build(offload):
         m = tiny_llama().cuda()
@@ -494,8 +494,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEADLOCK_CHILD = textwrap.dedent(
     """
     import gc, sys, torch
-    from python_api.config import ElasticPolicy
-    from python_api.host.offload import ActivationOffload
+    from elastic_kernels.api.config import ElasticPolicy
+    from elastic_kernels.api.host.offload import ActivationOffload
 
     class FakeRuntime:
         policy = ElasticPolicy(offload_activations=True)
@@ -602,7 +602,7 @@ def test_inplace_change_of_an_offloaded_input_is_refused_like_autograd(variant):
 TRIM_CHILD = textwrap.dedent(
     """
     import gc, torch
-    from python_api.host.offload import HostBufferPool
+    from elastic_kernels.api.host.offload import HostBufferPool
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -649,7 +649,7 @@ def test_switching_offload_off_frees_the_host_buffers():
     """Issue 17, item 9: a re-plan that turns offload off (`set_offload_activations(False)`)
     frees the pool's buffers at once, and the buffers a live graph still holds when they come
     back; switching it on again recycles as before."""
-    from python_api import runtime_of
+    from elastic_kernels.api import runtime_of
 
     model = _build(0.0, True)
     rt = runtime_of(model)
@@ -694,7 +694,7 @@ class _Stack(torch.nn.Module):
 
 
 def _gpu_stack(offload: bool, width: int, depth: int, dropout: float = 0.1):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
 
     torch.manual_seed(0)
     m = _Stack(width, depth).cuda()
@@ -736,8 +736,8 @@ def test_cuda_offload_ordered_under_delayed_streams(monkeypatch, variant):
     restored tensor freed without `record_stream` on compute is reused by the next copy-back
     while its backward is still to read it). Losses and adapter gradients must equal offload
     off bit for bit, under the same delays."""
-    from python_api import runtime_of
-    from python_api.host import offload as ao
+    from elastic_kernels.api import runtime_of
+    from elastic_kernels.api.host import offload as ao
 
     delays = DELAYS[variant]
     width, depth, tokens = 2048, 4, 4096  # each activation 32 MiB

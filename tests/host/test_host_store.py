@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_kernels import HostStore, HostStoreError
-from python_api.host.store import HostStoreSetupError, local_share, node_host_store
+from elastic_kernels.api.host.store import HostStoreSetupError, local_share, node_host_store
 from tests import _skips
 from tests._dist import run_distributed
 
@@ -294,7 +294,7 @@ def test_local_share_covers_every_byte_once():
 
 
 def _contents_worker(rank, world_size, nbytes, fake_nodes, kind, impl):
-    import python_api.host.store as hs
+    import elastic_kernels.api.host.store as hs
 
     if fake_nodes:  # ranks 0,1 / 2,3 ... pretend to be separate nodes
         hs.node_identity = lambda: f"fake-node-{rank // 2}"
@@ -463,7 +463,7 @@ CHILD = textwrap.dedent(
     """
     import datetime, os, sys, time
     import torch, torch.distributed as dist
-    from python_api.host.store import HostStoreSetupError, local_share, node_host_store
+    from elastic_kernels.api.host.store import HostStoreSetupError, local_share, node_host_store
 
     rank, world, init, out, scenario, victim, kind, impl, timeout, nbytes = sys.argv[1:]
     rank, world, victim, timeout, nbytes = int(rank), int(world), int(victim), float(timeout), int(nbytes)
@@ -605,7 +605,7 @@ def test_failed_pin_warns_and_continues_unpinned(monkeypatch):
 def _pin_worker(rank, world_size, failing_ranks):
     import warnings
 
-    import python_api.host.store as hs
+    import elastic_kernels.api.host.store as hs
 
     hs.node_identity = lambda: f"fake-node-{rank // 2}"
     HostStore.pin = _failing_pin(rank in failing_ranks)
@@ -628,8 +628,8 @@ def test_failed_pin_on_one_rank_and_pinned_bytes_once_per_node():
 
 
 def _stats_pinned_worker(rank, world_size):
-    import python_api.host.store as hs
-    from python_api import ElasticPolicy, elasticize, stats
+    import elastic_kernels.api.host.store as hs
+    from elastic_kernels.api import ElasticPolicy, elasticize, stats
     from tests.runtime.test_runtime import make_model
 
     hs.node_identity = lambda: f"fake-node-{rank // 2}"
@@ -637,7 +637,7 @@ def _stats_pinned_worker(rank, world_size):
     HostStore.pinned_bytes = property(lambda self: self.nbytes)  # as a pinned mapping reports it
     model = make_model()
     # A CUDA device is what makes the handshake pin the store; on CPU it is asked to directly.
-    import python_api.runtime._registration as reg
+    import elastic_kernels.api.runtime._registration as reg
 
     for name in ("build_node_host_store", "node_host_store"):  # whichever the runtime calls
         if hasattr(reg, name):
@@ -734,7 +734,7 @@ def test_setup_has_its_own_bound_and_names_the_slow_stage():
 
 
 def test_setup_bound_scales_with_the_store():
-    from python_api.host.store import SETUP_BYTES_PER_S, setup_bound_s
+    from elastic_kernels.api.host.store import SETUP_BYTES_PER_S, setup_bound_s
 
     assert setup_bound_s(140 * 10**9, 300.0) == pytest.approx(300.0 + 140 * 10**9 / SETUP_BYTES_PER_S)
     assert setup_bound_s(140 * 10**9, 300.0) > 800  # 140 GB: longer than the collective timeout
@@ -745,7 +745,7 @@ def _retry_worker(rank, world_size, timeout_s):
     """4 ranks as 2 nodes: node 0 (ranks 0, 1) shares a PID namespace (memfd) but its attach of
     a memfd fails; node 1 (ranks 2, 3) has ranks in different PID namespaces (shm from the
     start)."""
-    import python_api.host.store as hs
+    import elastic_kernels.api.host.store as hs
 
     hs.node_identity = lambda: f"fake-node-{rank // 2}"
     hs._pid_namespace = lambda: 1 if rank < 2 else 100 + rank

@@ -51,7 +51,7 @@ CONFIGS = [
 
 
 def _parity_worker(rank, world_size, configs, iters):
-    from python_api import ElasticPolicy, elasticize, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, stats
 
     frozen = sum(a * b for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     out = []
@@ -84,7 +84,7 @@ def test_parity_every_source(world_size):
 
 def test_world_size_one_streams_from_the_host():
     """No process group: weights_on="host" runs through the pool, every chunk from the store."""
-    from python_api import ElasticPolicy, elasticize, runtime_of, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, stats
 
     dims = (24, 40, 24, 40, 24, 40, 24)  # six layers: the frozen bytes exceed a two-layer window
     for budget in (0, None):
@@ -111,7 +111,7 @@ def test_world_size_one_streams_from_the_host():
 
 
 def _traffic_worker(rank, world_size, on, hf, keep, persist, iters):
-    from python_api import ElasticPolicy, elasticize, reset_stats, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, keep_ratio=keep, persist_ratio=persist,
@@ -161,7 +161,7 @@ def test_exact_traffic_per_source(world_size, on, hf, keep, persist):
 
 
 def test_policy_rejects_bad_host_knobs():
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     for kwargs, needle in [
         (dict(host_fraction=1.5), "host_fraction"),
@@ -178,14 +178,14 @@ def test_policy_rejects_bad_host_knobs():
 
 def test_state_dict_round_trip_with_host_weights():
     """load_state_dict writes the host store; state_dict reads it back."""
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     model = make_model()
     plain = make_model(seed=5)
     elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, weights_on="host"))
     rt = runtime_of(model)
     for et, block in zip(rt.tensors, plain):
-        from python_api.nn import load_full_weight
+        from elastic_kernels.api.nn import load_full_weight
 
         load_full_weight(et, block.base.weight)
         assert torch.equal(rt.full_weight(et), block.base.weight)
@@ -200,9 +200,9 @@ def test_state_dict_round_trip_with_host_weights():
 
 
 def _load_worker(rank, world_size, fake_nodes):
-    import python_api.host.store as hs
-    import python_api.nn.state_dict as sd
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    import elastic_kernels.api.host.store as hs
+    import elastic_kernels.api.nn.state_dict as sd
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     if fake_nodes:  # ranks 0,1 / 2,3: two nodes, two stores
         hs.node_identity = lambda: f"fake-node-{rank // 2}"
@@ -252,10 +252,10 @@ def test_load_state_dict_writes_the_store_once_per_node(world_size, fake_nodes):
 def _nonfinite_worker(rank, world_size):
     from types import SimpleNamespace
 
-    import python_api.host.store as hs
-    from python_api import ElasticPolicy, elasticize, runtime_of
-    from python_api.finetune.engines import _nonfinite_loaded
-    from python_api.runtime import ElasticTensor
+    import elastic_kernels.api.host.store as hs
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
+    from elastic_kernels.api.finetune.engines import _nonfinite_loaded
+    from elastic_kernels.api.runtime import ElasticTensor
 
     hs.node_identity = lambda: f"fake-node-{rank // 2}"
     model = make_model()

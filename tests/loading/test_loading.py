@@ -76,7 +76,7 @@ HOST_POLICIES = [dict(POLICY, weights_on="host"), dict(POLICY, host_fraction=0.5
 
 
 def _step_both(ref, new, ids) -> list[float]:
-    from python_api.nn import lora_layers
+    from elastic_kernels.api.nn import lora_layers
 
     losses = []
     for _ in range(STEPS):
@@ -104,9 +104,9 @@ def _step_both(ref, new, ids) -> list[float]:
 def _parity(dirs, rank: int, policy: dict = POLICY) -> dict[str, list[float]]:
     from transformers import AutoModelForCausalLM
 
-    from python_api import ElasticPolicy
-    from python_api.loading import load_elastic
-    from python_api.nn import ElasticLinear, ElasticLoRALinear, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import ElasticLinear, ElasticLoRALinear, LoRAConfig, convert_to_elastic
 
     out = {}
     for kind, (path, targets) in sorted(dirs.items()):
@@ -186,7 +186,7 @@ def write_wide_llama(path: str, hidden=1024, intermediate=8192, layers=2) -> int
     it: config.json, then the tensors' names and shapes from a meta model, streamed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from python_api.loading import params_on_meta
+    from elastic_kernels.api.loading import params_on_meta
 
     cfg = LlamaConfig(
         vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -207,10 +207,10 @@ def _rss_worker(rank, world_size, path):
     import transformers.models.llama.modeling_llama  # noqa: F401 - code, not data: import it before measuring
     from transformers import AutoModelForCausalLM
 
-    from python_api import ElasticPolicy
-    from python_api.finetune.measure import reset_rss_peak, rss_peak_bytes
-    from python_api.loading import load_elastic
-    from python_api.nn import LoRAConfig, convert_to_elastic, runtime_of
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.finetune.measure import reset_rss_peak, rss_peak_bytes
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, runtime_of
 
     lora = LoRAConfig(r=4, alpha=8, target_modules="all-linear")
     policy = ElasticPolicy(chunk_bytes=CHUNK)
@@ -247,9 +247,9 @@ def _rss_worker(rank, world_size, path):
     from torch.distributed.fsdp import fully_shard  # noqa: F401
     from torch.distributed.tensor import DTensor
 
-    from python_api.finetune import parse_args, prepare
-    from python_api.finetune.engines import FSDP2Engine
-    from python_api.finetune.models import resolved_targets
+    from elastic_kernels.api.finetune import parse_args, prepare
+    from elastic_kernels.api.finetune.engines import FSDP2Engine
+    from elastic_kernels.api.finetune.models import resolved_targets
 
     job = prepare(parse_args(["--model", path, "--seq-len", "8", "--lora-targets", "all-linear", "--save-dir",
                               os.path.join(os.path.dirname(path), "out")]), rank, world_size, 0)
@@ -354,9 +354,9 @@ def _snapshot(path: str) -> dict:
 
 
 def _bad_input(bad, good_path, rank: int, world_size: int) -> list[str]:
-    from python_api import ElasticPolicy
-    from python_api.loading import LoadError, SafetensorsSource, load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import LoadError, SafetensorsSource, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     reads = []
     real_rows, real_tensor = SafetensorsSource.rows, SafetensorsSource.tensor
@@ -393,9 +393,9 @@ def test_bad_input(tmp_path, model_dirs):
     """A missing tensor, a wrong shape, a wrong dtype, a truncated file, a missing shard: a
     LoadError naming the tensor, the file, expected and found, on every rank, before anything is
     read or written."""
-    from python_api import ElasticPolicy
-    from python_api.loading import load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     bad = _bad_dirs(str(tmp_path))
     good = model_dirs["llama"][0]
@@ -414,9 +414,9 @@ def test_bad_input(tmp_path, model_dirs):
 
 
 def _cli_engine_worker(rank, world_size, mdir):
-    from python_api.finetune import parse_args, prepare
-    from python_api.finetune.engines import ElasticEngine
-    from python_api.loading import SafetensorsSource
+    from elastic_kernels.api.finetune import parse_args, prepare
+    from elastic_kernels.api.finetune.engines import ElasticEngine
+    from elastic_kernels.api.loading import SafetensorsSource
     from tests.finetune.test_finetune import TINY
 
     reads = []
@@ -487,9 +487,9 @@ def test_cast_on_load_matches_from_pretrained(tmp_path, file_dtype, load_dtype):
     files in bf16 cast up to fp32."""
     from transformers import AutoModelForCausalLM
 
-    from python_api import ElasticPolicy
-    from python_api.loading import load_elastic
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     path = str(tmp_path / "model")
     _llama(False, 5).to(file_dtype).save_pretrained(path)
@@ -503,7 +503,7 @@ def test_cast_on_load_matches_from_pretrained(tmp_path, file_dtype, load_dtype):
     assert "model.embed_tokens.weight" in replicated and "model.norm.weight" in replicated
     for n, t in replicated.items():
         assert t.dtype == want[n].dtype and torch.equal(t, want[n]), n
-    from python_api.nn import runtime_of
+    from elastic_kernels.api.nn import runtime_of
 
     assert {et.dtype for et in runtime_of(new).tensors} == {load_dtype}
     torch.manual_seed(0)
@@ -534,9 +534,9 @@ def test_tied_config_over_untied_files(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from python_api import ElasticPolicy, loading
-    from python_api.loading import load_elastic
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, loading
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     path = str(tmp_path / "untied")
     source_model = _llama(False, 7)
@@ -585,9 +585,9 @@ def test_config_with_fewer_layers_than_the_files_warns(tmp_path):
     config's layer count); the model loads and runs."""
     import warnings
 
-    from python_api import ElasticPolicy, loading
-    from python_api.loading import load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy, loading
+    from elastic_kernels.api.loading import load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     path = str(tmp_path / "short")
     _llama(False, 9).save_pretrained(path)
@@ -612,15 +612,15 @@ def test_load_elastic_checks_its_arguments(model_dirs):
     inside)."""
     from transformers import GPT2LMHeadModel
 
-    from python_api import ElasticPolicy
-    from python_api.loading import LoadError, load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import LoadError, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     path = model_dirs["llama"][0]
     lora = LoRAConfig(r=4, alpha=8, target_modules=LLAMA_TARGETS)
-    with pytest.raises(TypeError, match="policy must be a python_api.ElasticPolicy, got NoneType"):
+    with pytest.raises(TypeError, match="policy must be a elastic_kernels.api.ElasticPolicy, got NoneType"):
         load_elastic(path, lora, None)
-    with pytest.raises(TypeError, match="lora must be a python_api.LoRAConfig"):
+    with pytest.raises(TypeError, match="lora must be a elastic_kernels.api.LoRAConfig"):
         load_elastic(path, {"r": 4}, ElasticPolicy())
     with pytest.raises(ValueError, match="device='meta' holds no data"):
         load_elastic(path, lora, ElasticPolicy(), device="meta")
@@ -674,10 +674,10 @@ def test_entries_that_are_not_regular_files(tmp_path):
     directory or a dangling symbolic link: load_elastic and the CLI name what the entry is
     (they said "has no config.json", "not a valid safetensors file (truncated or corrupt?)":
     No such file or directory", or blocked)."""
-    from python_api import ElasticPolicy
-    from python_api.finetune import FinetuneError
-    from python_api.loading import LoadError, load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.finetune import FinetuneError
+    from elastic_kernels.api.loading import LoadError, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=LLAMA_TARGETS)
     for kind, (path, expect) in _entry_cases(str(tmp_path)).items():
@@ -691,7 +691,7 @@ def test_entries_that_are_not_regular_files(tmp_path):
 
 
 def _cli_prepare(mdir: str, save_dir: str):
-    from python_api.finetune import parse_args, prepare
+    from elastic_kernels.api.finetune import parse_args, prepare
 
     return prepare(parse_args(["--model", mdir, "--seq-len", "8", "--save-dir", save_dir]), 0, 1, 0)
 
@@ -699,10 +699,10 @@ def _cli_prepare(mdir: str, save_dir: str):
 def _unprivileged_checks(root: str) -> dict:
     """In the (forked, unprivileged) child: for each case, whether the permission is really
     denied, and what load_elastic and the CLI's prepare() say."""
-    from python_api import ElasticPolicy
-    from python_api.finetune import FinetuneError, parse_args, prepare
-    from python_api.loading import LoadError, load_elastic
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.finetune import FinetuneError, parse_args, prepare
+    from elastic_kernels.api.loading import LoadError, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
 
     out = {}
     for kind in ("shard", "config", "directory"):

@@ -46,7 +46,7 @@ def _peft_of(model, r, alpha, targets):
 def _copy_adapters_into_peft(elastic, peft_model, seed=7):
     """Give the elastic adapters random non-zero values (B = 0 would hide the LoRA path), and
     copy them into the PEFT model."""
-    from python_api.nn import lora_layers
+    from elastic_kernels.api.nn import lora_layers
 
     gen = torch.Generator().manual_seed(seed)
     for name, layer in lora_layers(elastic):
@@ -59,8 +59,8 @@ def _copy_adapters_into_peft(elastic, peft_model, seed=7):
 
 
 def _peft_worker(rank, world_size, policy_kwargs):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     model = tiny_llama()
     peft_model = _peft_of(model, 4, 8, TARGETS)
@@ -105,8 +105,8 @@ def test_matches_peft(world_size, policy):
 def _roundtrip_worker(rank, world_size, tmp):
     from peft import PeftModel
 
-    from python_api import ElasticPolicy
-    from python_api.nn import (
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import (
         ElasticLoRALinear,
         LoRAConfig,
         convert_to_elastic,
@@ -173,8 +173,8 @@ def test_adapter_round_trips_with_peft_and_merge(tmp_path):
 
 
 def _bad_input_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     errors = {}
     try:
@@ -192,7 +192,7 @@ def _bad_input_worker(rank, world_size):
 
 
 def test_bad_input():
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api.nn import LoRAConfig
 
     with pytest.raises(ValueError, match="r must be a positive int"):
         LoRAConfig(r=0, alpha=8)
@@ -209,8 +209,8 @@ def test_bad_input():
 
 
 def _init_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     model = convert_to_elastic(tiny_llama(), LoRAConfig(r=4, alpha=8, target_modules="all-linear", seed=3), ElasticPolicy())
     names = [n for n, _ in lora_layers(model)]

@@ -92,8 +92,8 @@ def _bf16_vs_peft(ours_model, peft_model, ref_model, names, ids, autocast: bool)
 
 
 def _autocast_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     base = tiny_llama()
     peft_model = _peft_of(base, 4, 8, TARGETS)  # fp32, run under the same autocast
@@ -115,8 +115,8 @@ def test_autocast_bf16_over_fp32_model_matches_peft():
 
 
 def _conversion_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(tiny_llama(), LoRAConfig(r=2, alpha=4, target_modules=TARGETS), ElasticPolicy(**CHUNKED))
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -163,8 +163,8 @@ def test_dtype_and_device_conversion_refused_noop_allowed():
 
 
 def _bf16_base_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     base = tiny_llama().to(torch.bfloat16)
     peft_model = _peft_of(base, 4, 8, TARGETS)  # PEFT's default: fp32 adapters on bf16 layers
@@ -185,8 +185,8 @@ def test_bf16_base_fp32_adapters_match_peft():
 
 
 def _adamw_worker(rank, world_size, autocast_adapter_dtype):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS, autocast_adapter_dtype=autocast_adapter_dtype)
     elastic = convert_to_elastic(tiny_llama().to(torch.bfloat16), lora, ElasticPolicy(**CHUNKED))
@@ -220,8 +220,8 @@ def test_adamw_step_moves_fp32_adapters_on_bf16_base():
 def _trainer_worker(rank, world_size, tmp, elastic: bool):
     from transformers import Trainer, TrainingArguments
 
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     ours = convert_to_elastic(tiny_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS), ElasticPolicy(**CHUNKED))
     peft_model = _peft_of(tiny_llama(), 4, 8, TARGETS)
@@ -262,8 +262,8 @@ def test_trainer_bf16_cpu_trains_like_peft(tmp_path):
 def _compile_worker(rank, world_size, backend):
     import torch._dynamo
 
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(tiny_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS), ElasticPolicy(**CHUNKED))
     _copy_adapters_into_peft(model, _peft_of(tiny_llama(), 4, 8, TARGETS))  # non-zero B
@@ -321,8 +321,8 @@ def test_torch_compile_matches_eager(backend):
 
 
 def _saved_tensor_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(tiny_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS), ElasticPolicy(**CHUNKED))
     layer = model.model.layers[0].self_attn.q_proj
@@ -361,8 +361,8 @@ def _gpt2_worker(rank, world_size, tmp):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    from python_api import ElasticPolicy
-    from python_api.nn import (
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import (
         ElasticLoRALinear,
         LoRAConfig,
         convert_to_elastic,
@@ -451,8 +451,8 @@ ALPHA_PATTERN = {"layers.1.self_attn.q_proj": 32, "down_proj": 3}
 def _pattern_worker(rank, world_size, tmp):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, load_adapter, lora_layers, save_adapter
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, load_adapter, lora_layers, save_adapter
 
     policy = ElasticPolicy(**CHUNKED)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
@@ -512,8 +512,8 @@ def test_load_adapter_rank_and_alpha_patterns_match_peft(tmp_path):
 def _validation_worker(rank, world_size, tmp):
     from safetensors.torch import load_file, save_file
 
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, load_adapter, save_adapter
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, load_adapter, save_adapter
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS)
     model = convert_to_elastic(tiny_llama(), lora, ElasticPolicy(**CHUNKED))
@@ -578,7 +578,7 @@ def test_load_adapter_validates_before_touching_the_model(tmp_path):
         assert msg is not None and "not ValueError" not in msg, (what, msg)
         for part in parts:
             assert part in msg, (what, part, msg)
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api.nn import LoRAConfig
 
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="alpha must be a finite positive number"):
@@ -593,8 +593,8 @@ def test_load_adapter_validates_before_touching_the_model(tmp_path):
 
 
 def _dropout_worker(rank, world_size, setup):
-    from python_api import ElasticPolicy
-    from python_api.nn import ElasticLoRALinear, LoRAConfig
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import ElasticLoRALinear, LoRAConfig
 
     weight_dtype = torch.bfloat16 if setup == "bf16_base" else torch.float32
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ def tiny_model(kind: str, n_layers: int, seed: int = 0):
 
 
 def lora_of(kind: str):
-    from python_api import LoRAConfig
+    from elastic_kernels.api import LoRAConfig
 
     targets = ("q_proj", "v_proj", "o_proj", "down_proj") if kind == "llama" else ("c_attn", "c_proj", "c_fc")
     return LoRAConfig(r=4, alpha=8, target_modules=targets)
@@ -76,7 +76,7 @@ def reference_of(lm, lora, chunk_bytes: int):
     ([Note: the reference and the tolerance])."""
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, convert_to_elastic
 
     ref = copy.deepcopy(lm)
     group = None

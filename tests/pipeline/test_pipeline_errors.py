@@ -28,8 +28,8 @@ def _error_of(fn) -> str | None:
 
 
 def _bad_input_worker(rank, world_size):
-    from python_api import ElasticPolicy
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
 
     torch.set_num_threads(1)
     out = {}
@@ -85,8 +85,8 @@ INJECT_STEP, INJECT_MB = 1, 1
 def _failing_worker(rank, world_size, init_file, out_dir, pp, fail_rank, fail_fast, timeout_s, linger_s):
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -119,7 +119,7 @@ def _failing_worker(rank, world_size, init_file, out_dir, pp, fail_rank, fail_fa
             pipe.train_step(global_batch(s, groups.dp, 2)[groups.dp_rank])
         result["finished"] = True
     except BaseException as exc:  # noqa: BLE001
-        from python_api.pipeline.failure import error_text
+        from elastic_kernels.api.pipeline.failure import error_text
 
         result["error"] = error_text(exc)
         result["t_error"] = time.time()

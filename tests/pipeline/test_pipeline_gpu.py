@@ -30,8 +30,8 @@ def _gpu_worker(init_file, queue):
         import torch
         import torch.distributed as dist
 
-        from python_api import ElasticPolicy
-        from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+        from elastic_kernels.api import ElasticPolicy
+        from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
         from tests.pipeline._common import (
             MBS,
             SEQ,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from python_api.planner.pipeline import (
+from elastic_kernels.api.planner.pipeline import (
     PipelineError,
     PipelineLayout,
     balanced_boundaries,

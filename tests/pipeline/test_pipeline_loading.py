@@ -37,9 +37,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 def _worker(rank, world_size, folder):
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy
-    from python_api.loading import SafetensorsSource, empty_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import SafetensorsSource, empty_model
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
 
     torch.set_num_threads(1)
     out = []

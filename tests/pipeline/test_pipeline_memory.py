@@ -37,13 +37,13 @@ CLOSE = 0.10
 
 
 def _worker(rank, world_size):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.loading import empty_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.pipeline.profile import ActionOverhead, measure_step_peak_bytes, pipeline_profile
-    from python_api.planner.pipeline_model import simulate
-    from python_api.planning.measure import _live_tensor_bytes, measure_profile
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.loading import empty_model
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api.pipeline.profile import ActionOverhead, measure_step_peak_bytes, pipeline_profile
+    from elastic_kernels.api.planner.pipeline_model import simulate
+    from elastic_kernels.api.planning.measure import _live_tensor_bytes, measure_profile
     from tests.pipeline._common import _solo_group
 
     torch.set_num_threads(1)

@@ -116,9 +116,9 @@ def _expected(layout, dp, weights, pack_of, on, step_index):
 def _worker(rank, world_size, configs):
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.planner.pipeline import residency_trace
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api.planner.pipeline import residency_trace
 
     torch.set_num_threads(1)
     report = []

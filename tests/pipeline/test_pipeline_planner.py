@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from python_api.planner.pipeline import PipelineLayout
-from python_api.planner.pipeline_model import (
+from elastic_kernels.api.planner.pipeline import PipelineLayout
+from elastic_kernels.api.planner.pipeline_model import (
     PipeLayer,
     PipelineProfile,
     PipeWeight,
@@ -23,7 +23,7 @@ from python_api.planner.pipeline_model import (
     simulate,
     synthetic_pipeline_profile,
 )
-from python_api.planner.profile import Link
+from elastic_kernels.api.planner.profile import Link
 
 FREE = Link(0.0, 1e30)
 

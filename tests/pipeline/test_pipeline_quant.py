@@ -93,7 +93,7 @@ def _expected(layout, dp, weights, pack_of, quant, step_index):
 
 
 def _policy(quant, **kw):
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     fmt, block, nested = quant
     return ElasticPolicy(chunk_bytes=CHUNK, weight_format=fmt, quant_block_size=block, quant_nested=nested, **kw)
@@ -102,7 +102,7 @@ def _policy(quant, **kw):
 def _reference(lm, lora, quant):
     """The pp = 1 model with the same format, on this rank alone ([Note: the reference and the
     tolerance])."""
-    from python_api import convert_to_elastic
+    from elastic_kernels.api import convert_to_elastic
 
     ref = copy.deepcopy(lm)
     convert_to_elastic(ref, lora, _policy(quant, all_reduce_grads=False), group=_solo_group())
@@ -126,10 +126,10 @@ def _bnb_checkpoint(folder: str, kind: str, L: int) -> str:
 def _worker(rank, world_size, configs, folder):
     import torch.distributed as dist
 
-    from python_api import convert_to_elastic, load_elastic
-    from python_api.loading import SafetensorsSource, empty_model, read_checkpoint_format, read_config
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.planner.pipeline import residency_trace
+    from elastic_kernels.api import convert_to_elastic, load_elastic
+    from elastic_kernels.api.loading import SafetensorsSource, empty_model, read_checkpoint_format, read_config
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api.planner.pipeline import residency_trace
 
     torch.set_num_threads(1)
     report = []

@@ -45,7 +45,7 @@ def _torchrun(job_args, what, nproc=4, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "python_api.finetune", *job_args]
+           "-m", "elastic_kernels.api.finetune", *job_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -103,7 +103,7 @@ def test_resume_is_bit_exact_and_the_adapter_is_the_pp1_adapter(runs):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from python_api.finetune import embedded_config, embedded_model
+    from elastic_kernels.api.finetune import embedded_config, embedded_model
 
     both, half, resumed = runs
     uninterrupted = _summary(both)["runs"][1]["losses"]

@@ -89,7 +89,7 @@ def _missing_chunks(n: int, kept: int, f: float) -> tuple[list[int], list[int]]:
 
 
 def step_seconds(profile, plan, min_buffer: int = 512, unit_waits: bool = True) -> float:
-    """The simulated seconds of one optimizer step of `plan` (a python_api Plan) on `profile`.
+    """The simulated seconds of one optimizer step of `plan` (a elastic_kernels.api Plan) on `profile`.
     `unit_waits`: a weight's compute waits for everything its unit's use misses (what the
     cost model assumes); False: only for its own chunks (what the runtime does)."""
     W = profile.world_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.planner._event_sim import _missing_chunks, _served
 
-MIN_BUFFER = 512  # python_api.config.MIN_HOST_BUFFER_BYTES (the offloader's smallest buffer)
+MIN_BUFFER = 512  # elastic_kernels.api.config.MIN_HOST_BUFFER_BYTES (the offloader's smallest buffer)
 
 
 def _fraction(profile, plan) -> float:

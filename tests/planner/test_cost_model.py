@@ -12,7 +12,15 @@ import random
 
 import pytest
 
-from python_api.planner import Choices, Link, PlanningError, memory_curve, plan_from_profile, plan_of, synthetic_profile
+from elastic_kernels.api.planner import (
+    Choices,
+    Link,
+    PlanningError,
+    memory_curve,
+    plan_from_profile,
+    plan_of,
+    synthetic_profile,
+)
 from tests.planner._event_sim import latency_slack, step_seconds
 from tests.planner.test_planner import random_host_profile, random_profile
 
@@ -74,7 +82,7 @@ def test_step_time_is_the_event_simulation_two_sided():
 def test_queued_gathers_by_hand():
     """Three units, one weight each, nothing kept, prefetch depth 2, one micro-batch: the
     second and third gathers queue on the one communication stream."""
-    from python_api.planner import LayerProfile, OutsideProfile, Profile, WeightProfile, step_cost
+    from elastic_kernels.api.planner import LayerProfile, OutsideProfile, Profile, WeightProfile, step_cost
 
     layers = tuple(LayerProfile(f"L{i}", False, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0,
                                 (WeightProfile("w", 1, 100, 200),)) for i in range(3))

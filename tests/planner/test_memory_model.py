@@ -41,8 +41,8 @@ def _plans(profile, world_size):
     """Plans on regimes and micro-batches the profile was not fitted on."""
     import dataclasses
 
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_from_profile, plan_of
+    from elastic_kernels.api.planner.memory import Choices
+    from elastic_kernels.api.planner.search import plan_from_profile, plan_of
 
     def of(choices):
         return plan_of(profile, choices, memory_bytes=1 << 30, global_batch=4 * world_size)
@@ -61,10 +61,10 @@ def _plans(profile, world_size):
 
 
 def _worker(rank, world_size):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_peak_bytes, measure_profile
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_peak_bytes, measure_profile
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, 4, 8, 4)
@@ -116,12 +116,12 @@ def _host_worker(rank, world_size):
     backward, the credit of [Note: activation offload in the memory model]), against the
     measured tensor peak. The offload's host buffers are host memory, not counted: on this
     CPU-only machine they are CPU tensors too, told apart by `measure_peak_bytes`."""
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_peak_bytes, measure_profile
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.planner.memory import Choices
+    from elastic_kernels.api.planner.search import plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_peak_bytes, measure_profile
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, 4, 8, 4)

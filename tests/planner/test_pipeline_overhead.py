@@ -28,8 +28,8 @@ import math
 
 import pytest
 
-from python_api.planner.pipeline import PipelineError, PipelineLayout
-from python_api.planner.pipeline_model import (
+from elastic_kernels.api.planner.pipeline import PipelineError, PipelineLayout
+from elastic_kernels.api.planner.pipeline_model import (
     SYNTHETIC_STAGE_OVERHEAD_S,
     PipeLayer,
     PipelineProfile,
@@ -38,7 +38,7 @@ from python_api.planner.pipeline_model import (
     simulate,
     synthetic_pipeline_profile,
 )
-from python_api.planner.profile import Link
+from elastic_kernels.api.planner.profile import Link
 
 FREE = Link(0.0, 1e30)
 T = 128  # tokens per micro-batch: micro-batch 1 x seq 128
@@ -123,7 +123,7 @@ def test_synthetic_profiles_carry_the_stated_default():
 @pytest.mark.parametrize("latency", [0.0, 2e-3])
 @pytest.mark.parametrize("c", [0.0, 1e-4, 4e-3, 3e-2])
 def test_the_measurement_fit_inverts_the_model(latency, c):
-    from python_api.pipeline.profile import _fit_schedule, mini_pipeline_step
+    from elastic_kernels.api.pipeline.profile import _fit_schedule, mini_pipeline_step
 
     inside, packs, m = 3e-3, 2, 4
     wall = mini_pipeline_step(inside, c, latency, packs, m)
@@ -174,11 +174,11 @@ def _measure_worker(rank, world_size):
 
     import torch
 
-    from python_api import ElasticPolicy
-    from python_api.loading import empty_model
-    from python_api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
-    from python_api.pipeline.profile import measure_action_overhead, pipeline_profile
-    from python_api.planner.profile import LayerProfile, OutsideProfile, Profile, WeightProfile
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import empty_model
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
+    from elastic_kernels.api.pipeline.profile import measure_action_overhead, pipeline_profile
+    from elastic_kernels.api.planner.profile import LayerProfile, OutsideProfile, Profile, WeightProfile
     from tests.pipeline._common import MBS, SEQ, VOCAB, lora_of, tiny_model
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
 
 def _elastic(seed=0, **policy):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(_llama(seed), LoRAConfig(r=4, alpha=8, target_modules=TARGETS, seed=3),
                                ElasticPolicy(chunk_bytes=48 * 4 * 5, all_reduce_grads=True, **policy))
@@ -42,10 +42,10 @@ def _elastic(seed=0, **policy):
 def _host_worker(rank, world_size, policy, fractions):
     import dataclasses
 
-    from python_api import reset_stats, stats
-    from python_api.planner.search import plan_from_profile, plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import reset_stats, stats
+    from elastic_kernels.api.planner.search import plan_from_profile, plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_profile
 
     per_rank = 2
     global_batch = per_rank * world_size
@@ -65,7 +65,7 @@ def _host_worker(rank, world_size, policy, fractions):
             plans.append(plan_of(profile, c, memory_bytes=1 << 30, global_batch=global_batch))
     # ...and the planner's own choices, with the host dimensions searched: under an ample cap,
     # and at the least memory any plan fits in (feasibility is monotone), and just above it.
-    from python_api.planner.search import least_memory
+    from elastic_kernels.api.planner.search import least_memory
 
     ample = plan_from_profile(profile, 1 << 30, global_batch)
     lo = least_memory(profile, global_batch)
@@ -112,10 +112,10 @@ def test_runtime_follows_host_plans(policy, fractions):
 def _no_store_worker(rank, world_size):
     import dataclasses
 
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api.planner.memory import Choices
+    from elastic_kernels.api.planner.search import plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_profile
 
     model = _elastic()
     profile = measure_profile(model, [torch.randint(0, 96, (2, SEQ))], capacity_bytes=1 << 30, host_tier=True)

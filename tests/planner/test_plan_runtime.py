@@ -34,7 +34,7 @@ def _llama(seed=0):
 
 
 def _elastic(seed=0):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(_llama(seed), LoRAConfig(r=4, alpha=8, target_modules=TARGETS, seed=3),
                                ElasticPolicy(chunk_bytes=48 * 4 * 5, all_reduce_grads=True))
@@ -49,7 +49,7 @@ def _elastic(seed=0):
 
 def _step(model, batches, accumulation):
     """One optimizer step's forward/backward over `accumulation` micro-batches (no update)."""
-    from python_api import no_sync
+    from elastic_kernels.api import no_sync
 
     total = 0.0
     for a in range(accumulation):
@@ -69,7 +69,7 @@ def _grads(model):
 
 
 def _random_choices(profile, rng, micro_batch):
-    from python_api.planner.memory import Choices
+    from elastic_kernels.api.planner.memory import Choices
 
     keep, persist = [], []
     for layer in profile.layers:
@@ -86,10 +86,10 @@ def _random_choices(profile, rng, micro_batch):
 
 
 def _follow_worker(rank, world_size, n_plans):
-    from python_api import reset_stats, stats
-    from python_api.planner.search import least_memory, plan_from_profile, plan_of
-    from python_api.planning.apply import apply_plan, recomputes
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import reset_stats, stats
+    from elastic_kernels.api.planner.search import least_memory, plan_from_profile, plan_of
+    from elastic_kernels.api.planning.apply import apply_plan, recomputes
+    from elastic_kernels.api.planning.measure import measure_profile
 
     per_rank = 2
     global_batch = per_rank * world_size
@@ -114,7 +114,7 @@ def _follow_worker(rank, world_size, n_plans):
         apply_plan(planned, plan)
         for layer in plan.layers:
             assert recomputes(planned.get_submodule(layer.name)) == layer.recompute
-        from python_api import runtime_of
+        from elastic_kernels.api import runtime_of
 
         assert runtime_of(planned).policy.prefetch_depth == plan.prefetch_depth
         measured = []
@@ -145,10 +145,10 @@ def _recompute_worker(rank, world_size):
     """The same residency with and without recompute: the extra bytes are the plan's."""
     import dataclasses
 
-    from python_api import reset_stats, stats
-    from python_api.planner.search import plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import reset_stats, stats
+    from elastic_kernels.api.planner.search import plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_profile
 
     gen = torch.Generator().manual_seed(7 + rank)
     model = _elastic()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from python_api.planner import (
+from elastic_kernels.api.planner import (
     Choices,
     LayerProfile,
     Link,
@@ -207,7 +207,7 @@ def test_memory_curve_by_hand():
 def test_search_bound_is_the_memory_model():
     # The search's fast activation bound is memory_curve with nothing kept, minus the
     # constant parts; with buffers=False it is memory_curve with everything kept.
-    from python_api.planner.search import _Search
+    from elastic_kernels.api.planner.search import _Search
 
     rng = random.Random(11)
     for prof in [synthetic_profile("llama2-70b", ranks=8, seq_len=4096)] + [random_profile(rng) for _ in range(30)]:
@@ -224,7 +224,7 @@ def test_search_estimate_is_the_cost_model():
     # (micro-batch, recompute set, memory) it must equal the cost model of the choices it
     # makes (so "more memory never slower" holds for the reported time), and those choices
     # must fit under the exact memory model.
-    from python_api.planner.search import _Search
+    from elastic_kernels.api.planner.search import _Search
 
     rng = random.Random(8)
     checked = 0
@@ -454,7 +454,7 @@ def test_synthetic_shapes_by_hand():
 # ---------------------------------------------------------------- CLI
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "python_api.planner", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "elastic_kernels.api.planner", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -540,7 +540,7 @@ def test_close_to_exhaustive_search_with_the_host_tier():
     import dataclasses
     import itertools
 
-    from python_api.planner.search import host_candidates, least_memory
+    from elastic_kernels.api.planner.search import host_candidates, least_memory
 
     rng = random.Random(11)
     checked = optimal = 0
@@ -613,8 +613,8 @@ def random_host_profile(rng: random.Random) -> Profile:
 
 
 def test_host_chunk_count_is_the_runtime_rule():
-    from python_api.host.sources import host_chunks
-    from python_api.planner.memory import host_chunk_count, is_host_chunk
+    from elastic_kernels.api.host.sources import host_chunks
+    from elastic_kernels.api.planner.memory import host_chunk_count, is_host_chunk
 
     rng = random.Random(3)
     fractions = [0.0, 0.25, 0.5, 0.75, 1.0, 0.3, 1 / 3, 0.1, 0.7, 0.9999] + [rng.random() for _ in range(30)]
@@ -627,8 +627,8 @@ def test_host_chunk_count_is_the_runtime_rule():
 
 
 def test_offload_size_class_is_the_offloaders():
-    from python_api.host.offload import MIN_HOST_BUFFER_BYTES, size_class
-    from python_api.planner.memory import MIN_HOST_BUFFER_BYTES as OURS, offload_size_class
+    from elastic_kernels.api.host.offload import MIN_HOST_BUFFER_BYTES, size_class
+    from elastic_kernels.api.planner.memory import MIN_HOST_BUFFER_BYTES as OURS, offload_size_class
 
     assert OURS == MIN_HOST_BUFFER_BYTES
     for nbytes in list(range(1, 2000)) + [4095, 4096, 4097, 10**6]:
@@ -638,7 +638,7 @@ def test_offload_size_class_is_the_offloaders():
 def test_host_traffic_by_hand():
     import dataclasses
 
-    from python_api.planner import h2d_bytes_per_micro_batch
+    from elastic_kernels.api.planner import h2d_bytes_per_micro_batch
 
     # Two ranks, wa: 2 chunks of 1000 B (slice 500), wb: 1 chunk of 600 B with a ragged... no:
     # wa's last chunk is 700 B. host_fraction 0.5: wa chunk 1 is the host chunk (int(2 x .5) >
@@ -675,7 +675,7 @@ def test_restored_copies_are_pairs_of_consecutive_linears():
     """[Note: activation offload in the memory model]: during a linear's backward its own
     restored copy and the one started ahead for the linear before it are alive; across
     layers the chain goes on from the previous offloading layer's last linear."""
-    from python_api.planner.memory import per_linear, restored_bytes
+    from elastic_kernels.api.planner.memory import per_linear, restored_bytes
 
     served = (((0, 10), (0, 1), (1, 5)), (), ((0, 7), (2, 3)), ((4, 2),))
     assert per_linear(served[0]) == [11, 5] and per_linear(()) == []
@@ -685,7 +685,7 @@ def test_restored_copies_are_pairs_of_consecutive_linears():
 
 
 def test_host_search_bound_is_the_memory_model():
-    from python_api.planner.search import _Search
+    from elastic_kernels.api.planner.search import _Search
 
     rng = random.Random(12)
     for prof in [synthetic_profile("llama2-13b", ranks=8, seq_len=4096, host_tier=True)] + \
@@ -704,7 +704,7 @@ def test_host_search_bound_is_the_memory_model():
 
 
 def test_host_search_estimate_is_the_cost_model():
-    from python_api.planner.search import _Search
+    from elastic_kernels.api.planner.search import _Search
 
     rng = random.Random(18)
     checked = 0
@@ -733,7 +733,7 @@ def test_host_search_estimate_is_the_cost_model():
 
 
 def test_host_budget_never_exceeded_and_monotone_random():
-    from python_api.planner import h2d_bytes_per_step
+    from elastic_kernels.api.planner import h2d_bytes_per_step
 
     rng = random.Random(4321)
     planned = 0
@@ -836,7 +836,7 @@ def test_host_documents_round_trip_and_old_ones_load(tmp_path):
 def test_prefetch_window_is_searched_and_monotone():
     """prefetch_depth=None searches PREFETCH_DEPTHS: never slower than either fixed depth
     where that fits, monotone in memory, and quick on the 70B shape with the host tier."""
-    from python_api.planner.search import PREFETCH_DEPTHS
+    from elastic_kernels.api.planner.search import PREFETCH_DEPTHS
 
     prof = synthetic_profile("llama2-13b", ranks=8, seq_len=4096)
     previous = None

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from python_api.planner import Plan, ProfileError, plan_from_profile, synthetic_profile
+from elastic_kernels.api.planner import Plan, ProfileError, plan_from_profile, synthetic_profile
 
 
 def _planner_with(plan, cap, profile=None):
     """A JobPlanner with just the state its writers and cap logic read (no model, no run)."""
-    from python_api.finetune.planning import JobPlanner
+    from elastic_kernels.api.finetune.planning import JobPlanner
 
     jp = JobPlanner.__new__(JobPlanner)
     jp.plan, jp.cap, jp.profile = plan, cap, profile
@@ -23,8 +23,8 @@ def _planner_with(plan, cap, profile=None):
 
 
 def test_the_cli_plan_json_loads(tmp_path):
-    from python_api.finetune.files import write_json
-    from python_api.finetune.planning import plan_document
+    from elastic_kernels.api.finetune.files import write_json
+    from elastic_kernels.api.finetune.planning import plan_document
 
     prof = synthetic_profile("llama2-7b", ranks=8, seq_len=2048, host_tier=True)
     first = plan_from_profile(prof, 40 * 10**9, 64)

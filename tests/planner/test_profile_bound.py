@@ -40,10 +40,10 @@ EXTRA_LAYER = "model.layers.0"  # its own group already (its q/k/v have no backw
 
 
 def _worker(rank, world_size):
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic, runtime_of
-    from python_api.finetune.models import embedded_config, embedded_model
-    from python_api.planner.memory import Choices, memory_curve
-    from python_api.planning.measure import measure_peak_bytes, measure_profile
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, runtime_of
+    from elastic_kernels.api.finetune.models import embedded_config, embedded_model
+    from elastic_kernels.api.planner.memory import Choices, memory_curve
+    from elastic_kernels.api.planning.measure import measure_peak_bytes, measure_profile
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, LAYERS, 8, 4)
@@ -78,7 +78,7 @@ def _worker(rank, world_size):
     pool_peak = rt.pool.stats()["peak_in_use_bytes"]
     # A bound below what streaming every weight needs: refused with ProfileBoundError (the CLI
     # then profiles half the micro-batch), and the runtime's residency is as it was.
-    from python_api.planning.measure import ProfileBoundError
+    from elastic_kernels.api.planning.measure import ProfileBoundError
 
     before = [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     too_small = None
@@ -149,8 +149,8 @@ def _durations(profile, micro_batches):
 
 
 def test_bounded_profile_plans_like_the_unbounded_one(reports):
-    from python_api.planner import Profile, plan_from_profile, step_cost
-    from python_api.planner.search import least_memory
+    from elastic_kernels.api.planner import Profile, plan_from_profile, step_cost
+    from elastic_kernels.api.planner.search import least_memory
 
     r = reports[0]
     unbounded, bounded = Profile.from_dict(r["unbounded"]), Profile.from_dict(r["bounded"])
@@ -222,7 +222,7 @@ def test_profile_bound_error_keeps_its_figures_through_pickling():
     unpickled, it has the same message and figures."""
     import pickle
 
-    from python_api.planning.measure import ProfileBoundError
+    from elastic_kernels.api.planning.measure import ProfileBoundError
 
     exc = pickle.loads(pickle.dumps(ProfileBoundError("needs 5 bytes", 5, 3)))
     assert (str(exc), exc.needed_bytes, exc.bound_bytes) == ("needs 5 bytes", 5, 3)

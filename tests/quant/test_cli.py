@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from python_api.finetune.options import parse_args, policy_of
+from elastic_kernels.api.finetune.options import parse_args, policy_of
 
 BASE = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
         "--num-kv-heads", "2", "--seq-len", "16", "--micro-batch", "2", "--chunk-kib", "1",
@@ -44,7 +44,7 @@ def test_bad_options(extra, match, capsys):
 def test_run_configuration_carries_the_format():
     """Only when a format is set (checkpoints written before the option keep matching a
     --weight-format none run); a checkpoint in another format differs by that field."""
-    from python_api.finetune.agreement import configuration_differences, run_configuration
+    from elastic_kernels.api.finetune.agreement import configuration_differences, run_configuration
 
     class _Spec:
         class config:

@@ -70,8 +70,8 @@ def _reference_losses(job) -> list[float]:
     the mean loss of the W x accum micro-batches per step, AdamW."""
     from torchao.quantization import to_nf4
 
-    from python_api.finetune.engines import elastic_weights, peft_with_initial_adapters
-    from python_api.finetune.loop import adamw
+    from elastic_kernels.api.finetune.engines import elastic_weights, peft_with_initial_adapters
+    from elastic_kernels.api.finetune.loop import adamw
 
     args, W = job.args, job.world_size
     base = job.spec.build()
@@ -97,15 +97,15 @@ def _reference_losses(job) -> list[float]:
 
 
 def _worker(rank, world_size, save_dir):
-    from python_api.finetune import peers, runner
-    from python_api.finetune.engines import ElasticEngine
-    from python_api.finetune.errors import FinetuneError
-    from python_api.finetune.job import prepare
-    from python_api.finetune.loop import train
-    from python_api.finetune.measure import AllGatherCounter, PeakMemory
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine
-    from python_api.nn import adapter_state_dict
+    from elastic_kernels.api.finetune import peers, runner
+    from elastic_kernels.api.finetune.engines import ElasticEngine
+    from elastic_kernels.api.finetune.errors import FinetuneError
+    from elastic_kernels.api.finetune.job import prepare
+    from elastic_kernels.api.finetune.loop import train
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine
+    from elastic_kernels.api.nn import adapter_state_dict
 
     args = parse_args(NF4_TINY + ["--steps", str(STEPS), "--compare-format", "nf4", "--quant-nested",
                                   "--baseline", "fsdp2-nf4", "--save-dir", save_dir, "--overwrite"])
@@ -173,7 +173,7 @@ def test_peer_and_elastic_nf4_agree_within_the_nf4_tolerance(nf4_runs):
     not bit for bit ([Note: the NF4 peer's loss tolerance]); the full-precision elastic run is
     beyond it (what a peer that did not quantize would give), and the summary says which run is
     compared with the peer and which is not."""
-    from python_api.finetune.report import nf4_gap_bound
+    from elastic_kernels.api.finetune.report import nf4_gap_bound
 
     for rank_out in nf4_runs:
         none, nf4, peer = rank_out["runs"]
@@ -224,9 +224,9 @@ def test_a_weight_the_peer_cannot_shard_is_refused_on_every_rank(nf4_runs):
 def test_one_rank_is_refused(tmp_path):
     """On a one-rank mesh torch 2.14's FSDP2 skips the all-gather and hands torchao's
     fsdp_post_all_gather one of its three packed parts: refused before anything is built."""
-    from python_api.finetune.job import prepare
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.peers.fsdp2_nf4 import shape_error
+    from elastic_kernels.api.finetune.job import prepare
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.peers.fsdp2_nf4 import shape_error
 
     job = prepare(parse_args(NF4_TINY + ["--baseline", "fsdp2-nf4", "--save-dir", str(tmp_path)]), 0, 1, 0)
     assert shape_error(job).startswith("--baseline fsdp2-nf4 needs at least 2 ranks")
@@ -242,7 +242,7 @@ def test_one_rank_is_refused(tmp_path):
     (["--compare-format", "nf4", "--quant-block", "48"], "power of two in [32, 4096], got 48"),
 ])
 def test_compare_format_options_refused(argv, needle, capsys):
-    from python_api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.options import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -252,7 +252,7 @@ def test_compare_format_options_refused(argv, needle, capsys):
 def test_compare_format_with_the_host_tier():
     """The host store holds quantized images too ([Note: filling the host store]): a compared
     format with the weights on the host is a valid run, checked by the policy as it will run."""
-    from python_api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.options import parse_args
 
     args = parse_args(["--compare-format", "nf4,int8", "--weights-on", "host"])
     assert sorted(args.compare_formats) == ["int8", "nf4"]
@@ -262,8 +262,8 @@ def test_formats_and_peers_combine():
     """Every peer runs beside a quantized elastic run (its losses are checked only against the
     peer of its own weights, [Note: the NF4 peer's loss tolerance]); --compare-format adds the
     job in another format at the main and the compared budgets."""
-    from python_api.finetune.options import parse_args
-    from python_api.finetune.runner import comparison_builds
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.runner import comparison_builds
 
     args = parse_args(["--weight-format", "nf4", "--baseline", "fsdp2,fsdp2-nf4,ddp"])
     assert args.baselines == ["fsdp2", "fsdp2-nf4", "ddp"]
@@ -278,8 +278,8 @@ def test_formats_and_peers_combine():
 def test_nf4_gap_beyond_the_tolerance_is_a_warning_naming_step_one(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from python_api.finetune import report, runner
-    from python_api.finetune.options import parse_args
+    from elastic_kernels.api.finetune import report, runner
+    from elastic_kernels.api.finetune.options import parse_args
 
     monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
     args = parse_args(["--save-dir", str(tmp_path)])

@@ -83,8 +83,8 @@ def _worker(rank, world_size, cases, offload_fmt, path):
 def _load_new_weights(rt, fmt, block, nested) -> bool:
     """load_state_dict's path into a host weight (`load_full_weight`): the store then holds the
     new weight's image and the runtime returns its dequantized values."""
+    from elastic_kernels.api.nn import load_full_weight
     from elastic_kernels.quant import QuantizedLayout
-    from python_api.nn import load_full_weight
     from tests.quant._models import dequantized
 
     new = quant_llama(seed=1)
@@ -101,9 +101,9 @@ def _load_new_weights(rt, fmt, block, nested) -> bool:
 def _loaded(path) -> bool:
     """load_elastic from safetensors with weights_on="host": the ranks fill the store from the
     rows they read of the files, quantized as the in-memory model's weights are."""
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig
     from elastic_kernels.quant import QuantizedLayout
-    from python_api import ElasticPolicy, load_elastic
-    from python_api.nn import LoRAConfig
 
     model = load_elastic(path, LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
                          ElasticPolicy(chunk_bytes=CHUNK, weight_format="nf4", quant_nested=True, weights_on="host",
@@ -121,8 +121,8 @@ def _nonfinite(rank):
     """Non-finite values in the rows each rank quantized into the store (weights_on="host":
     no shard; the engine's load check reads `nonfinite_read`): per weight, over the ranks of a
     node, every value once."""
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = quant_llama()
     with torch.no_grad():
@@ -140,12 +140,12 @@ def _planned(rank):
     model measured by the planner's profiler, offload off and on."""
     import dataclasses
 
-    from python_api import ElasticPolicy, reset_stats, stats
-    from python_api.nn import LoRAConfig, convert_to_elastic
-    from python_api.planner.memory import Choices
-    from python_api.planner.search import plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import ElasticPolicy, reset_stats, stats
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.planner.memory import Choices
+    from elastic_kernels.api.planner.search import plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_profile
 
     model = convert_to_elastic(quant_llama(), LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj"), seed=3),
                                ElasticPolicy(chunk_bytes=CHUNK, weight_format="nf4", weights_on="host"))
@@ -262,7 +262,7 @@ def test_cli_host_weights_nf4(tmp_path):
     """--weights-on host --weight-format nf4 on 2 ranks, 2 steps, the whole pool: the first step
     copies every chunk into each rank's pool once, i.e. exactly the quantized weights' bytes
     (frozen_bytes, as stored), the second nothing; --compare-host with a format is accepted."""
-    from python_api.finetune.options import parse_args, policy_of
+    from elastic_kernels.api.finetune.options import parse_args, policy_of
     from tests.finetune.test_finetune import summary_of, torchrun
     from tests.quant.test_cli import BASE
 

@@ -21,8 +21,8 @@ def _save(path, file_dtype):
 def _worker(rank, world_size, path, fmt, block, nested, load_dtype):
     from transformers import LlamaForCausalLM
 
-    from python_api import ElasticPolicy, load_elastic
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS)
     policy = ElasticPolicy(chunk_bytes=64 * 4 * 7, weight_format=fmt, quant_block_size=block, quant_nested=nested,
@@ -125,14 +125,14 @@ def bnb_checkpoints(tmp_path_factory):
 
 
 def _bnb_lora(path):
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api.nn import LoRAConfig
 
     targets = ("c_attn", "c_fc") if "gpt2" in path else BNB_TARGETS
     return LoRAConfig(r=4, alpha=8, target_modules=targets)
 
 
 def _bnb_policy(path, chunk_bytes):
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     nested = "-dq" in path
     return ElasticPolicy(chunk_bytes=chunk_bytes, weight_format="nf4", quant_nested=nested,
@@ -141,7 +141,7 @@ def _bnb_policy(path, chunk_bytes):
 
 def _two_steps(model):
     """Adapters B set from a fixed generator, two SGD steps on one batch: losses and grads."""
-    from python_api.nn import lora_layers
+    from elastic_kernels.api.nn import lora_layers
 
     gen = torch.Generator().manual_seed(7)
     for _, layer in lora_layers(model):
@@ -166,8 +166,8 @@ def _two_steps(model):
 
 
 def _bnb_worker(rank, world_size, cases):
-    from python_api import load_elastic
-    from python_api.loading import SafetensorsSource
+    from elastic_kernels.api import load_elastic
+    from elastic_kernels.api.loading import SafetensorsSource
 
     made = []
     real_packed = SafetensorsSource._packed
@@ -216,9 +216,9 @@ def _bnb_reference(path, chunk_bytes):
     from bitsandbytes.functional import dequantize_4bit
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from python_api import ElasticPolicy
-    from python_api.nn import convert_to_elastic
-    from python_api.nn.lora import is_conv1d
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import convert_to_elastic
+    from elastic_kernels.api.nn.lora import is_conv1d
 
     cfg = AutoConfig.from_pretrained(path)
     del cfg.quantization_config
@@ -316,14 +316,14 @@ def test_bitsandbytes_4bit_checkpoint_loads_and_equals_it(bnb_checkpoints):
 
 def _no_reads(monkeypatch, records_too: bool):
     """Make any read of a weight (or, with records_too, of any tensor at all) fail the test."""
-    from python_api.loading.source import SafetensorsSource
+    from elastic_kernels.api.loading.source import SafetensorsSource
 
     def no_reads(*a, **k):
         raise AssertionError("a tensor was read")
 
     monkeypatch.setattr(SafetensorsSource, "rows", no_reads)
     monkeypatch.setattr(SafetensorsSource, "tensor", no_reads)
-    monkeypatch.setattr("python_api.loading.source.read_slices", no_reads)
+    monkeypatch.setattr("elastic_kernels.api.loading.source.read_slices", no_reads)
     if records_too:
         monkeypatch.setattr(SafetensorsSource, "_small", no_reads)
 
@@ -392,8 +392,8 @@ def test_quantized_checkpoint_refused_before_reading(bnb_checkpoints, tmp_path, 
     its quantization_config, is a LoadError naming what was found, before any weight is read
     (before any tensor at all when the config says it; a packed weight's record and codebooks
     are read by the check, never a weight)."""
-    from python_api import ElasticPolicy, load_elastic
-    from python_api.loading import LoadError
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.loading import LoadError
 
     _, name, config, tensors, policy, nothing, pattern = case
     path = bnb_checkpoints[name]
@@ -409,9 +409,9 @@ def test_quantization_config_over_full_precision_files_is_refused(tmp_path, monk
     packed weight at all) is refused before any tensor is read, not quantized on load."""
     import json
 
-    from python_api import ElasticPolicy, load_elastic
-    from python_api.loading import LoadError
-    from python_api.nn import LoRAConfig
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.loading import LoadError
+    from elastic_kernels.api.nn import LoRAConfig
 
     _save(str(tmp_path), torch.float32)
     cfg_file = tmp_path / "config.json"
@@ -429,9 +429,9 @@ def test_packed_files_without_load_elastic_are_refused(bnb_checkpoints, monkeypa
     """A source that was not told the checkpoint's format (convert_to_elastic over a
     SafetensorsSource, as the CLI builds it) names the packed weights instead of comparing
     their uint8 shapes with the model's."""
-    from python_api import ElasticPolicy
-    from python_api.loading import LoadError, SafetensorsSource, empty_model
-    from python_api.nn import convert_to_elastic
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.loading import LoadError, SafetensorsSource, empty_model
+    from elastic_kernels.api.nn import convert_to_elastic
 
     path = bnb_checkpoints[DQ]
     source = SafetensorsSource(path)
@@ -439,6 +439,6 @@ def test_packed_files_without_load_elastic_are_refused(bnb_checkpoints, monkeypa
     with pytest.raises(LoadError, match=r"do not fit the model: 14 weight\(s\) are stored packed by bitsandbytes "
                                         r"\('nf4' 4-bit\), e.g. 'model.layers.0.self_attn.q_proj.weight', and this "
                                         r"source reads full-precision tensors: load the checkpoint with "
-                                        r"python_api.load_elastic"):
+                                        r"elastic_kernels.api.load_elastic"):
         convert_to_elastic(empty_model(path), _bnb_lora(path), ElasticPolicy(weight_format="nf4", quant_nested=True),
                            source=source)

@@ -14,8 +14,8 @@ def _block(fmt):
 
 
 def _convert(fmt, nested):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     model = quant_llama()
     base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -30,7 +30,7 @@ def _convert(fmt, nested):
 
 
 def _merge_worker(rank, world_size, fmt, nested):
-    from python_api.nn import lora_layers, merge_adapters
+    from elastic_kernels.api.nn import lora_layers, merge_adapters
 
     elastic, base, policy = _convert(fmt, nested)
     expected = {}
@@ -61,7 +61,7 @@ def test_merge_dequantizes_then_adds_the_delta(world_size, fmt, nested):
 def test_load_state_dict_requantizes():
     """Loading full-precision weights into a quantized model stores them quantized: the layer
     then computes with their dequantized values (the shard is the image of the new values)."""
-    from python_api.nn import lora_layers
+    from elastic_kernels.api.nn import lora_layers
 
     elastic, base, policy = _convert("nf4", False)
     name, layer = lora_layers(elastic)[0]

@@ -41,8 +41,8 @@ def _bnb_peft(model, nested):
 
 
 def _worker(rank, world_size, nested, chunk_bytes):
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
 
     model = quant_llama()
     peft_model = _bnb_peft(model, nested)
@@ -91,8 +91,8 @@ def test_matches_peft_over_bitsandbytes_linear4bit(world_size, nested, chunk_byt
 def _bf16_checkpointing_worker(rank, world_size):
     """As a user runs QLoRA: bf16 autocast over the fp32 model, gradient checkpointing, 2 ranks
     with the same batch (so the all-reduced adapter gradients are the local ones)."""
-    from python_api import ElasticPolicy
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
     from tests.nn.test_lora_setups import _adapters, _bf16_vs_peft
 
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))

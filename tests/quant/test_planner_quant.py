@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from python_api.planner import (
+from elastic_kernels.api.planner import (
     Choices,
     LayerProfile,
     Link,
@@ -34,8 +34,8 @@ from python_api.planner import (
     step_cost,
     synthetic_profile,
 )
-from python_api.planner.profile import WeightFormat
-from python_api.planner.shapes import DEVICES, SHAPES
+from elastic_kernels.api.planner.profile import WeightFormat
+from elastic_kernels.api.planner.shapes import DEVICES, SHAPES
 from tests._dist import run_distributed
 from tests.quant._models import quant_llama
 from tests.quant.test_runtime_quant import _blob_bytes
@@ -51,7 +51,7 @@ def _use_seconds(qlayout, dtype, per_chunk: bool) -> float:
     the median of 41 single uses. Not the bare kernel: on these 64-wide, 13-chunk
     weights the call's Python work (the chunks' formats, views, the split) is 4-8x the C++
     kernel's time (11 vs 50-97 us, one process on this machine), and every use pays it."""
-    from python_api.quant import DequantWorkspace, dequantize_use
+    from elastic_kernels.api.quant import DequantWorkspace, dequantize_use
 
     gen = torch.Generator().manual_seed(5)
     blobs = qlayout.blobs(qlayout.quantize(torch.randn(qlayout.rows, qlayout.cols, generator=gen)))
@@ -74,12 +74,12 @@ def _use_seconds(qlayout, dtype, per_chunk: bool) -> float:
 
 
 def _worker(rank, world_size):
-    from python_api import ElasticPolicy, reset_stats, stats
-    from python_api.nn import ElasticLinear, LoRAConfig, convert_to_elastic
-    from python_api.nn.convert import runtime_of
-    from python_api.planner.search import plan_of
-    from python_api.planning.apply import apply_plan
-    from python_api.planning.measure import measure_profile
+    from elastic_kernels.api import ElasticPolicy, reset_stats, stats
+    from elastic_kernels.api.nn import ElasticLinear, LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.nn.convert import runtime_of
+    from elastic_kernels.api.planner.search import plan_of
+    from elastic_kernels.api.planning.apply import apply_plan
+    from elastic_kernels.api.planning.measure import measure_profile
 
     # lm_head (not a LoRA target) is elastic too: a plain ElasticLinear, which dequantizes per chunk.
     model = convert_to_elastic(quant_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS, seed=3),
@@ -265,7 +265,7 @@ OLD_PLAN = (
 
 
 def test_documents_written_before_weight_formats_load_unquantized():
-    from python_api.planner import plan_of
+    from elastic_kernels.api.planner import plan_of
 
     profile = Profile.from_json(OLD_PROFILE)
     assert profile.weight_format is None
@@ -344,9 +344,9 @@ def test_pipeline_weight_bytes_are_the_runtimes_quantized_layout(fmt, rows, cols
     """The pipeline planner's weight (planner/pipeline_model.py PipeWeight) sizes a quantized
     weight as the runtime stores it: rows per chunk from the weight's own rows, each chunk a
     blob, the image sharded by QuantizedLayout.image_layout (ragged last chunk included)."""
+    from elastic_kernels.api.planner.pipeline_model import PipeWeight
+    from elastic_kernels.api.planner.profile import WeightFormat
     from elastic_kernels.quant import QuantizedLayout
-    from python_api.planner.pipeline_model import PipeWeight
-    from python_api.planner.profile import WeightFormat
 
     name, block, nested = fmt
     rpc = min(rows, chunk_bytes // (cols * elem))

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from python_api import ElasticPolicy
-from python_api.config import DEFAULT_QUANT_BLOCK, MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
+from elastic_kernels.api import ElasticPolicy
+from elastic_kernels.api.config import DEFAULT_QUANT_BLOCK, MAX_QUANT_BLOCK, MIN_QUANT_BLOCK, WEIGHT_FORMATS
 
 
 def test_policy_constants_are_the_kernels_layers():
@@ -67,8 +67,8 @@ class _Two(nn.Module):
 def test_convert_refuses_before_reading_anything(monkeypatch):
     """The error names the weight and shape, and comes before any weight is registered
     (nothing read, sharded or gathered; the model is left as it was)."""
-    from python_api.nn import LoRAConfig, convert_to_elastic, elasticize
-    from python_api.runtime import ElasticRuntime
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, elasticize
+    from elastic_kernels.api.runtime import ElasticRuntime
 
     registered = []
     monkeypatch.setattr(ElasticRuntime, "register", lambda self, *a, **k: registered.append(a[1]))
@@ -83,7 +83,7 @@ def test_convert_refuses_before_reading_anything(monkeypatch):
 
 
 def test_block_that_divides_every_row_converts():
-    from python_api.nn import LoRAConfig, convert_to_elastic
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(_Two(), LoRAConfig(r=2, alpha=4, target_modules=("a", "b")),
                                ElasticPolicy(weight_format="nf4", quant_block_size=32))

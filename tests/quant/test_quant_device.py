@@ -25,7 +25,7 @@ FORMATS = [("nf4", None, False), ("nf4", None, True), ("int8", 32, False)]
 
 
 def _worker(rank, world_size, device_type, fmt, block, nested, keep, persist, budget):
-    from python_api import ElasticLinear, ElasticPolicy, ElasticRuntime
+    from elastic_kernels.api import ElasticLinear, ElasticPolicy, ElasticRuntime
     from tests.runtime.test_runtime import _ChunkedLinearFn
 
     if device_type == "cuda":

@@ -22,7 +22,7 @@ CHUNK = HIDDEN * 4 * 7  # 7 fp32 rows of a 64-wide weight; 3 rows of the 128-wid
 
 
 def _policy(fmt=None, block=None, nested=False, **kw):
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     kw.setdefault("chunk_bytes", CHUNK)
     return ElasticPolicy(weight_format=fmt, quant_block_size=block, quant_nested=nested, **kw)
@@ -31,7 +31,7 @@ def _policy(fmt=None, block=None, nested=False, **kw):
 def _train(model, policy_kwargs, fmt, block, nested, steps=2):
     """Convert `model`, give the adapters fixed non-zero values, run `steps` SGD steps on one
     fixed batch; returns the losses, the adapter gradients of every step and the runtime stats."""
-    from python_api.nn import LoRAConfig, convert_to_elastic, lora_layers, reset_stats, stats
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers, reset_stats, stats
 
     elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=TARGETS),
                                  _policy(fmt, block, nested, **policy_kwargs))
@@ -62,7 +62,7 @@ def _train(model, policy_kwargs, fmt, block, nested, steps=2):
 
 def _reference(policy_kwargs, fmt, block, nested):
     """The single-process model on the dequantized weights, same chunking, no format."""
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     model = quant_llama()
     pol = ElasticPolicy(chunk_bytes=policy_kwargs.get("chunk_bytes", CHUNK))

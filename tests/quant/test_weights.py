@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic_kernels.api.quant.weights import quantized_shard
 from elastic_kernels.quant import QuantizedLayout
-from python_api.quant.weights import quantized_shard
 
 CASES = [
     # rows, cols, rows_per_chunk, fmt, block, nested
@@ -75,8 +75,8 @@ def test_nonfinite_rows_are_counted_while_quantizing():
     (python_api/finetune/engines.py, _nonfinite_loaded)."""
     import torch.nn as nn
 
-    from python_api import ElasticPolicy
-    from python_api.nn import elasticize
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import elasticize
 
     lin = nn.Linear(64, 16).requires_grad_(False)
     with torch.no_grad():

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import datetime, sys
     import torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic, no_sync
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, no_sync
     from tests.nn.test_lora import tiny_llama
 
     rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -8,7 +8,7 @@ import torch
 
 
 def test_nccl_device_must_be_the_current_one_and_local_ranks():
-    from python_api.runtime.runtime import check_nccl_device
+    from elastic_kernels.api.runtime.runtime import check_nccl_device
 
     cuda = torch.device
     check_nccl_device(cuda("cuda", 2), current=2, device_count=8, local_rank="2")  # set_device(local_rank): fine

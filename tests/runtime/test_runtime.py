@@ -96,7 +96,7 @@ def adapter_params(model):
 def layer_chunks(dims, chunk_bytes, world_size, keep, persist):
     """Per frozen layer: (all-gather output bytes of one chunk, {residency class: chunk count})."""
     from elastic_kernels import ChunkLayout
-    from python_api import Residency, residency_classes
+    from elastic_kernels.api import Residency, residency_classes
 
     out = []
     for d_in, d_out in zip(dims[:-1], dims[1:]):
@@ -109,7 +109,7 @@ def layer_chunks(dims, chunk_bytes, world_size, keep, persist):
 # ------------------------------------------------------------------------------------ parity
 
 def _parity_worker(rank, world_size, configs, iters):
-    from python_api import ElasticPolicy, elasticize, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, stats
 
     torch.manual_seed(1234 + rank)
     frozen_total = sum(a * b for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
@@ -180,7 +180,7 @@ def test_parity_bit_identical(world_size):
 
 
 def _plain_linear_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model()
     plain = copy.deepcopy(model)
@@ -205,8 +205,8 @@ def test_matches_plain_linear_and_averages_grads():
 # ------------------------------------------------------------------------------- exact traffic
 
 def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, iters):
-    from python_api import ElasticPolicy, elasticize, reset_stats, stats
-    from python_api.distributed.collectives import ALL_GATHER_NAME
+    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
+    from elastic_kernels.api.distributed.collectives import ALL_GATHER_NAME
 
     received = []
     real = getattr(dist, ALL_GATHER_NAME)
@@ -239,7 +239,7 @@ def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, it
      (2, 0.5, 0.5, True), (4, 0.0, 0.0, True), (4, 1.0, 0.5, True)],
 )
 def test_exact_traffic(world_size, keep, persist, input_grad):
-    from python_api import Residency
+    from elastic_kernels.api import Residency
 
     chunk_bytes, iters = 24 * FP32 * 8, 3
     results = run_distributed(_traffic_worker, world_size, chunk_bytes, keep, persist, input_grad, iters, timeout=120)
@@ -274,7 +274,7 @@ def test_exact_traffic(world_size, keep, persist, input_grad):
 # ------------------------------------------------------------------------------------- no hang
 
 def _failing_worker(rank, world_size, where):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=0.0, persist_ratio=0.0, collective_timeout_s=10))
@@ -308,7 +308,7 @@ def test_failure_on_one_rank_fails_every_rank(where):
 # ------------------------------------------------------------------------------------ bad input
 
 def test_policy_rejects_bad_ratios_and_sizes():
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     with pytest.raises(ValueError, match="keep_ratio must be in"):
         ElasticPolicy(keep_ratio=1.5)
@@ -323,7 +323,7 @@ def test_policy_rejects_bad_ratios_and_sizes():
 
 
 def _bad_input_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     errors = {}
     # Chunk smaller than one row.
@@ -374,7 +374,7 @@ def test_bad_input_errors_on_every_rank():
 # ---------------------------------------------------------------------------- budget and world 1
 
 def _budget_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize, runtime_of, set_pool_budget, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, set_pool_budget, stats
 
     chunk_bytes = 24 * FP32 * 8
     model = make_model()
@@ -411,7 +411,7 @@ def test_budget_changes_at_run_time():
 
 
 def _world_one_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, stats
 
     model = make_model()
     ref = reference_of(model, 24 * FP32 * 7)
@@ -433,7 +433,7 @@ def test_world_size_one_needs_no_communication():
 
 
 def _recover_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=0.5, persist_ratio=0.0))

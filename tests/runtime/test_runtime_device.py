@@ -31,7 +31,7 @@ def _chunked(x, w, b, rows):
 
 
 def _worker(rank, world_size, device_type, keep, persist, budget):
-    from python_api import ElasticLinear, ElasticPolicy, ElasticRuntime
+    from elastic_kernels.api import ElasticLinear, ElasticPolicy, ElasticRuntime
 
     if device_type == "cuda":
         device = torch.device("cuda", 0)

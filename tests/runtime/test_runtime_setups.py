@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.needs_ext]
 
 
 def test_single_process_without_process_group():
-    from python_api import ElasticPolicy, elasticize, runtime_of, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, stats
 
     assert not dist.is_initialized()
     chunk = 24 * FP32 * 7
@@ -79,7 +79,7 @@ def _count_all_reduce():
 
 
 def _ckpt_worker(rank, world_size, mode, keep, persist):
-    from python_api import ElasticPolicy, elasticize, reset_stats, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
 
     policy = ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=keep, persist_ratio=persist)
     plain = CkptModel(elasticize(make_model(), policy), None)
@@ -133,7 +133,7 @@ def test_checkpointing_is_bit_identical_with_one_all_reduce(world_size, mode):
 def _hf_ckpt_worker(rank, world_size, reentrant):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from python_api import ElasticPolicy, LoRAConfig, convert_to_elastic, stats
+    from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, stats
 
     def build():
         torch.manual_seed(0)
@@ -196,7 +196,7 @@ class Pair(nn.Module):
 
 
 def _units_worker(rank, world_size, unit_modules):
-    from python_api import ElasticPolicy, elasticize, reset_stats, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
 
     torch.manual_seed(0)
     model = nn.Sequential(Pair(24), Pair(24), Pair(24))
@@ -238,8 +238,8 @@ class _FailingWork:
 
 
 def _retry_worker(rank, world_size):
-    import python_api.distributed.collectives as coll
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    import elastic_kernels.api.distributed.collectives as coll
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     chunk = 24 * FP32 * 8
     model = make_model()
@@ -270,8 +270,8 @@ def test_retry_after_a_failed_gather_computes_on_real_data():
 
 
 def _start_error_worker(rank, world_size):
-    import python_api.distributed.collectives as coll
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    import elastic_kernels.api.distributed.collectives as coll
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=1.0, persist_ratio=1.0))
@@ -300,7 +300,7 @@ def test_error_while_starting_a_use_leaves_nothing_pinned():
 
 
 def _no_grad_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=1.0, persist_ratio=0.0))
@@ -317,7 +317,7 @@ def test_no_grad_forward_keeps_no_peak_chunks():
 
 
 def _hung_peer_worker(rank, world_size, timeout_s):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model()
     # 8 chunks per weight: before the fix each chunk waited the full timeout again.
@@ -345,7 +345,7 @@ def test_hung_peer_costs_one_timeout():
 
 
 def _diverge_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model(dims=(24, 24, 24))  # two frozen layers of one shape: equal-sized gathers
     elasticize(model, ElasticPolicy(chunk_bytes=24 * FP32 * 8, keep_ratio=0.0, persist_ratio=0.0,
@@ -367,7 +367,7 @@ def test_diverged_ranks_fail_with_the_rule():
 
 
 def _diverge_sizes_worker(rank, world_size, units):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     torch.manual_seed(0)
     model = nn.Sequential(Pair(24), Pair(24))
@@ -397,7 +397,7 @@ def test_rank_evaluating_alone_fails_every_rank_with_the_rule(units):
 
 
 def _disagree_worker(rank, world_size, what):
-    from python_api import ElasticPolicy, elasticize
+    from elastic_kernels.api import ElasticPolicy, elasticize
 
     chunk = 24 * FP32 * 8
     seed = 0
@@ -420,7 +420,7 @@ def test_ranks_that_disagree_fail_at_wrap_time(what, needle):
 
 
 def _page_worker(rank, world_size):
-    from python_api import ElasticPolicy, elasticize, runtime_of
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of
 
     model = make_model()
     elasticize(model, ElasticPolicy(chunk_bytes=1 << 35))  # 32 GiB asked, KiB-sized weights
@@ -445,19 +445,19 @@ def test_pages_are_sized_from_real_chunks():
      ("pool_budget_bytes", 1.5), ("prefetch_depth", True), ("chunk_bytes", True), ("keep_ratio", math.inf)],
 )
 def test_policy_refuses_bad_values(field, value):
-    from python_api import ElasticPolicy
+    from elastic_kernels.api import ElasticPolicy
 
     with pytest.raises(ValueError, match=f"ElasticPolicy.{field}"):
         ElasticPolicy(**{field: value})
 
 
 def test_runtime_refuses_bad_arguments():
-    from python_api import ElasticPolicy, ElasticRuntime, elasticize
+    from elastic_kernels.api import ElasticPolicy, ElasticRuntime, elasticize
 
     with pytest.raises(TypeError, match="policy must be an ElasticPolicy"):
         ElasticRuntime(None)
     model = elasticize(make_model(), ElasticPolicy())
-    from python_api import set_pool_budget
+    from elastic_kernels.api import set_pool_budget
 
     for bad in (math.inf, -1, True, 2.5):
         with pytest.raises(ValueError, match="set_pool_budget"):

@@ -67,7 +67,7 @@ def test_host_copy_work_has_one_event_per_chunk():
     """Each chunk's event is recorded right after its own copy (the later chunks not yet
     copied), and waiting for chunk i waits for event i only; waiting for the whole work waits
     for the last event."""
-    from python_api.host.sources import HostCopyWork
+    from elastic_kernels.api.host.sources import HostCopyWork
 
     n = 5
     srcs = [torch.full((3, 4), float(i + 1)) for i in range(n)]
@@ -112,9 +112,9 @@ class SpyPool:
 
 
 def _fill_worker(rank, world_size):
-    from python_api import ElasticPolicy, ElasticRuntime
-    from python_api.runtime import _gathers
-    from python_api.runtime._gathers import Resident
+    from elastic_kernels.api import ElasticPolicy, ElasticRuntime
+    from elastic_kernels.api.runtime import _gathers
+    from elastic_kernels.api.runtime._gathers import Resident
 
     torch.manual_seed(0)
     weights = [torch.randn(40, 16), torch.randn(24, 16)]
@@ -214,7 +214,7 @@ def test_cuda_error_path_late_copy_does_not_overwrite_a_reused_page():
 def _cuda_error_path_worker(rank, world_size):
     import torch.distributed as dist
 
-    from python_api import ElasticPolicy, ElasticRuntime
+    from elastic_kernels.api import ElasticPolicy, ElasticRuntime
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -261,7 +261,7 @@ def test_cuda_host_chunks_pipeline_within_a_use():
     """Item 9 on a device: with one event per host chunk, computing on the first chunk of a use
     starts while the later chunks are still copying (its compute-stream event completes well
     before the copy stream's last event)."""
-    from python_api.host.sources import HostCopyWork
+    from elastic_kernels.api.host.sources import HostCopyWork
 
     device = torch.device("cuda", 0)
     n, numel = 8, 16 << 20  # 8 chunks of 64 MiB, pinned host memory
@@ -297,10 +297,10 @@ def _cuda_host_tier_worker(rank, world_size, delays):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from python_api import ElasticLinear, ElasticPolicy, ElasticRuntime
-    from python_api.distributed import collectives
-    from python_api.host import sources
-    from python_api.runtime import _gathers
+    from elastic_kernels.api import ElasticLinear, ElasticPolicy, ElasticRuntime
+    from elastic_kernels.api.distributed import collectives
+    from elastic_kernels.api.host import sources
+    from elastic_kernels.api.runtime import _gathers
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

@@ -25,15 +25,15 @@ handed over (the loop's learning-rate schedule writes its param_groups), and
 
 from __future__ import annotations
 
-from python_api.distributed.agree import exchange, ranks_text
-from python_api.finetune.agreement import agree_error
-from python_api.finetune.engines import FSDP2Engine, fsdp2_reshard_error
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import Job
-from python_api.finetune.options import PEERS
-from python_api.finetune.peers.ddp import DDPEngine
-from python_api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
-from python_api.finetune.peers.zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error
+from ...distributed.agree import exchange, ranks_text
+from ..agreement import agree_error
+from ..engines import FSDP2Engine, fsdp2_reshard_error
+from ..errors import FinetuneError
+from ..job import Job
+from ..options import PEERS
+from .ddp import DDPEngine
+from .fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
+from .zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error
 
 __all__ = ["PEERS", "build", "check", "missing_reason"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from python_api.finetune.engines import _collective_build, peft_with_initial_adapters
-from python_api.finetune.job import Job
+from ..engines import _collective_build, peft_with_initial_adapters
+from ..job import Job
 
 
 class DDPEngine:

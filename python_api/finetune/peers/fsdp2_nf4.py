@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from python_api.finetune.engines import (
+from ..engines import (
     FSDP2Engine,
     _collective_build,
     elastic_weights,
     peft_with_initial_adapters,
 )
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import Job
+from ..errors import FinetuneError
+from ..job import Job
 
 SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is 256 too)
 # The demo model (python_api/finetune/constants.py EMBEDDED: hidden 256, 8 heads) sized for this

@@ -65,11 +65,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from python_api.finetune.agreement import agree_error
-from python_api.finetune.engines import _check_finite_weights, peft_with_initial_adapters
-from python_api.finetune.errors import FinetuneError
-from python_api.finetune.job import Job
-from python_api.finetune.loop import adamw
+from ..agreement import agree_error
+from ..engines import _check_finite_weights, peft_with_initial_adapters
+from ..errors import FinetuneError
+from ..job import Job
+from ..loop import adamw
 
 INSTALL_HINT = ("pip install 'elastic-kernels[baselines]' (or: DS_BUILD_OPS=0 pip install --no-build-isolation "
                 "-r requirements-baselines.txt, with DS_ACCELERATOR=cpu on a machine without a GPU)")
