@@ -86,12 +86,34 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
-def peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = False) -> dict:
+def adapter_metadata(model: nn.Module) -> dict:
+    """What PEFT's loaders need beyond the LoRA hyper-parameters ([Note: adapters that load
+    everywhere]): `task_type` ("CAUSAL_LM" for a transformers `...ForCausalLM`, else None) and
+    `base_model_name_or_path` (the model's `name_or_path`, as `from_pretrained` set it: a hub
+    id or a directory; None for a model built in code)."""
+    names = [c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.")]
+    task = "CAUSAL_LM" if any(n.endswith("ForCausalLM") for n in names) else None
+    base = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return {"task_type": task, "base_model_name_or_path": str(base) if base else None}
+
+
+# [Note: adapters that load everywhere]
+# `AutoPeftModelForCausalLM.from_pretrained(adapter_dir)` reads `task_type` to pick the model
+# class and `base_model_name_or_path` to load the base, so an adapter_config.json with either
+# null fails there ("Cannot infer the auto class"). Every save path (save_adapter,
+# save_pretrained, the Trainer's saves, the CLI, pipelines) writes both from the model
+# (adapter_metadata) unless the caller names the base itself (the CLI names the directory or
+# hub id it loaded). A model built in code has no name to record: its base stays null, as
+# PEFT writes it.
+
+
+def peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = False, *,
+                task_type: str | None = None, base_model_name_or_path: str | None = None) -> dict:
     target = lora.target_modules if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear" \
         else sorted({t.rpartition(".")[2] for t in targets})
     return {
         "peft_type": "LORA",
-        "task_type": None,
+        "task_type": task_type,
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -104,7 +126,7 @@ def peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = Fal
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model_name_or_path,
     }
 
 
@@ -135,10 +157,11 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
-def save_adapter(model: nn.Module, path: str) -> None:
+def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None) -> None:
     """Write `adapter_model.safetensors` and `adapter_config.json` in PEFT's format under
     `path` (rank 0 writes, each file to a temporary name then renamed; every rank returns
-    after the files exist)."""
+    after the files exist). `base_model_name_or_path` overrides the model's own name in the
+    config ([Note: adapters that load everywhere])."""
     from safetensors.torch import save_file
 
     lora = getattr(model, "_elastic_lora", None)
@@ -151,7 +174,10 @@ def save_adapter(model: nn.Module, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         state = adapter_state_dict(model)
         atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(state, p, metadata={"format": "pt"}))
-        config = peft_config(lora, [n for n, _ in layers], any(m.fan_in_fan_out for _, m in layers))
+        meta = adapter_metadata(model)
+        if base_model_name_or_path is not None:
+            meta["base_model_name_or_path"] = str(base_model_name_or_path)
+        config = peft_config(lora, [n for n, _ in layers], any(m.fan_in_fan_out for _, m in layers), **meta)
         atomic_write(
             os.path.join(path, ADAPTER_CONFIG),
             lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
@@ -282,7 +308,7 @@ def write_adapter(model: nn.Module, path: str, adapters: dict) -> None:
     atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     layers = lora_layers(model)
     fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for _, m in layers)  # Conv1D layers
-    config = peft_config(model._elastic_lora, [n for n, _ in layers], *([True] if fan_in_fan_out else []))
+    config = peft_config(model._elastic_lora, [n for n, _ in layers], fan_in_fan_out, **adapter_metadata(model))
     atomic_write(
         os.path.join(path, ADAPTER_CONFIG),
         lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),

@@ -51,7 +51,7 @@ from torch.profiler import record_function
 from ..config import ElasticPolicy
 from ..distributed.agree import agree, exchange, rank0_then_agree
 from ..nn import LoRAConfig, adapter_state_dict, convert_to_elastic, runtime_of, target_names
-from ..nn.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, atomic_write, peft_config
+from ..nn.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_metadata, atomic_write, peft_config
 from ..nn.lora import is_conv1d
 from ..planner.pipeline import PipelineError, PipelineLayout
 from .failure import FailureWatch
@@ -177,6 +177,7 @@ class PipelinedModel:
         self.lm = lm
         self.targets = target_names(lm, self.lora)
         self.fan_in_fan_out = any(is_conv1d(lm.get_submodule(t)) for t in self.targets)
+        self.adapter_metadata = adapter_metadata(lm)  # [Note: adapters that load everywhere]
         trainable = [False] * n
         for t in self.targets:
             trainable[self._pack_of(t)] = True
@@ -437,7 +438,7 @@ class PipelinedModel:
             atomic_write(os.path.join(path, ADAPTER_WEIGHTS),
                          lambda p: save_file({k: v.contiguous() for k, v in state.items()}, p,
                                              metadata={"format": "pt"}))
-            config = peft_config(self.lora, self.targets, self.fan_in_fan_out)
+            config = peft_config(self.lora, self.targets, self.fan_in_fan_out, **self.adapter_metadata)
             atomic_write(os.path.join(path, ADAPTER_CONFIG),
                          lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"))
 

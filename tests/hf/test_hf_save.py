@@ -461,3 +461,53 @@ def _gpt2_worker(rank, world_size, tmp):
 def test_conv1d_state_dict_and_save_pretrained(tmp_path):
     want, got = run_distributed(_gpt2_worker, 2, str(tmp_path), timeout=300)[0]
     torch.testing.assert_close(got, want, **TOL)
+
+
+# ------------------------------------------------- adapters that load everywhere (issue 26/28)
+
+
+def test_auto_peft_model_loads_saved_adapter(tmp_path):
+    """[Note: adapters that load everywhere]: save_adapter records task_type and the base's
+    directory, so AutoPeftModelForCausalLM builds base + adapter from the adapter folder alone
+    and computes the converted model's logits. On main before this change both fields were
+    null and AutoPeftModelForCausalLM failed ("Cannot infer the auto class")."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    from elastic_kernels.api import ElasticPolicy, save_adapter
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
+
+    base_dir = tmp_path / "base"
+    tiny_llama().save_pretrained(base_dir)
+    from transformers import AutoModelForCausalLM
+
+    model = convert_to_elastic(AutoModelForCausalLM.from_pretrained(base_dir),
+                               LoRAConfig(r=4, alpha=8, target_modules=TARGETS), ElasticPolicy(**POLICY))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    want = _logits(model)
+    save_adapter(model, str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM"
+    assert config["base_model_name_or_path"] == str(base_dir)
+    save_adapter(model, str(tmp_path / "named"), base_model_name_or_path="org/some-model")
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/some-model"
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        got = loaded(input_ids=_ids()).logits
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_adapter_of_a_model_built_in_code_has_no_base_name(tmp_path):
+    import json
+
+    from elastic_kernels.api import save_adapter
+
+    model = _converted()
+    save_adapter(model, str(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] is None
