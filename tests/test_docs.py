@@ -200,8 +200,26 @@ def first_sentence(text: str) -> str:
     if m:
         text = text[:m.end()]
     if len(text) > FIRST_SENTENCE_MAX:
-        text = text[:FIRST_SENTENCE_MAX].rsplit(" ", 1)[0] + " ..."
+        text = _drop_open_span(text[:FIRST_SENTENCE_MAX].rsplit(" ", 1)[0]) + " ..."
     return text
+
+
+def _drop_open_span(text: str) -> str:
+    """`text` without a code span (`x`, ``x``) or emphasis (*x*) that a cut left open."""
+    i, emph = 0, None  # emph: where an open *emphasis* started
+    while i < len(text):
+        run = re.match(r"`+|\*+", text[i:])
+        if run is None:
+            i += 1
+        elif run.group()[0] == "`":  # a code span: skip to its closing run, stars inside included
+            end = text.find(run.group(), i + len(run.group()))
+            if end < 0:
+                return text[:i if emph is None else emph].rstrip()
+            i = end + len(run.group())
+        else:
+            emph = i if emph is None else None
+            i += len(run.group())
+    return text if emph is None else text[:emph].rstrip()
 
 
 def scan_file(path: Path, rel: str) -> tuple[list[Note], list[NoteRef]]:
@@ -402,6 +420,19 @@ int x;
 
     def _notes(text):  # this file's own text must not read as Notes
         return text.replace("<<", "[" + "Note: ").replace(">>", "]")
+
+    def test_first_sentence_is_cut_cleanly():
+        """Abbreviations do not end a sentence, a too-short opening does not either, and a cut of a
+        long sentence closes no code span it opened (the index stays valid markdown)."""
+        assert first_sentence("- One thing, e.g. this one, goes first. Then another.") == \
+            "One thing, e.g. this one, goes first."
+        assert first_sentence("1. Who is where: every rank contributes. 2. The creator.") == \
+            "1. Who is where: every rank contributes."
+        long = "word " * 55 + "``x * y`` and `z` " + "more " * 30
+        cut = first_sentence(long)
+        assert cut.endswith(" ...") and len(cut) <= FIRST_SENTENCE_MAX + 4
+        assert cut.count("``") % 2 == 0 and cut.replace("``", "").count("`") % 2 == 0
+        assert _drop_open_span("a ``r*c`` *em b") == "a ``r*c``"
 
     def test_note_scanner_on_every_form(tmp_path):
         """Definitions alone on a line (comment or docstring), with a sentence after the name, a
