@@ -23,6 +23,7 @@ elastic run's initial adapters, batches and AdamW, through the same loop) from s
   the elastic points are nf4 too (system "elastic nf4"). `--preset nf4` is the demo model sized
   for it (NF4_DEMO_OPTIONS there: every quantized weight splits over 4 ranks).
 
+[Note: what the frontier's memory is]
 Measured for each (the passes run every configuration in the listed order, then in the
 reverse order, so a drift of the shared machine weighs on all alike): tokens/s (global tokens
 per step over the median step time of the steps after the first of each pass, both passes

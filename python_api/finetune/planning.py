@@ -83,10 +83,11 @@ class JobPlanner:
         batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
         t0 = time.perf_counter()
         while True:
-            # [Note: profiling a smaller micro-batch]: where the cap is below what streaming
-            # every weight needs at --micro-batch (the plan can still fit it, by recomputing),
-            # the profile is measured on half the micro-batch, down to one sequence; the
-            # profile's per-token figures extrapolate to the micro-batches the planner tries.
+            # [Note: profiling a smaller micro-batch]
+            # Where the cap is below what streaming every weight needs at --micro-batch (the plan
+            # can still fit it, by recomputing), the profile is measured on half the micro-batch,
+            # down to one sequence; the profile's per-token figures extrapolate to the
+            # micro-batches the planner tries.
             # The decision comes from the memory model on MAX-reduced counts and the MIN bound:
             # the same on every rank.
             try:
