@@ -1,6 +1,6 @@
 """elastic-kernels: LoRA fine-tuning across ranks with frozen base weights as a cache.
 
-The public API (every name below). The library's rooms, each one concern (README's Layout):
+The public API (every name below). The library's rooms, each one concern (docs/architecture.md, Layers):
 config (ElasticPolicy), distributed/, runtime/, host/, nn/, hf/, loading/, planner/ (pure
 Python), planning/ (the planner meets a model), finetune/ (the application). Imports flow one
 way: finetune -> the rooms -> elastic_kernels -> _C.

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="LoRA fine-tuning across ranks with elastic frozen weights (launch with torchrun; "
-                    "see the module docstring or README.md, 'The main job').",
+                    "see the module docstring or docs/cli.md).",
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")

@@ -171,7 +171,7 @@ def _warn(lines: list[str]) -> None:
 # the error) and results.md from the runs that finished and that partial run, then re-raises.
 # These writes are local to rank 0 and take no collective (the error may be a collective that
 # failed); a write that fails then is reported on stderr and does not hide the error. An error
-# before the first step of this process writes nothing, as before (README: bad input writes
+# before the first step of this process writes nothing, as before (docs/cli.md: bad input writes
 # nothing). The last checkpoint is whatever the cadence wrote; none is written here.
 
 def _error_text(exc: BaseException) -> str:
