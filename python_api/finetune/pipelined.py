@@ -162,7 +162,10 @@ def gathered_optimizer_state(model: PipelinedModel, opt: torch.optim.Optimizer, 
     """optimizer.pt's content in the pp = 1 format ([Note: pipelined checkpoints]); a
     collective over the pp group."""
     sd = opt.state_dict()
-    mine = {names[i]: entry for i, entry in sd["state"].items()}
+    # On the host before pickling: a CUDA tensor unpickles onto the device it was saved from, so
+    # every rank would allocate on the other stages' devices, and optimizer.pt would name them.
+    mine = {names[i]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
+            for i, entry in sd["state"].items()}
     every = exchange(mine, model.groups.pp_group, what="gathering the optimizer state of every stage")
     full = {}
     for part in every:
