@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.hf.test_hf_save import _args, _converted, _logits, _Rows
+from tests.hf.test_hf_save import _converted, _logits, _Rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
+
+
+def _args(out, **kw):
+    from transformers import TrainingArguments
+
+    kw = {**dict(max_steps=2, per_device_train_batch_size=2, learning_rate=5e-2, save_strategy="no"), **kw}
+    return TrainingArguments(output_dir=out, use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
+                             ddp_backend="gloo", **kw)
 
 
 def _free_port() -> int:
@@ -84,3 +93,102 @@ def test_world_size_without_rendezvous_is_refused(monkeypatch):
     from elastic_kernels.api.nn import runtime_of
 
     assert runtime_of(_converted()).world_size == 1 and not dist.is_initialized()
+
+
+# ------------------------------------------------ adapter-only checkpoints, bit-exact resume
+
+
+def _adapters(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _checkpoint_worker(rank, world_size, tmp):
+    from elastic_kernels.api import hf
+
+    out = os.path.join(tmp, "run")
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
+    model = _converted()
+    hf.ElasticTrainer(model=model, args=_args(out, **args), train_dataset=_Rows(seed=rank)).train()
+    want = _adapters(model)
+    # Resume from step 2 into a fresh model (the same base, as loaded again from its files;
+    # other adapters): steps 3-4 again.
+    other = _converted()
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    trainer = hf.ElasticTrainer(model=other, args=_args(os.path.join(tmp, "resumed"), **args),
+                                train_dataset=_Rows(seed=rank))
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    got = _adapters(other)
+    trainer.save_model(os.path.join(tmp, "final"))
+    torch.distributed.barrier()
+    return want, got
+
+
+def test_checkpoints_hold_the_adapter_only_and_resume_bit_exactly(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.nn.test_lora import tiny_llama
+
+    results = run_distributed(_checkpoint_worker, 2, str(tmp_path), timeout=300)
+    (want, got), (want1, got1) = results
+    assert want.keys() == got.keys() and want
+    for n in want:
+        assert torch.equal(got[n], want[n]), n  # same chunking, same values, same order: bit for bit
+        assert torch.equal(want1[n], want[n]), n  # the ranks agree
+    for d in ("run/checkpoint-2", "run/checkpoint-4", "final"):
+        files = set(os.listdir(tmp_path / d))
+        assert {"adapter_model.safetensors", "adapter_config.json", "training_args.bin"} <= files, files
+        assert not files & {"model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"}, files
+        tensors = load_file(tmp_path / d / "adapter_model.safetensors")
+        assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors), sorted(tensors)
+    ckpt = set(os.listdir(tmp_path / "run/checkpoint-2"))
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= ckpt, ckpt
+    # PEFT reads the saved adapter onto the plain model: an independent check of its content.
+    peft = PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "final")).eval()
+    model = _converted()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(want[n])
+    torch.testing.assert_close(_logits(peft), _logits(model), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------ a plain Trainer on several ranks
+
+
+def _plain_trainer_worker(rank, world_size, tmp):
+    from transformers import Trainer
+
+    from elastic_kernels.api import hf
+
+    model = _converted()
+    before = _adapters(model)
+    t0 = time.monotonic()
+    errors = []
+    try:
+        Trainer(model=model, args=_args(tmp), train_dataset=_Rows())
+    except TypeError as e:
+        errors.append(str(e))
+    # A transformers version that no longer reads the flag at construction: the first
+    # training forward refuses it (here: an ElasticTrainer turned into a plain one).
+    trainer = hf.ElasticTrainer(model=model, args=_args(tmp), train_dataset=_Rows())
+    trainer.__class__ = Trainer
+    try:
+        trainer.train()
+    except TypeError as e:
+        errors.append(str(e))
+    seconds = time.monotonic() - t0
+    unchanged = all(torch.equal(p, before[n]) for n, p in _adapters(model).items())
+    return errors, seconds, unchanged
+
+
+def test_plain_trainer_on_two_ranks_is_refused_before_step_one(tmp_path):
+    for errors, seconds, unchanged in run_distributed(_plain_trainer_worker, 2, str(tmp_path), timeout=120):
+        assert len(errors) == 2, errors
+        for e in errors:
+            assert "Trainer on a model converted by elastic_kernels across 2 ranks" in e and "ElasticTrainer" in e, e
+        assert unchanged  # no optimizer step ran
+        assert seconds < 30, seconds  # not the 300 s collective timeout of the first save
