@@ -192,3 +192,58 @@ def test_plain_trainer_on_two_ranks_is_refused_before_step_one(tmp_path):
             assert "Trainer on a model converted by elastic_kernels across 2 ranks" in e and "ElasticTrainer" in e, e
         assert unchanged  # no optimizer step ran
         assert seconds < 30, seconds  # not the 300 s collective timeout of the first save
+
+
+# ------------------------------------------------------------------------------ accelerate
+
+
+def _accelerate_worker(rank, world_size, port):
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from elastic_kernels.api.nn import lora_layers, runtime_of
+
+    _as_torchrun(rank, world_size, port)
+    accelerator = Accelerator(cpu=True)  # creates the process group, as under accelerate launch / torchrun
+    model = _converted()
+    assert runtime_of(model).world_size == 2 and dist.get_backend() == "gloo"
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # lr 0: the gradients are what is compared
+    ids = _Rows(n=4, seed=3).ids  # 4 rows of 9 tokens: rows 2r, 2r+1 on rank r
+    loader = torch.utils.data.DataLoader(ids, batch_size=2, shuffle=False)
+    wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    (batch,) = list(loader)
+    loss = wrapped(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    grads = {f"{name}.{w}": getattr(layer, w).weight.grad.clone()
+             for name, layer in lora_layers(model) for w in ("lora_A", "lora_B")}
+    adapters = {f"{name}.{w}": getattr(layer, w).weight.detach().clone()
+                for name, layer in lora_layers(model) for w in ("lora_A", "lora_B")}
+    return type(wrapped).__name__, batch, grads, adapters, ids
+
+
+def test_accelerate_matches_one_process():
+    from peft import LoraConfig, get_peft_model
+
+    from tests.hf.test_hf_save import TARGETS
+    from tests.nn.test_lora import TOL, tiny_llama
+
+    results = run_distributed(_accelerate_worker, 2, _free_port(), timeout=300)
+    (wrapped, batch0, grads0, adapters, ids), (_, batch1, grads1, _, _) = results
+    assert wrapped == "DistributedDataParallel"
+    assert torch.equal(torch.cat([batch0, batch1]), ids)  # each rank its own half of the data
+    for k in grads0:
+        torch.testing.assert_close(grads0[k], grads1[k], rtol=0, atol=0)  # averaged: the same on both
+    # Reference: PEFT on the plain model, one process, the whole batch (equal token counts per
+    # rank, so the mean over the batch is the average of the ranks' means).
+    peft = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0))
+    mods = dict(peft.base_model.model.named_modules())
+    with torch.no_grad():
+        for k, v in adapters.items():
+            name, w = k.rsplit(".", 1)
+            getattr(mods[name], w)["default"].weight.copy_(v)
+    peft(input_ids=ids, labels=ids).loss.backward()
+    for k in grads0:
+        name, w = k.rsplit(".", 1)
+        torch.testing.assert_close(grads0[k], getattr(mods[name], w)["default"].weight.grad, **TOL)
