@@ -24,11 +24,7 @@ from ..distributed.agree import rank0_then_agree
 from ..nn.adapters import merge_into, split_state_dict, write_adapter
 from ..nn.linear import RUNTIME_ATTR
 from ..nn.state_dict import gather_only
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(model).__mro__)
+from .guard import is_hf_model, refuse_plain_trainer
 
 
 class ElasticPreTrainedMixin:
@@ -42,6 +38,14 @@ class ElasticPreTrainedMixin:
         if rt is not None and not only_trainable:
             n += sum(math.prod(et.shape) for et in rt.tensors)
         return n
+
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        """transformers' own flag (False for a converted model: transformers did not shard it);
+        read by `Trainer.__init__`, where a plain Trainer on several ranks is refused ([Note: a
+        plain Trainer on several ranks is refused] in python_api/hf/guard.py)."""
+        refuse_plain_trainer(self)
+        return super().is_distributed_loading_by_transformers
 
     def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, is_main_process: bool = True,
                         merged: bool = False, **kwargs):
@@ -85,7 +89,7 @@ _swapped: dict[type, type] = {}
 def swap_class_of_hf_model(model: nn.Module) -> None:
     """Give a converted transformers `PreTrainedModel` the methods of `ElasticPreTrainedMixin`
     (a conversion hook; other models are left alone)."""
-    if not _is_hf_model(model):
+    if not is_hf_model(model):
         return
     cls = type(model)
     if issubclass(cls, ElasticPreTrainedMixin):

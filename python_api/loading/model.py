@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from ..config import ElasticPolicy
 from ..distributed.agree import agree
+from ..distributed.launch import ensure_default_group
 from ..nn import LoRAConfig, convert_to_elastic
 from .bnb import PackedFormatError, packed_format
 from .source import LoadError, SafetensorsSource, check_regular_file, list_directory
@@ -192,6 +193,9 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     if model_class is not None and not (isinstance(model_class, type) and issubclass(model_class, nn.Module)):
         raise TypeError(f"load_elastic: model_class must be an nn.Module class (e.g. transformers.LlamaForCausalLM), "
                         f"got {model_class!r}")
+    # Before the first collective: [Note: converting under a launcher creates the process group]
+    if group is None:
+        ensure_default_group(device, "load_elastic")
     error, model, source = None, None, None
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)

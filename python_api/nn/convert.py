@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ElasticPolicy
+from ..distributed.launch import ensure_default_group
 from ..runtime import ElasticRuntime
 from . import ddp, state_dict  # submodules (hooks installed by attach)
 from .linear import RUNTIME_ATTR, ElasticLinear
@@ -86,11 +87,13 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     for name in sorted(chosen):  # before anything is read, sharded or gathered
         m = model.get_submodule(name)
         policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
+    device = source.device if source is not None else model.get_submodule(targets[0]).weight.device
+    # Under torchrun, before TrainingArguments made the group:
+    # [Note: converting under a launcher creates the process group] in python_api/distributed/launch.py
+    if group is None:
+        ensure_default_group(device, "convert_to_elastic")
     if source is not None:
         source.check(model, group=group)  # every rank, before anything is read
-        device = source.device
-    else:
-        device = model.get_submodule(targets[0]).weight.device
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
@@ -141,6 +144,8 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
             raise TypeError(f"elasticize: {name} is a {type(module).__name__}, only nn.Linear can be wrapped here")
     for name, module in targets:  # before anything is sharded or gathered
         policy.check_quantizable(name, module.weight.shape)
+    if group is None:  # See [Note: converting under a launcher creates the process group]
+        ensure_default_group(device, "elasticize")
     # Build everything (and agree across ranks) before touching the model, so a failure
     # leaves it as it was.
     runtime = ElasticRuntime(policy, group=group, device=device)

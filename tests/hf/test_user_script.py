@@ -1,0 +1,249 @@
+"""A user's own training script on a converted model (issue 28): converting under a launcher
+before any process group exists, adapter-only checkpoints of `ElasticTrainer` and their resume,
+a plain `Trainer` refused on several ranks before step 1, and `accelerate`.
+
+Exactness: resuming and the ranks' agreement are compared bit for bit (same chunking, same
+values, same reduction order); the accelerate path against a single-process reference with
+TOL (rtol = atol = 1e-4 in fp32, tests/nn/test_lora.py: chunked GEMMs and a 2-rank average
+sum in another order).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from tests.hf.test_hf_save import _converted, _logits, _Rows
+
+pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
+
+
+def _args(out, **kw):
+    from transformers import TrainingArguments
+
+    kw = {**dict(max_steps=2, per_device_train_batch_size=2, learning_rate=5e-2, save_strategy="no"), **kw}
+    return TrainingArguments(output_dir=out, use_cpu=True, report_to=[], logging_strategy="no", disable_tqdm=True,
+                             ddp_backend="gloo", **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_torchrun(rank, world_size, port):
+    """Leave the helper's process group and set what torchrun sets: the script starts with no
+    process group, as under a launcher."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+
+
+# ------------------------------------------------------------- the group under a launcher
+
+
+def _convert_before_args_worker(rank, world_size, port, tmp):
+    import torch.distributed as dist
+
+    from elastic_kernels.api import hf
+    from elastic_kernels.api.nn import runtime_of
+
+    _as_torchrun(rank, world_size, port)
+    assert not dist.is_initialized()
+    model = _converted()  # the natural HF order: load, convert, then TrainingArguments
+    rt = runtime_of(model)
+    sharded = (rt.world_size, rt.rank, dist.is_initialized() and dist.get_backend())
+    trainer = hf.ElasticTrainer(model=model, args=_args(tmp), train_dataset=_Rows(seed=rank))
+    trainer.train()
+    model.eval()
+    return sharded, type(trainer.model_wrapped).__name__, trainer.args.world_size, _logits(model)
+
+
+def test_convert_before_training_arguments_shards(tmp_path):
+    results = run_distributed(_convert_before_args_worker, 2, _free_port(), str(tmp_path), timeout=300)
+    for rank, (sharded, wrapped, args_world, _) in enumerate(results):
+        assert sharded == (2, rank, "gloo"), sharded  # not a silent world size 1
+        assert wrapped == "DistributedDataParallel" and args_world == 2
+    # Different data per rank, averaged gradients: the ranks stayed identical.
+    torch.testing.assert_close(results[0][3], results[1][3], rtol=0, atol=0)
+
+
+def test_world_size_without_rendezvous_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2.*torchrun.*init_process_group"):
+        _converted()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE is 'two'"):
+        _converted()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a one-process launch: a plain script
+    from elastic_kernels.api.nn import runtime_of
+
+    assert runtime_of(_converted()).world_size == 1 and not dist.is_initialized()
+
+
+# ------------------------------------------------ adapter-only checkpoints, bit-exact resume
+
+
+def _adapters(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _checkpoint_worker(rank, world_size, tmp):
+    from elastic_kernels.api import hf
+
+    out = os.path.join(tmp, "run")
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
+    model = _converted()
+    hf.ElasticTrainer(model=model, args=_args(out, **args), train_dataset=_Rows(seed=rank)).train()
+    want = _adapters(model)
+    # Resume from step 2 into a fresh model (the same base, as loaded again from its files;
+    # other adapters): steps 3-4 again.
+    other = _converted()
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    trainer = hf.ElasticTrainer(model=other, args=_args(os.path.join(tmp, "resumed"), **args),
+                                train_dataset=_Rows(seed=rank))
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    got = _adapters(other)
+    trainer.save_model(os.path.join(tmp, "final"))
+    torch.distributed.barrier()
+    return want, got
+
+
+def test_checkpoints_hold_the_adapter_only_and_resume_bit_exactly(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.nn.test_lora import tiny_llama
+
+    results = run_distributed(_checkpoint_worker, 2, str(tmp_path), timeout=300)
+    (want, got), (want1, got1) = results
+    assert want.keys() == got.keys() and want
+    for n in want:
+        assert torch.equal(got[n], want[n]), n  # same chunking, same values, same order: bit for bit
+        assert torch.equal(want1[n], want[n]), n  # the ranks agree
+    for d in ("run/checkpoint-2", "run/checkpoint-4", "final"):
+        files = set(os.listdir(tmp_path / d))
+        assert {"adapter_model.safetensors", "adapter_config.json", "training_args.bin"} <= files, files
+        assert not files & {"model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"}, files
+        tensors = load_file(tmp_path / d / "adapter_model.safetensors")
+        assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors), sorted(tensors)
+    ckpt = set(os.listdir(tmp_path / "run/checkpoint-2"))
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= ckpt, ckpt
+    # PEFT reads the saved adapter onto the plain model: an independent check of its content.
+    peft = PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "final")).eval()
+    model = _converted()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(want[n])
+    torch.testing.assert_close(_logits(peft), _logits(model), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------ a plain Trainer on several ranks
+
+
+def _plain_trainer_worker(rank, world_size, tmp):
+    from transformers import Trainer
+
+    from elastic_kernels.api import hf
+
+    model = _converted()
+    before = _adapters(model)
+    t0 = time.monotonic()
+    errors = []
+    try:
+        Trainer(model=model, args=_args(tmp), train_dataset=_Rows())
+    except TypeError as e:
+        errors.append(str(e))
+    # A transformers version that no longer reads the flag at construction: the first
+    # training forward refuses it (here: an ElasticTrainer turned into a plain one).
+    trainer = hf.ElasticTrainer(model=model, args=_args(tmp), train_dataset=_Rows())
+    trainer.__class__ = Trainer
+    try:
+        trainer.train()
+    except TypeError as e:
+        errors.append(str(e))
+    seconds = time.monotonic() - t0
+    unchanged = all(torch.equal(p, before[n]) for n, p in _adapters(model).items())
+    return errors, seconds, unchanged
+
+
+def test_plain_trainer_on_two_ranks_is_refused_before_step_one(tmp_path):
+    for errors, seconds, unchanged in run_distributed(_plain_trainer_worker, 2, str(tmp_path), timeout=120):
+        assert len(errors) == 2, errors
+        for e in errors:
+            assert "Trainer on a model converted by elastic_kernels across 2 ranks" in e and "ElasticTrainer" in e, e
+        assert unchanged  # no optimizer step ran
+        assert seconds < 30, seconds  # not the 300 s collective timeout of the first save
+
+
+# ------------------------------------------------------------------------------ accelerate
+
+
+def _accelerate_worker(rank, world_size, port):
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from elastic_kernels.api.nn import lora_layers, runtime_of
+
+    _as_torchrun(rank, world_size, port)
+    accelerator = Accelerator(cpu=True)  # creates the process group, as under accelerate launch / torchrun
+    model = _converted()
+    assert runtime_of(model).world_size == 2 and dist.get_backend() == "gloo"
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # lr 0: the gradients are what is compared
+    ids = _Rows(n=4, seed=3).ids  # 4 rows of 9 tokens: rows 2r, 2r+1 on rank r
+    loader = torch.utils.data.DataLoader(ids, batch_size=2, shuffle=False)
+    wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    (batch,) = list(loader)
+    loss = wrapped(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    grads = {f"{name}.{w}": getattr(layer, w).weight.grad.clone()
+             for name, layer in lora_layers(model) for w in ("lora_A", "lora_B")}
+    adapters = {f"{name}.{w}": getattr(layer, w).weight.detach().clone()
+                for name, layer in lora_layers(model) for w in ("lora_A", "lora_B")}
+    return type(wrapped).__name__, batch, grads, adapters, ids
+
+
+def test_accelerate_matches_one_process():
+    from peft import LoraConfig, get_peft_model
+
+    from tests.hf.test_hf_save import TARGETS
+    from tests.nn.test_lora import TOL, tiny_llama
+
+    results = run_distributed(_accelerate_worker, 2, _free_port(), timeout=300)
+    (wrapped, batch0, grads0, adapters, ids), (_, batch1, grads1, _, _) = results
+    assert wrapped == "DistributedDataParallel"
+    assert torch.equal(torch.cat([batch0, batch1]), ids)  # each rank its own half of the data
+    for k in grads0:
+        torch.testing.assert_close(grads0[k], grads1[k], rtol=0, atol=0)  # averaged: the same on both
+    # Reference: PEFT on the plain model, one process, the whole batch (equal token counts per
+    # rank, so the mean over the batch is the average of the ranks' means).
+    peft = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0))
+    mods = dict(peft.base_model.model.named_modules())
+    with torch.no_grad():
+        for k, v in adapters.items():
+            name, w = k.rsplit(".", 1)
+            getattr(mods[name], w)["default"].weight.copy_(v)
+    peft(input_ids=ids, labels=ids).loss.backward()
+    for k in grads0:
+        name, w = k.rsplit(".", 1)
+        torch.testing.assert_close(grads0[k], getattr(mods[name], w)["default"].weight.grad, **TOL)
