@@ -14,6 +14,7 @@ different numbers of all-reduces (a collective mismatch, as with DDP's no_sync).
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -28,9 +29,24 @@ class _GradReduction:
 
     def set_trainable(self, params: list[torch.nn.Parameter]) -> None:
         """Replicated trainable parameters whose gradients are averaged at the end of backward."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
         self._grad_params = list(params)
+        # A weak reference: the hook lives in the parameter's autograd metadata, out of the
+        # garbage collector's sight ([Note: closing a runtime] in runtime.py).
+        ref = weakref.ref(self)
+
+        def ready(p, ref=ref):
+            rt = ref()
+            if rt is not None:
+                rt._queue_end_of_backward()
+
         for p in self._grad_params:
-            p.register_post_accumulate_grad_hook(lambda _p: self._queue_end_of_backward())
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(ready))
+
+    def _drop_grad_state(self) -> None:
+        """close(): nothing to drop yet beyond the hooks."""
 
     @contextmanager
     def no_sync(self):

@@ -168,6 +168,7 @@ class _Order:
         gathers in flight; a phase change before that use completes them and releases them
         per residency, so chunks that outlive their use (PERSISTENT) are then resident and
         the others are dropped. Every rank of the group alike (it issues collectives)."""
+        self.check_open("prefetch")
         if self._local_only():
             return
         wanted = [et for et in dict.fromkeys(tensors) if et.wid not in self._prefetched]
