@@ -70,8 +70,11 @@ class _Order:
             if new_pass:
                 self._finish_phase()
                 self.phase = Phase.FORWARD
-                # A backward that raised never ran its queued callback: allow a new one.
+                # A backward that raised never ran its queued callback: allow a new one, and
+                # drop the gradient buckets it launched ([Note: gradient buckets]).
                 self._end_of_backward_queued = False
+                if self._params_ready or self._next_bucket:
+                    self._reset_grad_round()
         elif self.phase is not Phase.BACKWARD:
             self._finish_phase()
             self.phase = Phase.BACKWARD

@@ -115,6 +115,9 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         # per phase, per position of the learned order: (first, end) positions of its segment
         self._segments: dict[Phase, list[tuple[int, int]] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self._seq = 0  # collectives issued (carried in each one's header)
+        # gloo on the default group: the private header and data groups of its gathers
+        # ([Note: headers off the prefetch path] in python_api/distributed/collectives.py)
+        self._channel = None
         self._observed: list[int] = []
         self._cursor = 0
         self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
@@ -125,6 +128,13 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         # off while another wrapper (DDP) reduces them (set_grad_reduction).
         self._reduce_grads = policy.all_reduce_grads
         self._grad_hooks: list = []  # handles of the gradient-ready hooks (set_trainable)
+        # [Note: gradient buckets] in _grads.py: the buckets, which parameters are ready in
+        # this backward, the next bucket to launch, and a count for tests and profiles.
+        self._buckets: list = []
+        self._bucket_of: dict[int, object] = {}
+        self._params_ready: set[int] = set()
+        self._next_bucket = 0
+        self._buckets_launched_in_backward = 0
         self._closed = False  # see [Note: closing a runtime]
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0, "h2d_bytes": 0}
         self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
