@@ -73,7 +73,12 @@ class ElasticPolicy:
                        only: on NCCL the process group's timeout bounds a hang (see
                        python_api/distributed/collectives.py).
     all_reduce_grads   average the gradients of trainable (replicated) parameters across the
-                       group at the end of each backward.
+                       group once per backward.
+    grad_bucket_bytes  gradients are averaged in buckets of at most this many bytes, each
+                       all-reduced asynchronously as soon as its gradients are ready in
+                       backward and waited for at the end of backward (DDP's reducer); None:
+                       one bucket per dtype. See [Note: gradient buckets] in
+                       python_api/runtime/_grads.py.
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears smaller than
                        this replicated (sharding them would cost more collectives than memory).
     weights_on         where the source of truth of the frozen weights lives: "device" (each
@@ -119,6 +124,7 @@ class ElasticPolicy:
     collective_bytes: int | None = 32 << 20
     collective_timeout_s: float | None = 300.0
     all_reduce_grads: bool = True
+    grad_bucket_bytes: int | None = 1 << 20
     replicate_below_bytes: int = 1 << 20
     weights_on: str = "device"
     host_fraction: float | None = None
@@ -173,6 +179,8 @@ class ElasticPolicy:
                 f"ElasticPolicy.host_setup_timeout_s must be None or a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}] "
                 f"(30 days), got {t!r}"
             )
+        if self.grad_bucket_bytes is not None and (not _is_int(self.grad_bucket_bytes) or self.grad_bucket_bytes <= 0):
+            raise ValueError(f"ElasticPolicy.grad_bucket_bytes must be None or a positive int, got {self.grad_bucket_bytes!r}")
         if not isinstance(self.all_reduce_grads, bool):
             raise ValueError(f"ElasticPolicy.all_reduce_grads must be True or False, got {self.all_reduce_grads!r}")
         if self.weights_on not in ("device", "host"):

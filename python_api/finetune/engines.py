@@ -97,6 +97,10 @@ class ElasticEngine:
     def h2d_bytes(self) -> int:
         return self.runtime.stats()["h2d_bytes"]
 
+    def close(self) -> None:
+        """The runtime's pool, shards and host memory go now ([Note: closing a runtime])."""
+        self.runtime.close()
+
 
 def with_format(policy, args, weight_format: str | None):
     """`policy` with the weight format `weight_format` ("none", "nf4", "int8"; None: the job's

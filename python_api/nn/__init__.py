@@ -4,7 +4,7 @@
                  layer shares: the op dtype under autocast, per-use casts, refusing .to()
   lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets
   units.py       which frozen weights are gathered together (decoder layers)
-  convert.py     convert_to_elastic, elasticize, runtime_of, stats, set_pool_budget, no_sync
+  convert.py     convert_to_elastic, elasticize, runtime_of, stats, set_pool_budget, no_sync, close
   adapters.py    PEFT-format adapters: save_adapter, load_adapter, merge_adapters
   state_dict.py  full state dicts (a collective) and load_state_dict into the shards
   ddp.py         running inside DistributedDataParallel
@@ -21,6 +21,7 @@ from .adapters import (
     save_adapter,
 )
 from .convert import (
+    close,
     convert_to_elastic,
     elasticize,
     no_sync,
@@ -36,7 +37,7 @@ from .state_dict import gather_only, load_full_weight
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticLinear", "ElasticLinearFunction",
-    "ElasticLoRAFunction", "ElasticLoRALinear", "LoRAConfig", "adapter_state_dict", "convert_to_elastic",
+    "ElasticLoRAFunction", "ElasticLoRALinear", "LoRAConfig", "adapter_state_dict", "close", "convert_to_elastic",
     "elasticize", "gather_only", "load_adapter", "load_full_weight", "lora_layers", "merge_adapters",
     "no_sync", "register_conversion_hook", "reset_stats", "runtime_of", "save_adapter", "set_pool_budget",
     "stats", "target_names",

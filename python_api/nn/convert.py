@@ -168,6 +168,13 @@ def runtime_of(model: nn.Module) -> ElasticRuntime:
     return rt
 
 
+def close(model: nn.Module) -> None:
+    """Give back the pool, shards and host memory of `model`'s runtime now (idempotent; the
+    model cannot run afterwards). Dropping the model frees the same; see [Note: closing a
+    runtime] in python_api/runtime/runtime.py."""
+    runtime_of(model).close()
+
+
 def stats(model: nn.Module) -> dict:
     """Cumulative per-rank stats: allgather_bytes, allgather_calls, pool_hits, pool_misses, pool_peak_bytes."""
     return runtime_of(model).stats()

@@ -75,6 +75,7 @@ class _Gathers:
         """The whole weight as one new tensor (for export and merging; a collective: call it
         on every rank). Bypasses the pool; counted in the all-gather stats. A quantized weight
         is gathered quantized and returned dequantized, in its dtype."""
+        self.check_open("full_weight")
         st = et.storage
         if et.qlayout is None:
             out = torch.empty(et.shape, dtype=et.dtype, device=self.device)

@@ -70,8 +70,11 @@ class _Order:
             if new_pass:
                 self._finish_phase()
                 self.phase = Phase.FORWARD
-                # A backward that raised never ran its queued callback: allow a new one.
+                # A backward that raised never ran its queued callback: allow a new one, and
+                # drop the gradient buckets it launched ([Note: gradient buckets]).
                 self._end_of_backward_queued = False
+                if self._params_ready or self._next_bucket:
+                    self._reset_grad_round()
         elif self.phase is not Phase.BACKWARD:
             self._finish_phase()
             self.phase = Phase.BACKWARD
@@ -168,6 +171,7 @@ class _Order:
         gathers in flight; a phase change before that use completes them and releases them
         per residency, so chunks that outlive their use (PERSISTENT) are then resident and
         the others are dropped. Every rank of the group alike (it issues collectives)."""
+        self.check_open("prefetch")
         if self._local_only():
             return
         wanted = [et for et in dict.fromkeys(tensors) if et.wid not in self._prefetched]

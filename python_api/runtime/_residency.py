@@ -133,11 +133,13 @@ class _Residency:
         return max(page, min(total, self._cache_budget + self._working_set_pages() * page))
 
     def _ensure_pool(self) -> None:
+        self.check_open("use")
         if self.pool is None and not self._local_only():
             self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
 
     def set_pool_budget(self, budget_bytes: int | None) -> None:
         """Change the cache budget (bytes beyond the working set) at any moment, on every rank."""
+        self.check_open("set_pool_budget")
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"set_pool_budget: expected None or an int >= 0, got {budget_bytes!r}")
         self._cache_budget = budget_bytes

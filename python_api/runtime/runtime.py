@@ -115,6 +115,9 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         # per phase, per position of the learned order: (first, end) positions of its segment
         self._segments: dict[Phase, list[tuple[int, int]] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self._seq = 0  # collectives issued (carried in each one's header)
+        # gloo on the default group: the private header and data groups of its gathers
+        # ([Note: headers off the prefetch path] in python_api/distributed/collectives.py)
+        self._channel = None
         self._observed: list[int] = []
         self._cursor = 0
         self._prefetched: dict[int, _Use] = {}  # wid -> use whose gathers are in flight
@@ -124,6 +127,15 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         # Whether the end of backward averages adapter gradients: the policy's setting, turned
         # off while another wrapper (DDP) reduces them (set_grad_reduction).
         self._reduce_grads = policy.all_reduce_grads
+        self._grad_hooks: list = []  # handles of the gradient-ready hooks (set_trainable)
+        # [Note: gradient buckets] in _grads.py: the buckets, which parameters are ready in
+        # this backward, the next bucket to launch, and a count for tests and profiles.
+        self._buckets: list = []
+        self._bucket_of: dict[int, object] = {}
+        self._params_ready: set[int] = set()
+        self._next_bucket = 0
+        self._buckets_launched_in_backward = 0
+        self._closed = False  # see [Note: closing a runtime]
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0, "h2d_bytes": 0}
         self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
 
@@ -162,6 +174,63 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         if self.pool is not None:
             self.pool.reset_peak()
 
+    # Note [closing a runtime]
+    # A runtime owns the pool (every page of its device memory), the shards, the host store's
+    # mapping and the activation offload's host buffers. `close()` gives all of them back now,
+    # on the rank that calls it (no collective): in-flight gathers are waited for and dropped
+    # first, the gradient-ready hooks are removed, the pool is closed, the store unmapped,
+    # the shards dropped. It is idempotent; any later use (a forward, backward, prefetch,
+    # full_weight, a budget change) raises a RuntimeError that says the runtime was closed.
+    # Without close(), dropping the model frees the same: nothing outside the model holds the
+    # runtime strongly. The hooks on the adapter parameters reach it through a weak
+    # reference (a hook lives in the parameter's C++ autograd metadata, which the garbage
+    # collector cannot traverse: a strong reference there kept the runtime, its pool and
+    # shards alive for the rest of the process; issue 27). tests/runtime/test_close.py drops
+    # a converted model and checks with weak references that runtime, pool and shards went.
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self, what: str) -> None:
+        """Raise if the runtime was closed ([Note: closing a runtime])."""
+        if self._closed:
+            raise RuntimeError(f"ElasticRuntime.{what}: this runtime was closed (close() gave back its pool, "
+                               "shards and host memory); convert the model again to use it")
+
+    def close(self) -> None:
+        """Give back the pool, the shards, the host store's mapping and the activation offload's
+        buffers now; idempotent, local to this rank. See [Note: closing a runtime]."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release_prefetched()
+        except RuntimeError:
+            pass  # a failed gather: its pages are freed with the pool below
+        finally:
+            self._prefetched = {}
+            for h in self._grad_hooks:
+                h.remove()
+            self._grad_hooks = []
+            self._drop_grad_state()
+            self._grad_params = []
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            if self.host_store is not None:
+                self.host_store.unpin()
+                self.host_store.close()
+                self.host_store = None
+            if self.activation_offload is not None:
+                self.activation_offload.set_enabled(False)
+                self.activation_offload = None
+            for et in self.tensors:
+                et.shard = None
+                et._local_chunks = None
+                et._reader = None
+            self.dequant_workspace = DequantWorkspace()
+
     def _device_guard(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
@@ -178,6 +247,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         inside backward is a recompute ([Note: recompute inside backward]). Pages whose
         gather failed are freed, so a caller that catches the error can retry.
         """
+        self.check_open("use")
         with self._device_guard():
             recompute = phase is Phase.FORWARD and in_backward()
             if recompute:
