@@ -151,6 +151,7 @@ def demo(argv) -> int:
 
     from bench.bench_frontier import Config, _run, _slowest
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
+    from elastic_kernels.api.finetune.formats import check_weight_formats
     from elastic_kernels.api.finetune.job import prepare
     from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
     from elastic_kernels.api.finetune.options import _budget, budget_label, parse_args
@@ -161,7 +162,6 @@ def demo(argv) -> int:
         shape_error,
     )
     from elastic_kernels.api.finetune.report import nf4_gap_bound
-    from elastic_kernels.api.finetune.runner import check_compare_formats
     from elastic_kernels.api.nn import adapter_state_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
@@ -191,7 +191,7 @@ def demo(argv) -> int:
     # Checked before anything runs, the same on every rank: the formats' blocks, the peer's shapes.
     args.compare_formats = sorted({f.split("-")[0] for f in formats} - {"none"})
     args.quant_nested = False
-    check_compare_formats(job)
+    check_weight_formats(job.spec, args)
     if "fsdp2-nf4" in peers and shape_error(job):
         raise SystemExit(f"bench_quant --demo: {shape_error(job)}")
     device = job.device

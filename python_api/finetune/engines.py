@@ -25,8 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..loading import LoadError, SafetensorsSource, empty_model
-from ..nn import convert_to_elastic, runtime_of, target_names
-from ..nn.lora import is_linear
+from ..nn import convert_to_elastic, runtime_of
 from ..planner import PlanningError, least_memory
 from ..planning import plan
 from .agreement import agree_error
@@ -111,25 +110,6 @@ def with_format(policy, args, weight_format: str | None):
         return dataclasses.replace(policy, weight_format=None, quant_block_size=None, quant_nested=False)
     return dataclasses.replace(policy, weight_format=weight_format, quant_block_size=args.quant_block,
                                quant_nested=bool(args.quant_nested) and weight_format == "nf4")
-
-
-def elastic_weights(model: nn.Module, args, itemsize: int) -> list[str]:
-    """The names of the linears whose weights the elastic runtime would hold (and, with a weight
-    format, quantize) for this job: convert_to_elastic's rule ([Note: what convert_to_elastic
-    does with each parameter] in python_api/nn/convert.py): the LoRA targets, and the other
-    linears with a weight of at least `replicate_below_bytes` not shared with another module.
-    `model` may be on the meta device; `itemsize` is the job's dtype's (a meta model's own
-    dtype may differ)."""
-    targets = target_names(model, lora_config_of(args))
-    seen: dict[int, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    below = policy_of(args, None).replicate_below_bytes
-    others = [n for n, m in model.named_modules()
-              if n and is_linear(m) and n not in targets and seen[id(m.weight)] == 1
-              and m.weight.numel() * itemsize >= below]
-    return sorted(set(targets) | set(others))
 
 
 def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None:

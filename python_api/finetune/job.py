@@ -12,6 +12,7 @@ from .agreement import run_configuration
 from .checkpoints import Resume, find_checkpoint, read_checkpoint
 from .data import TokenWindows
 from .errors import FinetuneError
+from .formats import check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
 from .options import ignored_options
 from .save_dir import check_save_dir
@@ -60,6 +61,7 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     spec = resolve_model(args)
     windows, data_info = resolve_data(args, spec)
     targets, adapter_shapes = resolved_targets(spec, args)
+    check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None
     resume_ckpt = find_checkpoint(args.resume) if args.resume is not None else None

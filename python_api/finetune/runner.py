@@ -12,11 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.agree import exchange
-from ..nn.lora import is_conv1d
 from . import peers, report
 from .checkpoints import CKPT
 from .constants import PROG
-from .engines import ElasticEngine, elastic_weights, with_format
+from .engines import ElasticEngine
 from .errors import FinetuneError
 from .files import (
     agreed_write,
@@ -27,7 +26,7 @@ from .files import (
 )
 from .job import Job
 from .measure import AllGatherCounter, PeakMemory, device_name
-from .options import budget_label, policy_of
+from .options import budget_label
 from .pipelined import (
     PipelinedEngine,
     close_engine,
@@ -81,7 +80,6 @@ def run(job: Job) -> dict:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
     # Before any run: peer settings no peer can run stop every rank; a peer not installed is
     # left out on every rank, and said so (python_api/finetune/peers/__init__.py).
-    check_compare_formats(job)
     skipped = peers.check(job) if args.baselines else {}
     if job.rank == 0:
         for kind, why in skipped.items():
@@ -126,26 +124,6 @@ def run(job: Job) -> dict:
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
-
-
-def check_compare_formats(job: Job) -> None:
-    """Every weight of the job that an elastic run of --compare-format would quantize must suit
-    that format (a row length the block divides): checked on the meta model before any run, as
-    the main run's format is when it is built. A pure function of the options and the model's
-    structure: every rank raises alike."""
-    args = job.args
-    formats = [f for f in args.compare_formats if f != "none"]
-    if not formats:
-        return
-    meta = job.spec.meta_model()
-    for fmt in formats:
-        policy = with_format(policy_of(args, None), args, fmt)
-        for name in elastic_weights(meta, args, job.spec.dtype.itemsize):
-            try:
-                m = meta.get_submodule(name)
-                policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else tuple(m.weight.shape))
-            except ValueError as exc:
-                raise FinetuneError(f"--compare-format {fmt}: {exc}") from exc
 
 
 def _with_format(job: Job, engine, result: dict) -> dict:

@@ -70,7 +70,8 @@ def _reference_losses(job) -> list[float]:
     the mean loss of the W x accum micro-batches per step, AdamW."""
     from torchao.quantization import to_nf4
 
-    from elastic_kernels.api.finetune.engines import elastic_weights, peft_with_initial_adapters
+    from elastic_kernels.api.finetune.engines import peft_with_initial_adapters
+    from elastic_kernels.api.finetune.formats import elastic_weights
     from elastic_kernels.api.finetune.loop import adamw
 
     args, W = job.args, job.world_size

@@ -60,10 +60,10 @@ import torch.nn as nn
 from ..engines import (
     FSDP2Engine,
     _collective_build,
-    elastic_weights,
     peft_with_initial_adapters,
 )
 from ..errors import FinetuneError
+from ..formats import elastic_weights
 from ..job import Job
 
 SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is 256 too)
