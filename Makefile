@@ -59,17 +59,17 @@ demo: build
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	pp=$$([ $$((nproc % 2)) -eq 0 ] && echo "--compare-pp 2"); \
 	echo "make demo: $$nproc processes, output in out/demo/"; \
-	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nproc -m elastic_kernels.api.finetune \
+	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nproc -m elastic_kernels.api.finetune --model tiny \
 		--baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
 		--memory-cap 48MiB --save-dir out/demo --overwrite $(DEMO_ARGS)
 	@echo "make demo: 1 process, weights on host, output in out/demo-host/"
-	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m elastic_kernels.api.finetune \
+	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m elastic_kernels.api.finetune --model tiny \
 		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	nq=$$([ $$nproc -ge 4 ] && echo 4 || ([ $$nproc -ge 2 ] && echo 2 || echo 1)); \
 	peers=$$([ $$nq -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
 	echo "make demo: $$nq processes, nf4 beside $$peers, output in out/demo-nf4/"; \
-	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nq -m elastic_kernels.api.finetune \
+	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nq -m elastic_kernels.api.finetune --model tiny \
 		--intermediate-size 768 --num-kv-heads 8 --compare-format nf4 --quant-nested --compare-budgets 0 \
 		--baseline $$peers --save-dir out/demo-nf4 --overwrite $(DEMO_ARGS)
 

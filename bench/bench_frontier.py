@@ -63,9 +63,9 @@ from bench.harness import append_rows, context, results_dir  # noqa: E402
 from elastic_kernels.api.finetune.peers.fsdp2_nf4 import NF4_DEMO_OPTIONS  # noqa: E402
 
 PRESETS = {
-    "tiny": ["--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4",
+    "tiny": ["--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4",
              "--num-kv-heads", "2", "--seq-len", "24", "--chunk-kib", "1", "--lora-r", "4", "--lora-alpha", "8"],
-    "demo": [],  # the CLI's embedded defaults: 4 layers, hidden 256, seq 128, micro-batch 2 x accumulation 2
+    "demo": ["--model", "tiny"],  # the tiny model's defaults: 4 layers, hidden 256, seq 128, micro-batch 2 x accumulation 2
     "large": ["--hidden-size", "512", "--intermediate-size", "1376", "--num-layers", "8", "--num-heads", "8",
               "--num-kv-heads", "4"],
     "nf4": list(NF4_DEMO_OPTIONS),  # the demo model sized for the fsdp2-nf4 peer on up to 4 ranks

@@ -41,6 +41,10 @@ def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str]
         "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
                    "replicate_below_bytes": policy_of(args, None).replicate_below_bytes},
     }
+    if getattr(args, "lr_schedule", "constant") not in (None, "constant"):
+        # Absent for a constant rate, so checkpoints written before --lr-schedule still match.
+        out["optimizer"]["schedule"] = args.lr_schedule
+        out["optimizer"]["schedule_steps"] = args.steps  # the decay ends at --steps: a resume keeps it
     quant = quant_fields(args)
     if quant:
         # The weight format changes the model's numerics: a checkpoint resumes only in its format.
@@ -95,6 +99,7 @@ def configuration_differences(saved: dict, current: dict) -> list[str]:
 _OPTION_OF = {
     "steps": "--steps", "save_every": "--save-every", "seq_len": "--seq-len", "micro_batch": "--micro-batch",
     "grad_accum": "--grad-accum", "seed": "--seed", "optimizer.lr": "--lr", "optimizer.warmup_steps": "--warmup-steps",
+    "optimizer.schedule": "--lr-schedule", "optimizer.schedule_steps": "--steps (the learning-rate schedule's length)",
     "optimizer.weight_decay": "--weight-decay", "lora.r": "--lora-r", "lora.alpha": "--lora-alpha",
     "lora.dropout": "--lora-dropout", "lora.targets": "--lora-targets", "model.dtype": "--dtype",
     "policy.chunk_bytes": "--chunk-kib", "policy.weight_format": "--weight-format",

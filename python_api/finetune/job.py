@@ -14,7 +14,7 @@ from .data import TokenWindows
 from .errors import FinetuneError
 from .formats import check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
-from .options import ignored_options
+from .options import ignored_options, resolve_training_defaults
 from .save_dir import check_save_dir
 
 
@@ -59,6 +59,7 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
         )
     device = job_device(args, local_rank)
     spec = resolve_model(args)
+    resolve_training_defaults(args, pretrained=not spec.embedded)
     windows, data_info = resolve_data(args, spec)
     targets, adapter_shapes = resolved_targets(spec, args)
     check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
@@ -70,5 +71,9 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
         resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
     job = Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
     job.notices = ignored_options(args, world_size)
+    if getattr(args, "tokenizer", None) == "bytes" and not spec.embedded:
+        # [Note: the tokenizer is never silently replaced] (models.py): asked for by name, and said
+        job.notices.append(f"--tokenizer bytes: the byte-level tokenizer (UTF-8 bytes as token ids) stands in for the "
+                           f"model's own ({spec.config.vocab_size} ids); the adapter fits only byte-level input")
     job.run_id = resume.run_id if resume is not None else None
     return job

@@ -19,7 +19,7 @@ from .checkpoints import nonfinite, to_tuple, write_checkpoint
 from .constants import ADAM_BETAS, ADAM_EPS
 from .errors import FinetuneError
 from .job import Job
-from .options import budget_label
+from .options import budget_label, lr_at
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
@@ -43,9 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _lr_at(args, step: int) -> float:
-    if args.warmup_steps and step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    return args.lr
+    return lr_at(args, step)  # [Note: learning-rate defaults] in options.py
 
 
 # [Note: segments of a run]

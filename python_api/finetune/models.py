@@ -34,6 +34,9 @@ class ModelSpec:
     dtype: torch.dtype
     seed: int
     tokenizer: object
+    # What a saved adapter names as its base (adapter_config.json's base_model_name_or_path):
+    # the hub id, or the directory (the cached one for a known name or a .gguf); None for tiny.
+    name: str | None = None
 
     @property
     def embedded(self) -> bool:
@@ -68,7 +71,7 @@ class ModelSpec:
 
     def description(self) -> str:
         c = self.config
-        what = "embedded Llama" if self.embedded else f"{c.model_type} from {self.source}"
+        what = "tiny random Llama" if self.embedded else f"{c.model_type} from {self.name or self.source}"
         return (f"{what}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate "
                 f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}")
 
@@ -96,13 +99,102 @@ def embedded_model(config, seed: int, dtype: torch.dtype = torch.float32) -> nn.
     return model
 
 
+TINY = "tiny"  # --model tiny: the embedded random model (the suite's fast model)
+DEFAULT_MODEL = "smollm2-135m-instruct"  # --model not given: the cached real model
+
+
+# [Note: what --model names]
+# `--model` is read in this order, the first that applies wins:
+#   tiny                       the embedded random Llama (sizes from --hidden-size etc.)
+#   a known pretrained name    (loading.pretrained.MODELS, e.g. smollm2-135m-instruct) its cached
+#                              HF directory, fetched and converted on first use
+#   an existing path           a directory (an HF model directory) or a .gguf file (converted
+#                              into the cache, keyed by the file's digest)
+#   owner/name                 a Hugging Face hub id, downloaded into the hub's cache
+# Not given, it is smollm2-135m-instruct: a new user fine-tunes a real model; the suite and the
+# size options say `--model tiny`. A name that is none of these is an error listing the forms.
+# The hub is asked with local_files_only only when HF_HUB_OFFLINE is set or it cannot be
+# reached (then the local cache is tried); when both fail the error names both attempts.
+# Every rank resolves alike: the cache conversion runs under a lock, the hub's cache too.
+
+
+def resolve_model_path(model: str) -> tuple[str, str]:
+    """(kind, absolute HF directory) for `--model` (see [Note: what --model names]); kind is
+    "pretrained", "gguf", "directory" or "hub". Raises FinetuneError."""
+    from ..loading.pretrained import MODELS, PretrainedError, gguf_dir, pretrained_dir
+
+    try:
+        if model in MODELS:
+            return "pretrained", str(pretrained_dir(model))
+        path = os.path.abspath(os.path.expanduser(model))
+        if os.path.lexists(path):
+            if os.path.isdir(path):
+                return "directory", path
+            if path.lower().endswith(".gguf"):
+                return "gguf", str(gguf_dir(path))
+            raise FinetuneError(f"--model {model} is not a directory or a .gguf file (expected a Hugging Face model "
+                                "directory, a .gguf file, a hub id, tiny or one of " + ", ".join(sorted(MODELS)) + ")")
+    except PretrainedError as exc:
+        raise FinetuneError(f"--model {model}: {exc}") from exc
+    if _HUB_ID.fullmatch(model) and not model.lower().endswith(".gguf"):
+        return "hub", _hub_snapshot(model)
+    raise FinetuneError(
+        f"--model {model}: no such directory or file, and not a hub id (owner/name); --model takes a Hugging Face "
+        f"model directory, a .gguf file, a hub id, tiny (the random test model) or one of {', '.join(sorted(MODELS))}")
+
+
+_HUB_ID = __import__("re").compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """The local snapshot of hub model `repo_id`: downloaded when the hub can be reached, else
+    (HF_HUB_OFFLINE set, or no connection) the hub's local cache. Raises FinetuneError naming
+    what was tried."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError
+    except ImportError as exc:
+        raise FinetuneError(f"--model {repo_id}: a hub id needs the huggingface_hub package") from exc
+    from huggingface_hub import constants
+
+    tried = []
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+        except HfHubHTTPError as exc:  # the hub answered: the repository is missing, gated or private
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            if status is not None and status < 500:
+                raise FinetuneError(f"--model {repo_id}: the hub refused it ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0]})") from exc
+            tried.append(f"downloading from the hub failed ({type(exc).__name__})")
+        except Exception as exc:  # noqa: BLE001 - no connection, DNS, timeouts: fall back to the local cache
+            tried.append(f"downloading from the hub failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+                         if str(exc) else f"downloading from the hub failed ({type(exc).__name__})")
+    else:
+        tried.append("HF_HUB_OFFLINE is set, so the hub was not asked")
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - not in the local cache
+        tried.append(f"the local hub cache ({constants.HF_HUB_CACHE}) has no snapshot of it ({type(exc).__name__})")
+    raise FinetuneError(f"--model {repo_id}: cannot find this hub model: " + "; ".join(tried) +
+                        "; pass a local directory (--model DIR) or run once with network access")
+
+
 def resolve_model(args) -> ModelSpec:
-    """The base model of the options. `--dtype` not given (None): float32 for the embedded model,
-    the checkpoint's dtype for `--model DIR`; `args.dtype` is set to the dtype resolved (what
-    the run configuration, the checkpoints and the messages name)."""
+    """The base model of the options ([Note: what --model names]). `--dtype` not given (None):
+    float32 for the tiny model, the checkpoint's dtype otherwise; `args.dtype` is set to the
+    dtype resolved (what the run configuration, the checkpoints and the messages name), and
+    `args.model` to the name resolved (the default's, when not given)."""
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     dims = {k: getattr(args, k) for k in EMBEDDED}
+    given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
     if args.model is None:
+        if given:
+            raise FinetuneError(f"{', '.join(given)} size the tiny random model: add --model tiny (the default "
+                                f"model, {DEFAULT_MODEL}, brings its own configuration)")
+        args.model = DEFAULT_MODEL
+    if args.model == TINY:
         dtype = dtype or torch.float32
         args.dtype = str(dtype).replace("torch.", "")
         d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
@@ -113,16 +205,14 @@ def resolve_model(args) -> ModelSpec:
         if (d["hidden_size"] // d["num_heads"]) % 2:
             raise FinetuneError(f"head size {d['hidden_size'] // d['num_heads']} must be even (rotary embeddings)")
         config = embedded_config(**d)
+        if getattr(args, "tokenizer", None) not in (None, "bytes"):
+            raise FinetuneError(f"--tokenizer {args.tokenizer}: the tiny model's vocabulary is the byte-level "
+                                "tokenizer's (257 ids); leave --tokenizer out")
         return ModelSpec("embedded", config, dtype, args.seed, ByteTokenizer(eos=True))
 
-    given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
     if given:
-        raise FinetuneError(f"{', '.join(given)} size the embedded model only; --model {args.model} brings its own configuration")
-    path = os.path.abspath(args.model)
-    if not os.path.lexists(path):
-        raise FinetuneError(f"model directory {args.model} does not exist")
-    if not os.path.isdir(path):
-        raise FinetuneError(f"--model {args.model} is not a directory (expected a Hugging Face model directory)")
+        raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {args.model} brings its own configuration")
+    kind, path = resolve_model_path(args.model)
     # The loader's own checks (python_api/loading/): what cannot be listed, read or parsed is
     # named with its reason (permission, a FIFO, a dangling link), never a raw traceback.
     try:
@@ -133,25 +223,62 @@ def resolve_model(args) -> ModelSpec:
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
         dtype = checkpoint_dtype(config, source)
         args.dtype = str(dtype).replace("torch.", "")
-    tokenizer = _resolve_tokenizer(path, args.model, config)
-    return ModelSpec(path, config, dtype, args.seed, tokenizer)
+    tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
+    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path)
 
 
-def _resolve_tokenizer(path: str, shown: str, config):
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-        try:
-            return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), shown)
-        except Exception as exc:  # noqa: BLE001
-            raise FinetuneError(f"model directory {shown}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from exc
+
+# [Note: the tokenizer is never silently replaced]
+# A model directory without tokenizer files used to train on the byte-level fallback whenever
+# its vocabulary had >= 256 ids: the real model's weights without its tokenizer trained (first
+# loss 6.78 against 3.64) and exited 0, with an adapter useless beside the real tokenizer. Now:
+# the tokenizer is the model directory's, or the one `--tokenizer DIR` names; the byte-level
+# fallback is used without asking only when the vocabulary is exactly 256 or 257 ids (bytes,
+# and bytes + end-of-document: what the fallback's ids can mean), and otherwise only by name
+# (`--tokenizer bytes`), said in the header, results.md and summary.json. A larger vocabulary
+# without a tokenizer is refused, naming both fixes.
+
+def _load_hf_tokenizer(path: str, shown: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), path)
+    except Exception as exc:  # noqa: BLE001
+        raise FinetuneError(f"{shown}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from exc
+
+
+def _resolve_tokenizer(path: str, shown: str, config, choice: str | None = None):
+    """The run's tokenizer ([Note: the tokenizer is never silently replaced]): `choice` is
+    --tokenizer (None: the model's; "bytes": the byte-level one; else a directory)."""
     vocab = getattr(config, "vocab_size", None)
-    if vocab is None or vocab < 256:
+    if choice == "bytes":
+        if vocab is None or vocab < 256:
+            raise FinetuneError(f"--tokenizer bytes: the model's vocabulary of {vocab} ids cannot hold the 256 byte ids")
+        return ByteTokenizer(eos=vocab > 256)
+    if choice is not None:
+        tdir = os.path.abspath(os.path.expanduser(choice))
+        if not os.path.isdir(tdir):
+            raise FinetuneError(f"--tokenizer {choice}: not a directory (expected a folder with tokenizer.json or "
+                                "tokenizer_config.json, or `bytes` for the byte-level tokenizer)")
+        if not any(os.path.isfile(os.path.join(tdir, f)) for f in _TOKENIZER_FILES):
+            raise FinetuneError(f"--tokenizer {choice}: the folder has none of {', '.join(_TOKENIZER_FILES)}")
+        tok = _load_hf_tokenizer(tdir, f"--tokenizer {choice}")
+    elif any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return _load_hf_tokenizer(path, f"model directory {shown}")
+    elif vocab in (256, 257):
+        return ByteTokenizer(eos=vocab > 256)
+    else:
         raise FinetuneError(
-            f"model directory {shown} has no tokenizer and a vocabulary of {vocab} ids: the byte-level "
-            "tokenizer needs at least 256 (add the model's tokenizer files to the directory)"
-        )
-    return ByteTokenizer(eos=vocab > 256)
+            f"model directory {shown} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) and a vocabulary of "
+            f"{vocab} ids: its token ids mean nothing without its tokenizer. Pass --tokenizer DIR (a folder with the "
+            "model's tokenizer files), add them to the model directory, or ask for the byte-level tokenizer by name "
+            "with --tokenizer bytes (its adapters will not work with the model's own tokenizer)")
+    if len(tok.tok) > (vocab or 0):
+        raise FinetuneError(f"--tokenizer {choice}: its vocabulary has {len(tok.tok)} ids, more than the model's "
+                            f"{vocab}: it is not this model's tokenizer")
+    return tok
 
 
 def resolve_data(args, spec: ModelSpec):

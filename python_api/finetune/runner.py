@@ -70,10 +70,12 @@ def run(job: Job) -> dict:
     if job.run_id is None:  # a fresh run: rank 0's id for every rank ([Note: the checkpoint's manifest])
         job.run_id = exchange(uuid.uuid4().hex, what="the run's id")[0]
     if job.rank == 0:
-        print(f"{PROG}: {job.spec.description()}; {job.world_size} ranks on {job.device.type} "
+        print(f"{PROG}: {job.spec.description()}; tokenizer {job.spec.tokenizer.name}; {job.world_size} ranks on "
+              f"{job.device.type} "
               f"({dist.get_backend()}); data {job.data_info['source']}, {job.data_info['tokens']} tokens; "
               f"{job.world_size * args.micro_batch * args.grad_accum} sequences x {args.seq_len} tokens per step; "
-              f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {len(job.targets)} modules; output {job.save_dir}",
+              f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {len(job.targets)} modules; lr {args.lr:g} "
+              f"{args.lr_schedule}, warm-up {args.warmup_steps} steps; output {job.save_dir}",
               flush=True)
         _warn(job.notices)
         if job.resume is not None:

@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIMS = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 TINY = [
-    "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2",
+    "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", "24", "--micro-batch", "2", "--grad-accum", "2", "--chunk-kib", "1",
     "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress",
 ]
@@ -277,7 +277,7 @@ def test_local_model_and_data_files(tmp_path):
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
     txt = tmp_path / "d.txt"
     txt.write_text("é" * 200)
-    job = _prepare(["--data", str(txt), "--seq-len", "16", "--save-dir", str(tmp_path / "o")] + TINY[:10])
+    job = _prepare(["--data", str(txt), "--seq-len", "16", "--save-dir", str(tmp_path / "o")] + TINY[:12])
     assert job.windows.tokens.numel() == 400  # two UTF-8 bytes per é
 
 
@@ -308,13 +308,13 @@ def _bad_cases(tmp_path, ckpt_dir):
         f.truncate(100)
     out = ["--save-dir", str(t / "out")]
     return [
-        (["--model", str(t / "missing")] + out, "model directory .*missing does not exist"),
+        (["--model", str(t / "missing")] + out, "--model .*missing: no such directory or file, and not a hub id"),
         (["--model", str(t / "empty")] + out, "has no config.json"),
         (["--model", str(t / "badjson")] + out, "config.json is not valid JSON"),
         (["--model", noweights] + out, r"has no \*\.safetensors weights"),
         (["--model", corrupt] + out, "is not a valid safetensors file"),
-        (["--model", small_vocab] + out, "no tokenizer and a vocabulary of 100 ids"),
-        (["--model", corrupt, "--hidden-size", "64"] + out, "--hidden-size size the embedded model only"),
+        (["--model", small_vocab] + out, "has no tokenizer files .* and a vocabulary of 100 ids.*--tokenizer DIR.*--tokenizer bytes"),
+        (["--model", corrupt, "--hidden-size", "64"] + out, "--hidden-size size the tiny model only"),
         (TINY + ["--data", str(t / "nope.txt")] + out, "data file .*nope.txt does not exist"),
         (TINY + ["--data", str(t / "d.csv")] + out, "unknown type '.csv'"),
         (TINY + ["--data", str(t / "bad.jsonl")] + out, "bad.jsonl, line 3: not valid JSON"),

@@ -67,9 +67,9 @@ def test_model_dir_defaults_to_the_checkpoints_dtype(tmp_path, saved):
     mdir = str(tmp_path / "model")
     embedded_model(embedded_config(**DIMS), seed=3, dtype=saved).save_pretrained(mdir)
     name = str(saved).replace("torch.", "")
-    job = _prepare(TINY[10:] + ["--model", mdir, "--save-dir", str(tmp_path / "o")])
+    job = _prepare(TINY[12:] + ["--model", mdir, "--save-dir", str(tmp_path / "o")])
     assert job.spec.dtype == saved and job.args.dtype == name and job.config["model"]["dtype"] == name
-    job = _prepare(TINY[10:] + ["--model", mdir, "--dtype", "float32", "--save-dir", str(tmp_path / "o")])
+    job = _prepare(TINY[12:] + ["--model", mdir, "--dtype", "float32", "--save-dir", str(tmp_path / "o")])
     assert job.spec.dtype == torch.float32
     job = _prepare(TINY + ["--save-dir", str(tmp_path / "o")])
     assert job.spec.dtype == torch.float32 and job.config["model"]["dtype"] == "float32"

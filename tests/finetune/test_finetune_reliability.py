@@ -394,7 +394,7 @@ def test_nan_in_base_weights_is_named(tmp_path):
     state[key][3, 5] = float("nan")
     save_file(state, wfile, metadata={"format": "pt"})
     out = str(tmp_path / "out")
-    args = TINY[10:] + ["--model", mdir, "--steps", str(STEPS), "--save-dir", out]
+    args = TINY[12:] + ["--model", mdir, "--steps", str(STEPS), "--save-dir", out]
     rc, _, err = _run(args, timeout=ERROR_TIMEOUT_S, expect_ok=False)
     _assert_clean_error(rc, err, rf"base weights of the model in .*model hold NaN or Inf values \({re.escape(key)}, 1 of",
                         "whatever --lr")

@@ -423,7 +423,7 @@ def _cli_engine_worker(rank, world_size, mdir):
     real_rows = SafetensorsSource.rows
     SafetensorsSource.rows = lambda self, *a, **k: reads.append(a[0]) or real_rows(self, *a, **k)
     try:
-        job = prepare(parse_args(TINY[10:] + ["--model", mdir, "--steps", "1"]), rank, world_size, 0)
+        job = prepare(parse_args(TINY[12:] + ["--model", mdir, "--steps", "1"]), rank, world_size, 0)
         engine = ElasticEngine(job, job.args.pool_budget)
     finally:
         SafetensorsSource.rows = real_rows
@@ -446,7 +446,7 @@ def test_cli_model_dir_loads_by_rows(tmp_path):
     common = ["--steps", "3", "--seed", "3", "--baseline", "fsdp2"]
     a, b = str(tmp_path / "embedded"), str(tmp_path / "dir")
     torchrun(TINY + common + ["--save-dir", a], what="embedded run")
-    torchrun(TINY[10:] + common + ["--model", mdir, "--save-dir", b], what="--model DIR run")
+    torchrun(TINY[12:] + common + ["--model", mdir, "--save-dir", b], what="--model DIR run")
     (ea, fa), (eb, fb) = summary_of(a)["runs"], summary_of(b)["runs"]
     assert fa["kind"] == fb["kind"] == "fsdp2"
     assert len(ea["losses"]) == 3 and ea["losses"] == eb["losses"], (ea["losses"], eb["losses"])
@@ -464,7 +464,7 @@ def test_cli_tied_config_over_untied_files(tmp_path):
     mdir = _tiny_model_dir(str(tmp_path / "model"))
     _retie(mdir, True)
     out = str(tmp_path / "out")
-    _, _, err = torchrun(TINY[10:] + ["--model", mdir, "--steps", "3", "--baseline", "fsdp2", "--save-dir", out],
+    _, _, err = torchrun(TINY[12:] + ["--model", mdir, "--steps", "3", "--baseline", "fsdp2", "--save-dir", out],
                          what="tied config over untied files")
     elastic, fsdp2 = summary_of(out)["runs"]
     diff = max(abs(x - y) for x, y in zip(elastic["losses"], fsdp2["losses"]))

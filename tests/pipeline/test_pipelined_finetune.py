@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DIMS = dict(hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2)
 SEQ, MB, ACCUM = 24, 2, 2
 TINY = [
-    "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2",
+    "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", str(SEQ), "--micro-batch", str(MB), "--grad-accum", str(ACCUM), "--chunk-kib", "1",
     "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress",
 ]

@@ -11,7 +11,7 @@ import pytest
 
 from elastic_kernels.api.finetune.options import parse_args, policy_of
 
-BASE = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
+BASE = ["--model", "tiny", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
         "--num-kv-heads", "2", "--seq-len", "16", "--micro-batch", "2", "--chunk-kib", "1",
         "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress"]
 

@@ -21,7 +21,7 @@ from tests._dist import run_distributed
 # element count a multiple of 64 x 256 x 2): q/o 256 x 256, k/v 128 x 256, gate/up 128 x 256,
 # down 256 x 128; every row length is a multiple of the elastic nf4 block (64). The CLI's
 # learning rate and alpha (2e-3, 16): the setting the NF4 tolerance was measured in.
-NF4_TINY = ["--hidden-size", "256", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
+NF4_TINY = ["--model", "tiny", "--hidden-size", "256", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
             "--num-kv-heads", "2", "--seq-len", "24", "--micro-batch", "2", "--grad-accum", "2", "--chunk-kib", "16",
             "--lora-r", "4", "--lora-alpha", "16", "--lr", "2e-3", "--no-progress"]
 STEPS = 3

@@ -75,7 +75,7 @@ SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is
 # multiple of 65536 = 64 x 256 x 4 (q/k/v/o 256 x 256, gate/up 768 x 256, down 256 x 768): it
 # qualifies on 2 and 4 ranks (not 3, nor 8; the peer needs 2 at least), and every row length
 # is a multiple of the nf4 and int8 blocks (64, 256).
-NF4_DEMO_OPTIONS = ("--intermediate-size", "768", "--num-kv-heads", "8")
+NF4_DEMO_OPTIONS = ("--model", "tiny", "--intermediate-size", "768", "--num-kv-heads", "8")
 DEFAULT_BLOCK = 64  # bitsandbytes' and torchao's NF4 block
 INSTALL_HINT = "pip install torchao (requirements.txt pins 0.18.0)"
 
