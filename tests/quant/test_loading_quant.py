@@ -26,7 +26,7 @@ def _worker(rank, world_size, path, fmt, block, nested, load_dtype):
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS)
     policy = ElasticPolicy(chunk_bytes=64 * 4 * 7, weight_format=fmt, quant_block_size=block, quant_nested=nested,
-                           replicate_below_bytes=0)
+                           replicate_below_bytes=0, quant_skip_modules=())  # lm_head quantized too
     loaded = load_elastic(path, lora, policy, dtype=load_dtype)
     in_memory = convert_to_elastic(LlamaForCausalLM.from_pretrained(path, dtype=load_dtype).eval(), lora, policy)
     a, b = loaded._elastic_runtime, in_memory._elastic_runtime
