@@ -113,6 +113,13 @@ class ElasticPolicy:
                        elastic_kernels/quant/int8.py). Only with a weight_format.
     quant_nested       nf4 only: double quantization of the scales (bitsandbytes'
                        bnb_4bit_use_double_quant: 8-bit scale codes, fp32 per 256 of them).
+    quant_skip_modules with a weight_format, the modules whose weights stay in full precision
+                       (bitsandbytes' llm_int8_skip_modules): None (default) the model's output
+                       layer, as bitsandbytes, PEFT and torchtune keep it; a tuple of module
+                       names (a name matches that module, any module whose dotted name ends
+                       with it, and the modules inside it: "lm_head", "mlp.down_proj",
+                       "model.layers.0"); () quantizes every weight under the runtime. See
+                       [Note: what QLoRA keeps in full precision] in python_api/nn/convert.py.
     """
 
     chunk_bytes: int = 4 << 20
@@ -134,6 +141,7 @@ class ElasticPolicy:
     weight_format: str | None = None
     quant_block_size: int | None = None
     quant_nested: bool = False
+    quant_skip_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not _is_int(self.chunk_bytes) or self.chunk_bytes <= 0:
@@ -206,6 +214,13 @@ class ElasticPolicy:
             raise ValueError(f"ElasticPolicy.weight_format must be None or one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
         if not isinstance(self.quant_nested, bool):
             raise ValueError(f"ElasticPolicy.quant_nested must be True or False, got {self.quant_nested!r}")
+        skip = self.quant_skip_modules
+        if skip is not None:
+            if isinstance(skip, str) or not isinstance(skip, (tuple, list)) \
+                    or not all(isinstance(n, str) and n and n.strip(".") == n for n in skip):
+                raise ValueError(f"ElasticPolicy.quant_skip_modules must be None or a list of module names (e.g. "
+                                 f"['lm_head']; [] quantizes every weight), got {skip!r}")
+            object.__setattr__(self, "quant_skip_modules", tuple(skip))  # frozen: hashable, as given
         b = self.quant_block_size
         if fmt is None:
             if b is not None or self.quant_nested:
@@ -248,11 +263,22 @@ class ElasticPolicy:
             )
         return self.chunk_bytes // row_bytes
 
+    def quantizes(self, name: str) -> bool:
+        """Whether the weight of module `name` is stored in the weight_format: not without one,
+        not when `quant_skip_modules` matches it (None: the module named lm_head; conversion
+        replaces None by the model's own output layer)."""
+        if self.weight_format is None:
+            return False
+        skip = ("lm_head",) if self.quant_skip_modules is None else self.quant_skip_modules
+        padded = f".{name}."  # whole components only: "lm_head" is not "lm_head_2"
+        return not any(f".{key}." in padded for key in skip)
+
     def check_quantizable(self, name: str, shape) -> None:
         """Raise, naming the weight and its shape, unless a weight of `shape` can be stored in
         this policy's weight_format (a 2-D weight whose row length is a multiple of the block:
-        blocks never straddle chunks). Nothing to check without a weight_format."""
-        if self.weight_format is None:
+        blocks never straddle chunks). Nothing to check for a weight the policy does not
+        quantize (`quantizes`)."""
+        if not self.quantizes(name):
             return
         shape = tuple(int(d) for d in shape)
         block = self.block_size

@@ -349,6 +349,8 @@ def _collective_build_on_meta(job: Job):
     model, source, err = None, None, None
     try:  # --dtype casts floating weights on load, as from_pretrained(dtype=...) does
         source = SafetensorsSource(job.spec.source, device=job.device, allow_cast=True)
+        if job.spec.packed is not None:  # [Note: the CLI reads bitsandbytes 4-bit checkpoints]
+            source.read_packed(job.spec.packed)
         model = empty_model(job.spec.config, job.spec.dtype).train()
     except LoadError as exc:
         err = str(exc)

@@ -3,13 +3,16 @@ LoRA targets: resolved from the options, checked before anything runs."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from ..config import ElasticPolicy
 from ..loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
+from ..loading.bnb import PackedFormatError, compute_dtype, packed_format
 from ..nn import LoRAConfig, target_names
 from .constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
 from .data import (
@@ -37,6 +40,11 @@ class ModelSpec:
     # What a saved adapter names as its base (adapter_config.json's base_model_name_or_path):
     # the hub id, or the directory (the cached one for a known name or a .gguf); None for tiny.
     name: str | None = None
+    # A bitsandbytes 4-bit checkpoint's format (loading/bnb.py Bnb4bitFormat), else None: its
+    # packed weights are read as they are, by the elastic runtime only ([Note: the CLI reads
+    # bitsandbytes 4-bit checkpoints]); `config` is then the checkpoint's without its
+    # quantization_config (nothing in memory is bitsandbytes-packed).
+    packed: object = None
 
     @property
     def embedded(self) -> bool:
@@ -45,6 +53,9 @@ class ModelSpec:
     def build(self) -> nn.Module:
         if self.embedded:
             return embedded_model(self.config, self.seed, self.dtype)
+        if self.packed is not None:  # refused with the options in resolve_model; a direct caller gets this
+            raise FinetuneError(f"model directory {self.source} is a {self.packed.describe()} checkpoint: only the "
+                                "elastic runtime reads it (its packed weights, as they are)")
         from transformers import AutoModelForCausalLM
 
         try:
@@ -72,8 +83,10 @@ class ModelSpec:
     def description(self) -> str:
         c = self.config
         what = "tiny random Llama" if self.embedded else f"{c.model_type} from {self.name or self.source}"
+        packed = "" if self.packed is None else f", {self.packed.describe()} checkpoint"
         return (f"{what}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate "
-                f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}")
+                f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}"
+                f"{packed}")
 
 
 def embedded_config(hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int):
@@ -220,11 +233,65 @@ def resolve_model(args) -> ModelSpec:
         source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
     except LoadError as exc:
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
+    packed = _bnb_checkpoint(args, config)
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
-        dtype = checkpoint_dtype(config, source)
+        # A bitsandbytes checkpoint computes in its bnb_4bit_compute_dtype, as load_elastic does.
+        dtype = (compute_dtype(config) if packed is not None else None) or checkpoint_dtype(config, source)
         args.dtype = str(dtype).replace("torch.", "")
+    if packed is not None:
+        config = copy.deepcopy(config)
+        del config.quantization_config
     tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
-    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path)
+    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path,
+                     packed=packed)
+
+
+def _bnb_checkpoint(args, config):
+    """The bitsandbytes 4-bit format of `--model`'s checkpoint (None: full precision), checked
+    against the options.
+
+    [Note: the CLI reads bitsandbytes 4-bit checkpoints]
+    As `load_elastic` does ([Note: loading a bitsandbytes 4-bit checkpoint] in
+    python_api/loading/bnb.py): the elastic runs read the packed codes and scales as they are,
+    so the options must store that format (`--weight-format nf4`, `--quant-nested` as the
+    checkpoint's double quantization, no other `--quant-block`), and nothing else may need the
+    full-precision weights, which the files do not hold: not the peers (`--baseline`), not a
+    `--compare-format` run of another format, not pipeline stages (`--pp`: each pack quantizes
+    from rows), not the host tier (its store is filled from full-precision rows). Each is refused here, naming the option, before anything runs. The
+    run's header names the format (ModelSpec.description) and the dtype is the checkpoint's
+    `bnb_4bit_compute_dtype` unless `--dtype` is given."""
+    if getattr(config, "quantization_config", None) is None:
+        return None
+    where = f"--model {args.model}"
+    d = config.quantization_config
+    d = d if isinstance(d, dict) else (d.to_dict() if hasattr(d, "to_dict") else dict(vars(d)))
+    nested = bool(d.get("bnb_4bit_use_double_quant", False))
+    try:  # what the files are, with the policy that reads them
+        fmt = packed_format(config, ElasticPolicy(weight_format="nf4", quant_nested=nested))
+    except PackedFormatError as exc:
+        raise FinetuneError(f"{where}: {exc}") from exc
+    want = "--weight-format nf4" + (" --quant-nested" if nested else "")
+    if args.weight_format != "nf4" or bool(args.quant_nested) != nested or args.quant_block not in (None, 64):
+        given = f"--weight-format {args.weight_format}" + (" --quant-nested" if args.quant_nested else "") + (
+            f" --quant-block {args.quant_block}" if args.quant_block is not None else "")
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint, trained from its packed weights as they are: "
+                            f"pass {want} (not {given})")
+    others = [f for f in getattr(args, "compare_formats", []) or [] if f != "nf4"]
+    if others:
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: --compare-format {','.join(others)} would need "
+                            f"full-precision weights, which its files do not hold")
+    peers = [b for b in getattr(args, "baselines", []) or []]
+    if peers:
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: --baseline {','.join(peers)} builds the model "
+                            f"from full-precision weights, which its files do not hold (leave --baseline out)")
+    if args.pp == "auto" or args.pp > 1 or args.compare_pp is not None:
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: pipeline stages (--pp, --compare-pp) "
+                            f"quantize their packs from full-precision rows, which its files do not hold")
+    if args.weights_on == "host" or args.host_fraction or getattr(args, "compare_host", False):
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: the host tier (--weights-on host, "
+                            f"--host-fraction, --compare-host) fills its store from full-precision rows, which would "
+                            f"quantize the weights again; leave them out")
+    return fmt
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

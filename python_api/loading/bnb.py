@@ -51,10 +51,13 @@ found: 8-bit bitsandbytes (`load_in_8bit`), fp4, a block size other than 64, ano
 requantize). Each weight's record and its tiny tensors (codebooks, the sizes of the others) are
 checked in `SafetensorsSource.check` before any weight is read.
 
-A packed weight dequantizes to the model's dtype: by default the config's, which is the dtype
+A packed weight dequantizes to the model's dtype: by default the checkpoint's
+`bnb_4bit_compute_dtype` (what its Linear4bit layers compute in, and what transformers'
+`from_pretrained` of the checkpoint computes in), else the config's dtype, which is the dtype
 transformers recorded for the weights (the records' `dtype`), so the loaded weights are the
-checkpoint's `dequantize_4bit` exactly; with `load_elastic(dtype=...)` they dequantize to that
-dtype directly (`dequantize_4bit` with its quant_state's dtype set to it). The weights of the
+checkpoint's `dequantize_4bit` exactly, in that dtype; the model's other floating tensors are cast
+to it on load. With `load_elastic(dtype=...)` they dequantize to that dtype directly
+(`dequantize_4bit` with its quant_state's dtype set to it): an explicit dtype wins. The weights of the
 modules the runtime leaves replicated (below `replicate_below_bytes`) are dequantized once on
 load, whole, like any replicated parameter they are read into full precision. The loaded model's
 config loses its `quantization_config`: nothing in memory is bitsandbytes-packed, and what
@@ -152,6 +155,18 @@ def packed_format(config, policy) -> Bnb4bitFormat | None:
             f"(weights_on={policy.weights_on!r}, host_fraction={policy.host_fraction!r}) is not supported; the "
             f"host store is filled from full-precision rows, which would quantize the weights again")
     return fmt
+
+
+def compute_dtype(config) -> torch.dtype | None:
+    """The `bnb_4bit_compute_dtype` of a bitsandbytes checkpoint's quantization_config (the
+    dtype its Linear4bit layers compute in), or None (no quantization_config, none set)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    d = _as_dict(qc).get("bnb_4bit_compute_dtype")
+    if isinstance(d, str):
+        d = getattr(torch, d.replace("torch.", ""), None)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else None
 
 
 def quant_state_key(base: str) -> str:

@@ -59,7 +59,7 @@ from ..config import ElasticPolicy
 from ..distributed.agree import agree
 from ..distributed.launch import ensure_default_group
 from ..nn import LoRAConfig, convert_to_elastic
-from .bnb import PackedFormatError, packed_format
+from .bnb import PackedFormatError, compute_dtype, packed_format
 from .source import LoadError, SafetensorsSource, check_regular_file, list_directory
 
 # ---------------------------------------------------------------------- building on meta
@@ -177,8 +177,8 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     read from its safetensors files without any rank holding it whole ([Note: loading from
     files]): `convert_to_elastic(empty_model(path, dtype), lora, policy, group, unit_modules,
     source=SafetensorsSource(path, device))`. `dtype`: default the config's dtype (else the
-    files' dtype, else float32), and then the files must hold it; given, floating weights of
-    another dtype are cast on load. A collective: call it on every rank of `group`. The model
+    files' dtype, else float32; a bitsandbytes 4-bit checkpoint's `bnb_4bit_compute_dtype`),
+    and then the files must hold it; given, floating weights of another dtype are cast on load. A collective: call it on every rank of `group`. The model
     comes back in eval mode (as `from_pretrained` returns it): call `.train()` to train with
     dropout."""
     # Arguments: the same on every rank (a programming error, raised before any collective).
@@ -200,7 +200,12 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)
         config = read_config(source.path)
-        read_checkpoint_format(source, config, policy)
+        compute = compute_dtype(config)  # before read_checkpoint_format drops the quantization_config
+        if read_checkpoint_format(source, config, policy) is not None and dtype is None and compute is not None:
+            # A bitsandbytes checkpoint computes in bnb_4bit_compute_dtype: the model's dtype
+            # ([Note: loading a bitsandbytes 4-bit checkpoint]); other tensors are cast to it.
+            dtype = compute
+            source.allow_cast = True
         if model_class is not None:
             _check_model_class(model_class, config)
         model = empty_model(config, dtype or checkpoint_dtype(config, source), model_class)

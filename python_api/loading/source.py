@@ -260,6 +260,13 @@ class SafetensorsSource:
 
     # ------------------------------------------------------------------ reads
 
+    def is_packed(self, name: str, prefix: str | None = None) -> bool:
+        """Whether the model's tensor `name` is held packed by bitsandbytes in the files (False
+        for a name the files do not hold). `prefix`: the model's `base_model_prefix` (before
+        `check` learnt it)."""
+        key = self.resolve(name, self.prefix or prefix)
+        return key is not None and key in self.packed
+
     def rows(self, name: str, transpose: bool = False):
         """A reader `rows(begin, end)` of rows [begin, end) of the model's tensor `name` (its first
         dimension), reading only those rows from the file. With `transpose` (a Conv1D weight

@@ -17,9 +17,27 @@ python_api/hf/).
 - Embeddings, norms and every other parameter stay replicated and frozen: an embedding lookup
   reads arbitrary rows, which the chunked GEMM path does not serve.
 Everything but the adapters is frozen.
+
+[Note: what QLoRA keeps in full precision]
+bitsandbytes (`llm_int8_skip_modules`, filled by transformers with the output layer), PEFT's
+QLoRA recipes and torchtune quantize the decoder's linears and keep the output layer in full
+precision: the logits feed the loss directly, and the output layer is one weight among many
+(on SmolLM2-135M a tied one; on Llama-3-8B 0.5 G of 8 G parameters). Quantizing it too made a
+`--weight-format nf4` run here another run than the QLoRA users compare against. So with a
+`weight_format`, `ElasticPolicy.quant_skip_modules` names the modules kept in full precision
+and its default, None, means the model's output layer: resolved here to the name of
+`model.get_output_embeddings()` when the model has one (transformers models), else `lm_head`,
+and the runtime gets the policy with that tuple (the same on every rank: the same model). A
+skipped weight is still elastic (sharded, gathered, cached): only its storage format changes.
+A bitsandbytes 4-bit checkpoint decides by itself: its packed weights stay packed and every
+weight it holds in full precision stays so (its lm_head, or whatever its own skip list kept),
+never requantized; `quant_skip_modules` does not apply to it.
 """
 
+
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -59,6 +77,33 @@ def _shared_params(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
+def _output_layer(model: nn.Module) -> str:
+    """The name of the model's output layer: its `get_output_embeddings()` (transformers), else
+    "lm_head"."""
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    if out is not None:
+        for name, module in model.named_modules():
+            if module is out:
+                return name
+    return "lm_head"
+
+
+def resolve_quant_skip(model: nn.Module, policy: ElasticPolicy, chosen, source=None) -> ElasticPolicy:
+    """The policy the runtime gets: `quant_skip_modules` made explicit ([Note: what QLoRA keeps
+    in full precision]). Without a weight_format, `policy` as it is."""
+    if policy.weight_format is None:
+        return policy
+    if source is not None and getattr(source, "packed_format", None) is not None:
+        prefix = getattr(model, "base_model_prefix", None) or None
+        skip = tuple(sorted(n for n in chosen if not source.is_packed(f"{n}.weight", prefix)))
+    elif policy.quant_skip_modules is None:
+        skip = (_output_layer(model),)
+    else:
+        return policy
+    return dataclasses.replace(policy, quant_skip_modules=skip)
+
+
 def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None,
                        unit_modules=None, source=None) -> nn.Module:
     """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
@@ -84,6 +129,7 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     if tied:
         raise ValueError(f"convert_to_elastic: target linears {tied} share their weight with another module (tied)")
     chosen = set(targets) | set(others)
+    policy = resolve_quant_skip(model, policy, chosen, source)
     for name in sorted(chosen):  # before anything is read, sharded or gathered
         m = model.get_submodule(name)
         policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
@@ -142,6 +188,7 @@ def elasticize(model: nn.Module, policy: ElasticPolicy, group=None, should_wrap=
     for name, module in targets:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"elasticize: {name} is a {type(module).__name__}, only nn.Linear can be wrapped here")
+    policy = resolve_quant_skip(model, policy, [n for n, _ in targets])
     for name, module in targets:  # before anything is sharded or gathered
         policy.check_quantizable(name, module.weight.shape)
     if group is None:  # See [Note: converting under a launcher creates the process group]

@@ -46,7 +46,7 @@ def quantized_layout(policy, name: str, shape, rows_per_chunk: int, packed: Pack
     """The QuantizedLayout of weight `name` of `shape` under `policy` (None: not quantized);
     with `packed`, the layout that holds its file's quantized values (`PackedRows.layout`).
     Raises ValueError naming the weight and its shape when it cannot be stored in the format."""
-    if policy.weight_format is None:
+    if not policy.quantizes(name):  # no format, or a module kept in full precision
         return None
     policy.check_quantizable(name, shape)
     if packed is not None:

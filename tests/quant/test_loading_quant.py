@@ -26,7 +26,7 @@ def _worker(rank, world_size, path, fmt, block, nested, load_dtype):
 
     lora = LoRAConfig(r=4, alpha=8, target_modules=TARGETS)
     policy = ElasticPolicy(chunk_bytes=64 * 4 * 7, weight_format=fmt, quant_block_size=block, quant_nested=nested,
-                           replicate_below_bytes=0)
+                           replicate_below_bytes=0, quant_skip_modules=())  # lm_head quantized too
     loaded = load_elastic(path, lora, policy, dtype=load_dtype)
     in_memory = convert_to_elastic(LlamaForCausalLM.from_pretrained(path, dtype=load_dtype).eval(), lora, policy)
     a, b = loaded._elastic_runtime, in_memory._elastic_runtime
@@ -442,3 +442,37 @@ def test_packed_files_without_load_elastic_are_refused(bnb_checkpoints, monkeypa
                                         r"elastic_kernels.api.load_elastic"):
         convert_to_elastic(empty_model(path), _bnb_lora(path), ElasticPolicy(weight_format="nf4", quant_nested=True),
                            source=source)
+
+
+def _full_precision_head_worker(rank, world_size, path, nested):
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+
+    model = load_elastic(path, _bnb_lora(path), ElasticPolicy(chunk_bytes=65536, weight_format="nf4",
+                                                              quant_nested=nested, replicate_below_bytes=0))
+    formats = {et.name: (et.weight_format, et.dtype) for et in model._elastic_runtime.tensors}
+    return formats, model.state_dict()["lm_head.weight"], model.model.embed_tokens.weight.dtype
+
+
+def test_bitsandbytes_checkpoint_keeps_its_full_precision_head_and_compute_dtype(bnb_checkpoints, tmp_path):
+    """transformers keeps lm_head in full precision in a bitsandbytes checkpoint; loaded with
+    every linear elastic (replicate_below_bytes=0), it stays so, as the file holds it (not
+    requantized), while the packed linears stay nf4. The model's dtype is the checkpoint's
+    bnb_4bit_compute_dtype (bf16 here, over fp32 files), as transformers computes in it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cases = {"fp32": (bnb_checkpoints["llama-nf4"], False, torch.float32)}
+    fp, path = str(tmp_path / "fp"), str(tmp_path / "bf16-compute")
+    _bnb_base_model("llama").float().save_pretrained(fp, safe_serialization=True)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    AutoModelForCausalLM.from_pretrained(fp, quantization_config=q, dtype=torch.float32,
+                                         device_map="cpu").save_pretrained(path, safe_serialization=True)
+    cases["bf16 compute"] = (path, False, torch.bfloat16)
+    for what, (p, nested, dtype) in cases.items():
+        ((formats, head, embed_dtype),) = run_distributed(_full_precision_head_worker, 1, p, nested, timeout=300)
+        sd = load_file(f"{p}/model.safetensors")
+        assert sd["lm_head.weight"].dtype == torch.float32, what  # transformers kept it in full precision
+        assert formats.pop("lm_head") == (None, dtype), (what, formats)
+        assert set(formats.values()) == {("nf4", dtype)} and len(formats) == 2 * 7, (what, formats)
+        assert embed_dtype == dtype, what
+        assert torch.equal(head, sd["lm_head.weight"].to(dtype)), what  # the file's head, as it is

@@ -83,7 +83,8 @@ def _worker(rank, world_size):
 
     # lm_head (not a LoRA target) is elastic too: a plain ElasticLinear, which dequantizes per chunk.
     model = convert_to_elastic(quant_llama(), LoRAConfig(r=4, alpha=8, target_modules=TARGETS, seed=3),
-                               ElasticPolicy(chunk_bytes=64 * 4 * 5, weight_format="nf4", replicate_below_bytes=0))
+                               ElasticPolicy(chunk_bytes=64 * 4 * 5, weight_format="nf4", replicate_below_bytes=0,
+                                             quant_skip_modules=()))
     with torch.no_grad():
         gen = torch.Generator().manual_seed(11)
         for n, p in model.named_parameters():

@@ -40,6 +40,9 @@ def test_default_is_unquantized():
     (dict(weight_format="nf4", quant_nested=1), r"quant_nested must be True or False"),
     (dict(quant_block_size=64), r"set without a weight_format"),
     (dict(quant_nested=True), r"set without a weight_format"),
+    (dict(weight_format="nf4", quant_skip_modules="lm_head"), r"quant_skip_modules must be None or a list of module"),
+    (dict(weight_format="nf4", quant_skip_modules=["lm_head", ""]), r"quant_skip_modules must be None or a list"),
+    (dict(weight_format="nf4", quant_skip_modules=[".lm_head"]), r"quant_skip_modules must be None or a list"),
 ])
 def test_bad_policy(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -90,3 +93,55 @@ def test_block_that_divides_every_row_converts():
     et = model.b.et
     assert et.weight_format == "nf4" and et.qlayout.block_size == 32 and et.shard.dtype == torch.uint8
     assert et.nbytes == et.qlayout.total_bytes == 48 * 32 // 2 + 4 * 48 * 32 // 32
+
+
+def test_quant_skip_modules_matches_whole_components():
+    default = ElasticPolicy(weight_format="nf4")
+    assert not default.quantizes("lm_head") and not default.quantizes("model.lm_head")
+    assert default.quantizes("lm_head_2") and default.quantizes("model.layers.0.mlp.down_proj")
+    p = ElasticPolicy(weight_format="nf4", quant_skip_modules=["mlp.down_proj", "model.layers.1"])
+    assert p.quant_skip_modules == ("mlp.down_proj", "model.layers.1")  # a tuple: the policy stays hashable
+    assert not p.quantizes("model.layers.0.mlp.down_proj") and not p.quantizes("model.layers.1.mlp.up_proj")
+    assert p.quantizes("model.layers.0.mlp.up_proj") and p.quantizes("model.layers.10.mlp.up_proj")
+    assert p.quantizes("lm_head")  # a list replaces the default
+    assert ElasticPolicy(weight_format="nf4", quant_skip_modules=[]).quantizes("lm_head")
+    assert not ElasticPolicy().quantizes("model.layers.0.mlp.up_proj")  # no format
+
+
+def test_output_layer_stays_full_precision_by_default():
+    """As bitsandbytes and PEFT's QLoRA: the output layer (found by get_output_embeddings, not
+    by its name) stays full precision and elastic; [] quantizes it too; named modules stay too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
+
+    def model():
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+        return m.float().eval()
+
+    def formats(m):
+        return {et.name: et.weight_format for et in m._elastic_runtime.tensors}
+
+    lora = LoRAConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
+    plain = model()
+    head = plain.lm_head.weight.detach().clone()
+    m = convert_to_elastic(plain, lora, ElasticPolicy(weight_format="nf4", replicate_below_bytes=0))
+    f = formats(m)
+    assert f.pop("lm_head") is None and set(f.values()) == {"nf4"} and len(f) == 2 * 7, f
+    assert m._elastic_runtime.policy.quant_skip_modules == ("lm_head",)
+    assert torch.equal(m.state_dict()["lm_head.weight"], head)  # as it was, not requantized
+    assert set(formats(convert_to_elastic(model(), lora, ElasticPolicy(
+        weight_format="nf4", replicate_below_bytes=0, quant_skip_modules=[]))).values()) == {"nf4"}
+    f = formats(convert_to_elastic(model(), lora, ElasticPolicy(
+        weight_format="int8", quant_block_size=64, replicate_below_bytes=0, quant_skip_modules=["down_proj", "lm_head"])))
+    assert {n for n, v in f.items() if v is None} == {"lm_head", "model.layers.0.mlp.down_proj",
+                                                      "model.layers.1.mlp.down_proj"}, f
+    # Another name: found as the output embeddings.
+    other = model()
+    other.output = other.lm_head
+    del other.lm_head
+    other.get_output_embeddings = lambda: other.output
+    f = formats(convert_to_elastic(other, lora, ElasticPolicy(weight_format="nf4", replicate_below_bytes=0)))
+    assert f["output"] is None and set(v for n, v in f.items() if n != "output") == {"nf4"}, f

@@ -93,7 +93,8 @@ def _worker(rank, world_size, policy_kwargs, fmt, block, nested):
 PARITY = [
     (1, {}),
     (2, dict(keep_ratio=0.5, persist_ratio=0.0, pool_budget_bytes=0)),
-    (2, dict(keep_ratio=1.0, persist_ratio=0.5, replicate_below_bytes=0)),  # every linear quantized
+    # every linear quantized, lm_head included (quant_skip_modules=(): not the default)
+    (2, dict(keep_ratio=1.0, persist_ratio=0.5, replicate_below_bytes=0, quant_skip_modules=())),
 ]
 
 

@@ -8,10 +8,12 @@ layer, all-gathered packed and dequantized per use).
 [Note: FSDP2-NF4 as a peer]
 What the peer does, and what torchtune does that it follows (ideas, not code; torchtune's
 `training/_distributed.py` and torchao's `NF4Tensor`):
-- Which weights: exactly those the elastic run stores quantized (`elastic_weights`: the LoRA
-  targets and the frozen non-target linears of at least `replicate_below_bytes`), so both runs
-  quantize the same tensors; everything else (embeddings, norms, a small head, the adapters)
-  stays in the model's dtype and is sharded by FSDP2 as for `--baseline fsdp2`.
+- Which weights: exactly those the elastic run stores quantized (`nf4_weights`: the LoRA
+  targets and the frozen non-target linears of at least `replicate_below_bytes`, but the output
+  layer, kept in full precision as torchtune does: [Note: what QLoRA keeps in full precision]
+  in python_api/nn/convert.py), so both runs quantize the same tensors; everything else
+  (embeddings, norms, the output layer, the adapters) stays in the model's dtype and is sharded
+  by FSDP2 as for `--baseline fsdp2`.
 - Quantization: each rank builds the base model, and each such weight becomes
   `to_nf4(weight, block_size, 256)` (torchao 0.18: `torchao.quantization.to_nf4`; before, in
   `torchao.dtypes.nf4tensor`), the whole weight at once as torchtune does (its
@@ -57,6 +59,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ...config import ElasticPolicy
+from ...nn.convert import resolve_quant_skip
 from ..engines import (
     FSDP2Engine,
     _collective_build,
@@ -102,6 +106,15 @@ def nf4_block(args) -> int:
     return DEFAULT_BLOCK
 
 
+def nf4_weights(model: nn.Module, args, itemsize: int) -> list[str]:
+    """The weights this peer stores as torchao NF4: those an nf4 elastic run of the job
+    quantizes (its elastic weights but the full-precision output layer: [Note: what QLoRA
+    keeps in full precision] in python_api/nn/convert.py)."""
+    names = elastic_weights(model, args, itemsize)
+    policy = resolve_quant_skip(model, ElasticPolicy(weight_format="nf4"), names)
+    return [n for n in names if policy.quantizes(n)]
+
+
 def nf4_gathered_bytes(numel: int, block: int = DEFAULT_BLOCK) -> int:
     """Bytes of torchao's packed NF4 parts of a weight of `numel` elements: the codes (two per
     byte), one int8 scaler per block, one fp32 factor per SCALER_BLOCK scalers."""
@@ -120,7 +133,7 @@ def shape_error(job: Job) -> str | None:
     meta = job.spec.meta_model()
     unit = block * SCALER_BLOCK * W
     bad, kinds = [], []
-    for name in elastic_weights(meta, job.args, job.spec.dtype.itemsize):
+    for name in nf4_weights(meta, job.args, job.spec.dtype.itemsize):
         m = meta.get_submodule(name)
         if not isinstance(m, nn.Linear):
             kinds.append(f"{name} ({type(m).__name__})")
@@ -160,7 +173,7 @@ class FSDP2NF4Engine(FSDP2Engine):
             raise FinetuneError(error)
         base = _collective_build(job)
         self.block = nf4_block(job.args)
-        self.nf4_weights = elastic_weights(base, job.args, job.spec.dtype.itemsize)
+        self.nf4_weights = nf4_weights(base, job.args, job.spec.dtype.itemsize)
         for name in self.nf4_weights:
             linear = base.get_submodule(name)
             linear.weight = nn.Parameter(to_nf4(linear.weight.detach().contiguous(), block_size=self.block,
