@@ -92,6 +92,44 @@ def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> 
             f"diverged; lower --lr (now {args.lr:g}) or add --warmup-steps{fp16}")
 
 
+def train_step(job: Job, engine, opt, step: int, counter) -> dict:
+    """One optimizer step of `engine` (0-based `step`): its learning rate, the job's batch for
+    that step, accumulation, the optimizer; returns the loss (averaged over the ranks), the
+    step's time and its traffic. What train() runs per step, and what bench/bench_frontier.py
+    interleaves across engines."""
+    args, rank, W, device = job.args, job.rank, job.world_size, job.device
+    model = engine.model
+    for group in opt.param_groups:
+        group["lr"] = _lr_at(args, step)
+    # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
+    # planned run's (which may change it at this step: the same global batch, the same
+    # windows across the ranks, [Note: adaptive accumulation] in planning.py).
+    engine.before_step(step)
+    mb, accum = engine.micro_batch, engine.grad_accum
+    batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
+    g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
+    _sync(device)
+    t0 = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for a in range(accum):
+        with engine.accumulate(is_last=a == accum - 1):
+            out = model(input_ids=batch[a], labels=batch[a])
+            (out.loss / accum).backward()
+        total += out.loss.detach().double()
+    if hasattr(engine, "optimizer_step"):
+        engine.optimizer_step()
+    else:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.all_reduce(total)
+    loss = total.item() / (accum * W)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    return {"loss": loss, "time_s": elapsed, "gathered": engine.gathered_bytes() - g0,
+            "counted": counter.bytes - c0, "calls": counter.calls - k0, "h2d": engine.h2d_bytes() - h0,
+            "split": (mb, accum)}
+
+
 def train(job: Job, engine, counter, primary: bool) -> dict:
     """Train `engine.model` for the job's steps; return the run's measurements."""
     from tqdm import tqdm
@@ -134,37 +172,14 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     model.train()
     try:
         for step in range(start, args.steps):
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(args, step)
-            # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
-            # planned run's (which may change it at this step: the same global batch, the same
-            # windows across the ranks, [Note: adaptive accumulation] in planning.py).
-            engine.before_step(step)
-            mb, accum = engine.micro_batch, engine.grad_accum
-            splits.append((mb, accum))
-            batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
-            g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
-            _sync(device)
-            t0 = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for a in range(accum):
-                with engine.accumulate(is_last=a == accum - 1):
-                    out = model(input_ids=batch[a], labels=batch[a])
-                    (out.loss / accum).backward()
-                total += out.loss.detach().double()
-            if hasattr(engine, "optimizer_step"):
-                engine.optimizer_step()
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            dist.all_reduce(total)
-            loss = total.item() / (accum * W)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            gathered.append(engine.gathered_bytes() - g0)
-            counted.append(counter.bytes - c0)
-            calls.append(counter.calls - k0)
-            h2d.append(engine.h2d_bytes() - h0)
+            r = train_step(job, engine, opt, step, counter)
+            loss = r["loss"]
+            splits.append(r["split"])
+            times.append(r["time_s"])
+            gathered.append(r["gathered"])
+            counted.append(r["counted"])
+            calls.append(r["calls"])
+            h2d.append(r["h2d"])
             if not math.isfinite(loss):
                 # The loss is all-reduced and the adapters replicated: every rank raises alike.
                 raise FinetuneError(nan_message(job, engine, loss, step, start, named))
