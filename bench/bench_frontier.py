@@ -537,7 +537,13 @@ def main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="bench_frontier_")
-    model_opts = PRESETS[opts.preset] if opts.preset is not None else ["--model", opts.model] + REAL_OPTIONS
+    if opts.preset is not None:
+        model_opts = PRESETS[opts.preset]
+    else:
+        from elastic_kernels.api.loading.pretrained import pretrained_dir
+
+        model_dir = opts.model if os.path.isdir(opts.model) else str(pretrained_dir(opts.model))
+        model_opts = ["--model", model_dir] + REAL_OPTIONS
     rounds = opts.passes * (opts.steps - 1)
     args = parse_args(model_opts + rest + ["--steps", str(rounds + 1), "--no-progress", "--overwrite",
                                            "--save-dir", os.path.join(tmp, f"rank{rank}")])

@@ -159,6 +159,10 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         _seed_rng(args.seed, rank, device)
     mem = job.memory
     mem.reset_peak()
+    # [Note: what "peak memory" means here] in measure.py: on CPU the tensor peak of the last
+    # step, profiled, when this process runs 3 steps or more (the first warms up).
+    profile_last = device.type == "cpu" and args.steps - start >= 3 and getattr(mem, "live_baseline", None) is not None
+    tensor_peak = rss_peak = None
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
     times, gathered, counted, calls, h2d, splits = [], [], [], [], [], []
 
@@ -172,7 +176,16 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     model.train()
     try:
         for step in range(start, args.steps):
-            r = train_step(job, engine, opt, step, counter)
+            if profile_last and step == args.steps - 1:
+                # The last step measures the tensor peak under the profiler: the resident
+                # set is read before it, and its time is left out of tokens/s.
+                rss_peak = mem.peak_above_baseline()
+                box = {}
+                tensor_peak = mem.tensor_peak(lambda: box.update(r=train_step(job, engine, opt, step, counter)),
+                                              engine)
+                r = box["r"]
+            else:
+                r = train_step(job, engine, opt, step, counter)
             loss = r["loss"]
             splits.append(r["split"])
             times.append(r["time_s"])
@@ -184,13 +197,15 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
                 # The loss is all-reduced and the adapters replicated: every rank raises alike.
                 raise FinetuneError(nan_message(job, engine, loss, step, start, named))
             losses.append(loss)
-            steady = _tokens_per_s(times, tokens_per_step)
+            steady = _tokens_per_s(times[:-1] if tensor_peak is not None else times, tokens_per_step)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
             bar.update(1)
             if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
         bar.close()
-        peak = mem.peak_above_baseline()
+        peak = rss_peak if profile_last else mem.peak_above_baseline()
+        if device.type == "cuda":
+            tensor_peak = peak
         first_step = start + 1
         if primary and times:
             segments = segments + [segment(peak)]
@@ -238,8 +253,11 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "first_step": first_step,
         "step_times_s": times,
         "tokens_per_step": tokens_per_step,
-        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0] if times else None),
+        "tokens_per_s": _tokens_per_s(times[:-1] if profile_last else times, tokens_per_step)
+        or (tokens_per_step / times[0] if times else None),
         "peak_memory_bytes": peak,
+        "tensor_peak_bytes": tensor_peak,
+        "memory_measure": mem.describe() if hasattr(mem, "describe") else None,
         "allgather_bytes_per_step": gathered,
         "allgather_bytes_counted_per_step": counted,
         "allgather_calls_per_step": calls,
