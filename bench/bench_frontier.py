@@ -258,18 +258,9 @@ def configurations(opts, job, counter) -> list[Config]:
 def _tensor_bytes_excluding(engine) -> tuple[int, set]:
     """Live CPU tensor bytes, the pool's arena counted once from its snapshot and the host
     store left out ([Note: what the frontier's memory is] in the module docstring)."""
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes
+    from elastic_kernels.api.finetune.measure import live_tensor_bytes_of
 
-    exclude, pool_bytes = set(), 0
-    runtime = getattr(engine, "runtime", None)
-    if runtime is not None:
-        if runtime.pool is not None:
-            segments = runtime.pool.snapshot()
-            exclude |= {s["data_ptr"] for s in segments}
-            pool_bytes = sum(s["bytes"] for s in segments)
-        if getattr(runtime, "host_store", None) is not None:
-            exclude.add(runtime.host_store.tensor().untyped_storage().data_ptr())
-    return _live_tensor_bytes(exclude) + pool_bytes, exclude
+    return live_tensor_bytes_of(engine), set()
 
 
 def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
