@@ -135,7 +135,7 @@ def reset_rss_peak() -> int | None:
     return _vm_hwm_bytes()
 
 
-# Note [a fixed mmap threshold]
+# [Note: a fixed mmap threshold]
 # glibc serves an allocation above M_MMAP_THRESHOLD with its own mmap, given back to the OS
 # when freed; below it from the heap, which keeps freed memory resident. By default the
 # threshold is dynamic: each freed mmapped block raises it to that block's size (up to 32
