@@ -15,6 +15,11 @@ Each configuration trains the CLI's job (python_api/finetune: the same base weig
 elastic run's initial adapters, batches and AdamW, through the same loop) from scratch:
 - elastic: the pool budget at each of --budgets (a share of the frozen bytes, or all);
 - elastic, weights on host: the host tier at each of --host-budgets;
+- elastic, legacy sync (`--legacy-budgets`, none by default): the pool budget at each of them
+  with the runtime's synchronization as it was before issue 27 (the blocking header exchange
+  on the runtime's group before each gather, the adapter gradients in one all-reduce at the
+  end of backward), for a same-run A/B of [Note: headers off the prefetch path] and
+  [Note: gradient buckets];
 - planned: the planner under --planned-caps memory caps spread from the least memory any
   plan needs to what keeping everything needs (its own memory model, from a measured
   profile);
@@ -120,6 +125,7 @@ def _parse(argv):
                    help="elastic point=peer system:configuration pairs whose per-round ratios are reported")
     p.add_argument("--budgets", default="0,25%,50%,75%,all", help="elastic pool budgets")
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
+    p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
@@ -211,6 +217,10 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"budget {budget_label(budget)}", lambda budget=budget: ElasticEngine(job, budget),
                           fmt))
+    for b in (x for x in opts.legacy_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"legacy-sync budget {budget_label(budget)}",
+                          lambda budget=budget: legacy_sync(ElasticEngine(job, budget)), fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
         out.append(Config(elastic, f"host, budget {budget_label(budget)}",
@@ -253,6 +263,19 @@ def configurations(opts, job, counter) -> list[Config]:
             if job.rank == 0:
                 print(f"bench_frontier: FSDP2-NF4 left out: {exc}", flush=True)
     return out
+
+
+def legacy_sync(engine):
+    """The runtime's synchronization before issue 27, for an A/B in one run: headers exchanged
+    and waited for on the runtime's group before each gather (no header channel), the adapter
+    gradients in one bucket (complete only at the end of backward: one all-reduce there)."""
+    import dataclasses
+
+    rt = engine.runtime
+    rt._channel = None
+    rt.policy = dataclasses.replace(rt.policy, grad_bucket_bytes=None)
+    rt.set_trainable(rt._grad_params)
+    return engine
 
 
 def _tensor_bytes_excluding(engine) -> tuple[int, set]:
