@@ -1,15 +1,25 @@
 """The memory-throughput frontier: every peer configuration and the elastic runtime, in one
 process group and one run, on the fine-tuning CLI's job.
 
-    torchrun --standalone --nproc-per-node 4 bench/bench_frontier.py [--preset demo|large|tiny]
-        [--steps 6] [--passes 2] [--budgets 0,25%,50%,75%,all] [--host-budgets 0,50%,all]
+    torchrun --standalone --nproc-per-node 4 bench/bench_frontier.py [--model smollm2-135m-instruct |
+        --preset demo|large|tiny|nf4] [--steps 6] [--passes 2] [--budgets 0,25%,50%,75%,all] [--host-budgets 0,50%,all]
         [--planned-caps 3] [--peers fsdp2,deepspeed,ddp[,fsdp2-nf4]] [--fsdp2-reshard true,false,2]
-        [--ds-grid defaults,no-persistence,...] [--results DIR] [--png PATH] [finetune options ...]
+        [--ds-grid defaults,no-persistence,...] [--pairs 'budget 0=fsdp2:reshard,budget all=ddp:replicated']
+        [--results DIR] [--png PATH] [finetune options ...]
+
+The model: the real one by default (`--model`, any name `pretrained_dir` knows or an HF
+directory; seq 128, micro-batch 1, no accumulation unless the finetune options say
+otherwise), or one of the embedded presets (`--preset`).
 
 Each configuration trains the CLI's job (python_api/finetune: the same base weights, the
 elastic run's initial adapters, batches and AdamW, through the same loop) from scratch:
 - elastic: the pool budget at each of --budgets (a share of the frozen bytes, or all);
 - elastic, weights on host: the host tier at each of --host-budgets;
+- elastic, legacy sync (`--legacy-budgets`, none by default): the pool budget at each of them
+  with the runtime's synchronization as it was before issue 27 (the blocking header exchange
+  on the runtime's group before each gather, the adapter gradients in one all-reduce at the
+  end of backward), for a same-run A/B of [Note: headers off the prefetch path] and
+  [Note: gradient buckets];
 - planned: the planner under --planned-caps memory caps spread from the least memory any
   plan needs to what keeping everything needs (its own memory model, from a measured
   profile);
@@ -24,22 +34,38 @@ elastic run's initial adapters, batches and AdamW, through the same loop) from s
   for it (NF4_DEMO_OPTIONS there: every quantized weight splits over 4 ranks).
 
 [Note: what the frontier's memory is]
-Measured for each (the passes run every configuration in the listed order, then in the
-reverse order, so a drift of the shared machine weighs on all alike): tokens/s (global tokens
-per step over the median step time of the steps after the first of each pass, both passes
-pooled; the slowest rank), peak memory (on GPU `max_memory_allocated` above the level before
-the build; on CPU the tensor peak, from a separate profiled pass of 2 steps: the live tensor
-bytes after the build plus the profiler's allocation high-water, minus the tensors alive
-before the build; the pool's arena counted from its own snapshot, the host store not counted,
-as it is host memory on a GPU machine; and the resident-set peak of the timed passes, rank 0),
-all-gathered bytes and all-gather calls per step (steady state, counted by one wrapper around
-every all-gather), and losses (every run's, against the first run of its weight format: the
-largest difference is printed, flagged beyond fp32 rounding, or for nf4 beyond the NF4
-tolerance of [Note: the NF4 peer's loss tolerance] in python_api/finetune/report.py). An elastic
-point is set against the peers of its own weights only. Rows go to bench/results/frontier.csv; the picture (tokens/s against
-peak memory, one marker per configuration, each system's Pareto frontier as a line) to
-bench/results/frontier.png (frontier_<preset>.png for other presets). The table states, for
-each elastic point, the fastest peer configuration at less or equal memory and the ratio.
+Measured for each configuration, in two parts.
+- Memory, each configuration alone (built, 3 steps, closed and freed before the next): the
+  tensor peak (GPU: `max_memory_allocated` above the level before the build; CPU: the live
+  tensor bytes before the third step plus the profiler's allocation high-water during it,
+  minus the tensors alive before the build; the pool's arena counted from its own snapshot,
+  the host store not counted, as it is host memory on a GPU machine) and, on CPU, the growth
+  of the resident set over the build and the first two steps (VmHWM above the resident set
+  before the build) with glibc's mmap threshold fixed at start-up (`fix_mmap_threshold` in
+  python_api/finetune/measure.py: freed large buffers go back to the OS instead of staying
+  resident under the dynamic threshold, which made engines incomparable: FSDP2 read 2,061 MiB
+  of RSS for a 646 MiB tensor peak, issue 27).
+- Speed, all configurations alive at once, interleaved step by step in one process group:
+  a warm-up round (one step of each, in order: the elastic runs learn their order and fill
+  their pools), then passes x (steps - 1) timed rounds, round k running one step of each
+  configuration, in the listed order for odd k and in the reverse order for even k, so a
+  drift of the shared machine weighs on all alike. Each step's time is the slowest rank's.
+  tokens/s = global tokens per step over the median step time. For each pair of --pairs (an
+  elastic point against a peer) the report gives the median of the per-round ratios
+  (peer's step time over the elastic point's in the same round: its tokens/s ratio) with
+  their spread, beside the ratio of the medians. Sequential runs of one command gave budget
+  0 at 0.85x and then 1.85x FSDP2 on this machine (issue 27): only ratios taken within one
+  round hold.
+Also: all-gathered bytes and all-gather calls per step (steady state, counted by one wrapper
+around every all-gather), and losses (every run's, step by step, against the first run of
+its weight format: the largest difference is printed, flagged beyond fp32 rounding, or for
+nf4 beyond the NF4 tolerance of [Note: the NF4 peer's loss tolerance] in
+python_api/finetune/report.py). An elastic point is set against the peers of its own
+weights only. Rows go to bench/results/frontier.csv; the picture (tokens/s against tensor
+peak, one marker per configuration, each system's Pareto frontier as a line) to
+bench/results/frontier.png (frontier_<preset>.png for presets other than demo,
+frontier_<model>.png for a real model). The table states, for each elastic point, the
+fastest peer configuration at less or equal memory and the ratio.
 """
 
 from __future__ import annotations
@@ -71,6 +97,10 @@ PRESETS = {
     "nf4": list(NF4_DEMO_OPTIONS),  # the demo model sized for the fsdp2-nf4 peer on up to 4 ranks
 }
 
+REAL_MODEL = "smollm2-135m-instruct"
+REAL_OPTIONS = ["--seq-len", "128", "--micro-batch", "1", "--grad-accum", "1"]  # issue 27's measurement
+DEFAULT_PAIRS = "budget 0=fsdp2:reshard,budget all=ddp:replicated"
+
 # DeepSpeed settings: name -> knobs, in elements; "L" is one decoder layer's parameter count,
 # "ALL" one more than the largest parameter's (every parameter persistent).
 DS_GRID = {
@@ -86,11 +116,16 @@ DS_GRID = {
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per pass (the first is warm-up)")
-    p.add_argument("--passes", type=int, default=2, help="passes over the configurations, alternating order")
+    p.add_argument("--model", default=REAL_MODEL, help="the real model (a pretrained_dir name or an HF directory)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="an embedded model instead of --model")
+    p.add_argument("--steps", type=int, default=6, help="steps per configuration and pass (a pass's first is warm-up)")
+    p.add_argument("--passes", type=int, default=2,
+                   help="timed rounds = passes x (steps - 1), after one warm-up round")
+    p.add_argument("--pairs", default=DEFAULT_PAIRS,
+                   help="elastic point=peer system:configuration pairs whose per-round ratios are reported")
     p.add_argument("--budgets", default="0,25%,50%,75%,all", help="elastic pool budgets")
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
+    p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
@@ -113,8 +148,11 @@ class Config:
     def __init__(self, system: str, label: str, build, weight_format: str = "none"):
         self.system, self.label, self.build = system, label, build
         self.weight_format = weight_format  # the numerics its losses are compared within
-        self.passes: list[dict] = []
-        self.tensor_peak: int | None = None
+        self.passes: list[dict] = []  # bench_quant's sequential passes (_run)
+        self.tensor_peak: int | None = None  # GPU: max_memory_allocated ([Note: what the frontier's memory is])
+        self.rss_growth: int | None = None  # CPU, at a fixed mmap threshold
+        self.steps_run: list[dict] = []  # interleaved steps: loss, time, traffic
+        self.times: list[float] = []  # the slowest rank's time of each interleaved step
 
 
 def _layer_elements(job) -> int:
@@ -179,6 +217,10 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"budget {budget_label(budget)}", lambda budget=budget: ElasticEngine(job, budget),
                           fmt))
+    for b in (x for x in opts.legacy_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"legacy-sync budget {budget_label(budget)}",
+                          lambda budget=budget: legacy_sync(ElasticEngine(job, budget)), fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
         out.append(Config(elastic, f"host, budget {budget_label(budget)}",
@@ -223,21 +265,25 @@ def configurations(opts, job, counter) -> list[Config]:
     return out
 
 
+def legacy_sync(engine):
+    """The runtime's synchronization before issue 27, for an A/B in one run: headers exchanged
+    and waited for on the runtime's group before each gather (no header channel), the adapter
+    gradients in one bucket (complete only at the end of backward: one all-reduce there)."""
+    import dataclasses
+
+    rt = engine.runtime
+    rt._channel = None
+    rt.policy = dataclasses.replace(rt.policy, grad_bucket_bytes=None)
+    rt.set_trainable(rt._grad_params)
+    return engine
+
+
 def _tensor_bytes_excluding(engine) -> tuple[int, set]:
     """Live CPU tensor bytes, the pool's arena counted once from its snapshot and the host
     store left out ([Note: what the frontier's memory is] in the module docstring)."""
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes
+    from elastic_kernels.api.finetune.measure import live_tensor_bytes_of
 
-    exclude, pool_bytes = set(), 0
-    runtime = getattr(engine, "runtime", None)
-    if runtime is not None:
-        if runtime.pool is not None:
-            segments = runtime.pool.snapshot()
-            exclude |= {s["data_ptr"] for s in segments}
-            pool_bytes = sum(s["bytes"] for s in segments)
-        if getattr(runtime, "host_store", None) is not None:
-            exclude.add(runtime.host_store.tensor().untyped_storage().data_ptr())
-    return _live_tensor_bytes(exclude) + pool_bytes, exclude
+    return live_tensor_bytes_of(engine), set()
 
 
 def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
@@ -277,32 +323,163 @@ def _slowest(x: float) -> float:
     return max(exchange(x, what="bench_frontier step times"))
 
 
+class Runner:
+    """One configuration's engine, optimizer and RNG stream, stepped one step at a time (the
+    interleaved rounds of [Note: what the frontier's memory is])."""
+
+    def __init__(self, job, cfg: Config, counter):
+        from elastic_kernels.api.finetune.loop import _seed_rng, adamw
+
+        self.job, self.cfg, self.counter = job, cfg, counter
+        self.engine = cfg.build()
+        named = self.engine.params()
+        self.opt = getattr(self.engine, "optimizer", None) or adamw([p for _, p in named], job.args)
+        _seed_rng(job.args.seed, job.rank, job.device)
+        self.rng = torch.get_rng_state()
+        self.engine.model.train()
+
+    def step(self, k: int) -> dict:
+        from elastic_kernels.api.finetune.loop import train_step
+
+        torch.set_rng_state(self.rng)  # each configuration its own stream, as when run alone
+        r = train_step(self.job, self.engine, self.opt, k, self.counter)
+        self.rng = torch.get_rng_state()
+        return r
+
+    def close(self) -> None:
+        from elastic_kernels.api.finetune.pipelined import close_engine
+
+        close_engine(self.engine)
+        self.engine = self.opt = None
+
+
+def measure_memory(job, cfg: Config, counter) -> tuple[int | None, int | None]:
+    """(tensor peak, RSS growth) of `cfg` built alone: see [Note: what the frontier's memory
+    is]. RSS growth is None on GPU (the tensor peak there is max_memory_allocated)."""
+    from elastic_kernels.api.finetune.measure import reset_rss_peak, rss_peak_bytes
+    from elastic_kernels.api.planning.measure import _live_tensor_bytes, _profiled_growth
+
+    gc.collect()
+    gpu = job.device.type == "cuda"
+    if gpu:
+        job.memory.set_baseline()
+        job.memory.reset_peak()
+    before = 0 if gpu else _live_tensor_bytes()
+    rss0 = None if gpu else reset_rss_peak()
+    run = Runner(job, cfg, counter)
+    try:
+        run.step(0)
+        run.step(1)
+        if gpu:
+            run.step(2)
+            return job.memory.peak_above_baseline(), None
+        peak = rss_peak_bytes()
+        rss = None if peak is None or rss0 is None else peak - rss0
+        live, _ = _tensor_bytes_excluding(run.engine)
+        growth = _profiled_growth(lambda: run.step(2))
+        return live + growth - before, rss
+    finally:
+        run.close()
+        run = None
+        gc.collect()
+        dist.barrier()
+
+
+def interleave(job, configs: list[Config], counter, rounds: int, rank: int) -> None:
+    """All configurations alive, one step of each per round; round 0 warms up in the listed
+    order, then odd rounds in the listed order and even ones reversed. Fills cfg.steps_run
+    (per step: loss, this rank's time, traffic) and cfg.times (the slowest rank's)."""
+    from elastic_kernels.api.distributed.agree import exchange
+
+    runners = []
+    try:
+        for cfg in configs:
+            runners.append(Runner(job, cfg, counter))
+            cfg.steps_run = []
+        for k in range(rounds + 1):
+            order = list(runners) if (k == 0 or k % 2 == 1) else list(reversed(runners))
+            t0 = time.perf_counter()
+            for run in order:
+                run.cfg.steps_run.append(run.step(k))
+            if rank == 0:
+                print(f"  round {k}{' (warm-up)' if k == 0 else ''}: "
+                      + ", ".join(f"{r.cfg.label} {r.cfg.steps_run[-1]['time_s']:.2f} s" for r in order)
+                      + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    finally:
+        for run in runners:
+            run.close()
+        runners = None
+        gc.collect()
+    every = exchange([[s["time_s"] for s in cfg.steps_run] for cfg in configs], what="bench_frontier step times")
+    for i, cfg in enumerate(configs):
+        cfg.times = [max(e[i][k] for e in every) for k in range(len(cfg.steps_run))]
+
+
+def _pair_ratios(a: Config, b: Config) -> dict:
+    """Per timed round: b's step time over a's (a's tokens/s over b's)."""
+    ratios = [tb / ta for ta, tb in zip(a.times[1:], b.times[1:])]
+    return {"median_of_ratios": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "ratio_of_medians": statistics.median(b.times[1:]) / statistics.median(a.times[1:]),
+            "rounds": len(ratios), "ratios": ratios}
+
+
+def pairs(opts, configs: list[Config]) -> list[dict]:
+    out = []
+    for spec in (x for x in opts.pairs.split(",") if x.strip()):
+        mine, _, peer = spec.partition("=")
+        system, _, label = peer.partition(":")
+        a = next((c for c in configs if c.system.startswith("elastic") and c.label == mine.strip()), None)
+        b = next((c for c in configs if c.system == system.strip() and c.label.split(" (")[0] == label.strip()), None)
+        if a is None or b is None:
+            continue
+        out.append({"elastic": a.label, "peer": f"{b.system}: {b.label}", **_pair_ratios(a, b),
+                    "elastic_peak": a.tensor_peak, "peer_peak": b.tensor_peak,
+                    "elastic_rss": a.rss_growth, "peer_rss": b.rss_growth})
+    return out
+
+
+def pairs_table(rows: list[dict], gpu: bool) -> str:
+    mem = "max_memory_allocated MiB" if gpu else "tensor peak MiB"
+    head = (f"| elastic | peer | tokens/s ratio, median of per-round ratios [min, max] | ratio of medians | rounds "
+            f"| {mem}: elastic vs peer |" + ("" if gpu else " RSS growth MiB: elastic vs peer |") + "\n"
+            "|---|---|---:|---:|---:|---:|" + ("" if gpu else "---:|") + "\n")
+    lines = []
+    for r in rows:
+        line = (f"| {r['elastic']} | {r['peer']} | {r['median_of_ratios']:.3f}x [{r['min']:.3f}, {r['max']:.3f}] | "
+                f"{r['ratio_of_medians']:.3f}x | {r['rounds']} | {_mib(r['elastic_peak'])} vs {_mib(r['peer_peak'])} |")
+        if not gpu:
+            line += f" {_mib(r['elastic_rss'])} vs {_mib(r['peer_rss'])} |"
+        lines.append(line)
+    return head + "\n".join(lines) + "\n"
+
+
+def _mib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**20:.1f}"
+
+
 def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[dict]:
     """One row per configuration; `refs`: per weight format, the losses its runs are set against."""
     from elastic_kernels.api.finetune.peers.frontier import best_peer_at_or_below, pareto
 
     rows = []
+    gpu = job.device.type == "cuda"
     for cfg in configs:
-        times = [t for r in cfg.passes for t in r["step_times_s"][1:]]
-        step_s = _slowest(statistics.median(times))
-        first = cfg.passes[0]
-        peaks = [r["peak_memory_bytes"] for r in cfg.passes if r["peak_memory_bytes"] is not None]
-        losses = [x for r in cfg.passes for x in r["losses"]]
+        step_s = statistics.median(cfg.times[1:])
+        steps = cfg.steps_run
+        losses = [s["loss"] for s in steps]
         ref_losses = refs.get(cfg.weight_format)
-        diff = None if ref_losses is None else max(abs(a - b) for r in cfg.passes
-                                                   for a, b in zip(r["losses"][:len(ref_losses)], ref_losses))
-        gpu = job.device.type == "cuda"
-        rss = max(peaks) if peaks else None
+        diff = None if ref_losses is None else max(abs(a - b) for a, b in zip(losses, ref_losses))
+        tokens_per_step = job.world_size * job.args.micro_batch * job.args.grad_accum * job.args.seq_len
         rows.append({
             "system": cfg.system, "config": cfg.label,
-            "tokens_per_s": first["tokens_per_step"] / step_s, "step_time_s": step_s,
-            "peak_memory_mib": (rss if gpu else cfg.tensor_peak) / 2**20 if (rss if gpu else cfg.tensor_peak) is not None
-            else None,
+            "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s,
+            "peak_memory_mib": None if cfg.tensor_peak is None else cfg.tensor_peak / 2**20,
+            "memory_measure": "max_memory_allocated" if gpu else "tensor peak (CPU)",
             "peak_tensor_mib": None if gpu or cfg.tensor_peak is None else cfg.tensor_peak / 2**20,
-            "peak_rss_mib": None if gpu or rss is None else rss / 2**20,
-            "allgather_mib_per_step": statistics.median(first["allgather_bytes_counted_per_step"][1:]) / 2**20,
-            "allgather_calls_per_step": statistics.median(first["allgather_calls_per_step"][1:]),
-            "allgather_mib_first_step": first["allgather_bytes_counted_per_step"][0] / 2**20,
+            "peak_rss_mib": None if gpu or cfg.rss_growth is None else cfg.rss_growth / 2**20,
+            "allgather_mib_per_step": statistics.median(s["counted"] for s in steps[1:]) / 2**20,
+            "allgather_calls_per_step": statistics.median(s["calls"] for s in steps[1:]),
+            "allgather_mib_first_step": steps[0]["counted"] / 2**20,
             "max_abs_loss_diff": diff, "final_loss": losses[-1],
         })
     formats = {r["system"]: c.weight_format for r, c in zip(rows, configs)}
@@ -326,8 +503,9 @@ def _fmt(v, spec=".1f"):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| system | configuration | tokens/s | peak memory MiB | RSS MiB | all-gather MiB/step | all-gathers/step "
-            "| on frontier | fastest peer at <= memory | vs it |\n|---|---|---:|---:|---:|---:|---:|---|---|---:|\n")
+    measure = rows[0]["memory_measure"] if rows else "tensor peak (CPU)"
+    head = (f"| system | configuration | tokens/s | {measure} MiB | RSS growth MiB (mmap threshold fixed) "
+            "| all-gather MiB/step | all-gathers/step | on frontier | fastest peer at <= memory | vs it |\n|---|---|---:|---:|---:|---:|---:|---|---|---:|\n")
     lines = []
     for r in rows:
         lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.0f} | {_fmt(r['peak_memory_mib'])} | "
@@ -362,18 +540,27 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
     from elastic_kernels.api.finetune.job import prepare
-    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory, fix_mmap_threshold
     from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.finetune.report import nf4_gap_bound
     from elastic_kernels.api.nn import adapter_state_dict
 
     opts, rest = _parse(sys.argv[1:] if argv is None else argv)
+    mmap_fixed = fix_mmap_threshold()  # before anything is allocated: [Note: what the frontier's memory is]
     rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="bench_frontier_")
-    args = parse_args(PRESETS[opts.preset] + rest + ["--steps", str(opts.steps), "--no-progress", "--overwrite",
-                                                     "--save-dir", os.path.join(tmp, f"rank{rank}")])
+    if opts.preset is not None:
+        model_opts = PRESETS[opts.preset]
+    else:
+        from elastic_kernels.api.loading.pretrained import pretrained_dir
+
+        model_dir = opts.model if os.path.isdir(opts.model) else str(pretrained_dir(opts.model))
+        model_opts = ["--model", model_dir] + REAL_OPTIONS
+    rounds = opts.passes * (opts.steps - 1)
+    args = parse_args(model_opts + rest + ["--steps", str(rounds + 1), "--no-progress", "--overwrite",
+                                           "--save-dir", os.path.join(tmp, f"rank{rank}")])
     job = prepare(args, rank, W, local)
     os.makedirs(job.save_dir, exist_ok=True)  # the planned runs write plan.json there (rank 0)
     device = job.device
@@ -391,42 +578,48 @@ def main(argv=None) -> int:
         del seed
         configs = configurations(opts, job, counter)
         if rank == 0:
-            print(f"bench_frontier: {len(configs)} configurations x {opts.passes} passes x {opts.steps} steps, "
-                  f"{W} ranks ({dist.get_backend()}), {job.spec.description()}; load average {load[0]:.1f}", flush=True)
+            print(f"bench_frontier: {len(configs)} configurations, memory each alone (3 steps), then 1 + {rounds} "
+                  f"interleaved rounds; {W} ranks ({dist.get_backend()}), {job.spec.description()}; "
+                  f"mmap threshold {'fixed' if mmap_fixed else 'NOT fixed (RSS not comparable)'}; "
+                  f"load average {load[0]:.1f}", flush=True)
         t_start = time.perf_counter()
-        for p in range(opts.passes):
-            order = configs if p % 2 == 0 else configs[::-1]
-            for cfg in order:
-                r = _run(job, cfg, counter, opts.steps, profile_memory=False)
-                cfg.passes.append(r)
-                if rank == 0:
-                    print(f"  pass {p + 1}: {cfg.system:9s} {cfg.label:60s} {r['tokens_per_s'] or 0:8.0f} tok/s "
-                          f"({r['wall_s']:.1f} s)", flush=True)
-        if device.type != "cuda":
-            for cfg in configs:
-                cfg.tensor_peak = _run(job, cfg, counter, 2, profile_memory=True)["tensor_peak_bytes"]
+        for cfg in configs:
+            cfg.tensor_peak, cfg.rss_growth = measure_memory(job, cfg, counter)
+            if rank == 0:
+                print(f"  memory: {cfg.system:9s} {cfg.label:50s} {_mib(cfg.tensor_peak)} MiB "
+                      f"{'max_memory_allocated' if device.type == 'cuda' else 'tensor peak'}"
+                      + ("" if cfg.rss_growth is None else f", RSS growth {_mib(cfg.rss_growth)} MiB"), flush=True)
+        interleave(job, configs, counter, rounds, rank)
         refs = {}  # the first configuration of each weight format: the others of it are set against it
         for c in configs:
-            refs.setdefault(c.weight_format, (c, c.passes[0]["losses"]))
+            refs.setdefault(c.weight_format, (c, [st["loss"] for st in c.steps_run]))
         rows = summarize(job, configs, {f: losses for f, (_, losses) in refs.items()})
+        pair_rows = pairs(opts, configs)
         elapsed = time.perf_counter() - t_start
     load_end = os.getloadavg()
     if rank == 0:
         ctx = context(device)
-        tokens_per_step = configs[0].passes[0]["tokens_per_step"]
-        csv_rows = [{**ctx, "preset": opts.preset, "model": job.spec.description(), "world_size": W,
+        tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
+        name = opts.preset or os.path.basename(os.path.normpath(opts.model))
+        csv_rows = [{**ctx, "preset": name, "model": job.spec.description(), "world_size": W,
                      "backend": dist.get_backend(), "tokens_per_step": tokens_per_step, "steps": opts.steps,
-                     "passes": opts.passes, "load_avg_start": round(load[0], 2), "load_avg_end": round(load_end[0], 2),
+                     "passes": opts.passes, "rounds": rounds, "mmap_threshold_fixed": mmap_fixed,
+                     "load_avg_start": round(load[0], 2), "load_avg_end": round(load_end[0], 2),
                      **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}} for r in rows]
         out_dir = results_dir(opts.results)
         path = append_rows("frontier", csv_rows, out_dir)
-        png = opts.png or os.path.join(out_dir, "frontier.png" if opts.preset == "demo" else f"frontier_{opts.preset}.png")
+        png = opts.png or os.path.join(out_dir, "frontier.png" if name == "demo" else f"frontier_{name}.png")
         caption = (f"{ctx['date']} · {ctx['device']} · {W} ranks ({dist.get_backend()}) · {job.spec.description()} · "
                    f"{tokens_per_step} tokens/step · load {load[0]:.1f}-{load_end[0]:.1f}")
         picture(rows, png, caption)
         print()
         print(table(rows), end="")
         print()
+        if pair_rows:
+            print(pairs_table(pair_rows, device.type == "cuda"), end="")
+            for r in pair_rows:
+                print(f"per-round ratios, {r['elastic']} vs {r['peer']}: " + ", ".join(f"{x:.3f}" for x in r["ratios"]))
+            print()
         for fmt, (ref_cfg, ref_losses) in refs.items():
             worst = max((r for r, c in zip(rows, configs) if c.weight_format == fmt), key=lambda r: r["max_abs_loss_diff"])
             # nf4: [Note: the NF4 peer's loss tolerance]; int8 has no peer: its runs differ by rounding

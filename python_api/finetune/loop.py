@@ -90,6 +90,44 @@ def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> 
             f"diverged; lower --lr (now {args.lr:g}) or add --warmup-steps{fp16}")
 
 
+def train_step(job: Job, engine, opt, step: int, counter) -> dict:
+    """One optimizer step of `engine` (0-based `step`): its learning rate, the job's batch for
+    that step, accumulation, the optimizer; returns the loss (averaged over the ranks), the
+    step's time and its traffic. What train() runs per step, and what bench/bench_frontier.py
+    interleaves across engines."""
+    args, rank, W, device = job.args, job.rank, job.world_size, job.device
+    model = engine.model
+    for group in opt.param_groups:
+        group["lr"] = _lr_at(args, step)
+    # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
+    # planned run's (which may change it at this step: the same global batch, the same
+    # windows across the ranks, [Note: adaptive accumulation] in planning.py).
+    engine.before_step(step)
+    mb, accum = engine.micro_batch, engine.grad_accum
+    batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
+    g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
+    _sync(device)
+    t0 = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for a in range(accum):
+        with engine.accumulate(is_last=a == accum - 1):
+            out = model(input_ids=batch[a], labels=batch[a])
+            (out.loss / accum).backward()
+        total += out.loss.detach().double()
+    if hasattr(engine, "optimizer_step"):
+        engine.optimizer_step()
+    else:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.all_reduce(total)
+    loss = total.item() / (accum * W)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    return {"loss": loss, "time_s": elapsed, "gathered": engine.gathered_bytes() - g0,
+            "counted": counter.bytes - c0, "calls": counter.calls - k0, "h2d": engine.h2d_bytes() - h0,
+            "split": (mb, accum)}
+
+
 def train(job: Job, engine, counter, primary: bool) -> dict:
     """Train `engine.model` for the job's steps; return the run's measurements."""
     from tqdm import tqdm
@@ -119,6 +157,10 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         _seed_rng(args.seed, rank, device)
     mem = job.memory
     mem.reset_peak()
+    # [Note: what "peak memory" means here] in measure.py: on CPU the tensor peak of the last
+    # step, profiled, when this process runs 3 steps or more (the first warms up).
+    profile_last = device.type == "cpu" and args.steps - start >= 3 and getattr(mem, "live_baseline", None) is not None
+    tensor_peak = rss_peak = None
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
     times, gathered, counted, calls, h2d, splits = [], [], [], [], [], []
 
@@ -132,48 +174,36 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     model.train()
     try:
         for step in range(start, args.steps):
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(args, step)
-            # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
-            # planned run's (which may change it at this step: the same global batch, the same
-            # windows across the ranks, [Note: adaptive accumulation] in planning.py).
-            engine.before_step(step)
-            mb, accum = engine.micro_batch, engine.grad_accum
-            splits.append((mb, accum))
-            batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
-            g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
-            _sync(device)
-            t0 = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for a in range(accum):
-                with engine.accumulate(is_last=a == accum - 1):
-                    out = model(input_ids=batch[a], labels=batch[a])
-                    (out.loss / accum).backward()
-                total += out.loss.detach().double()
-            if hasattr(engine, "optimizer_step"):
-                engine.optimizer_step()
+            if profile_last and step == args.steps - 1:
+                # The last step measures the tensor peak under the profiler: the resident
+                # set is read before it, and its time is left out of tokens/s.
+                rss_peak = mem.peak_above_baseline()
+                box = {}
+                tensor_peak = mem.tensor_peak(lambda: box.update(r=train_step(job, engine, opt, step, counter)),
+                                              engine)
+                r = box["r"]
             else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            dist.all_reduce(total)
-            loss = total.item() / (accum * W)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            gathered.append(engine.gathered_bytes() - g0)
-            counted.append(counter.bytes - c0)
-            calls.append(counter.calls - k0)
-            h2d.append(engine.h2d_bytes() - h0)
+                r = train_step(job, engine, opt, step, counter)
+            loss = r["loss"]
+            splits.append(r["split"])
+            times.append(r["time_s"])
+            gathered.append(r["gathered"])
+            counted.append(r["counted"])
+            calls.append(r["calls"])
+            h2d.append(r["h2d"])
             if not math.isfinite(loss):
                 # The loss is all-reduced and the adapters replicated: every rank raises alike.
                 raise FinetuneError(nan_message(job, engine, loss, step, start, named))
             losses.append(loss)
-            steady = _tokens_per_s(times, tokens_per_step)
+            steady = _tokens_per_s(times[:-1] if tensor_peak is not None else times, tokens_per_step)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
             bar.update(1)
             if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
         bar.close()
-        peak = mem.peak_above_baseline()
+        peak = rss_peak if profile_last else mem.peak_above_baseline()
+        if device.type == "cuda":
+            tensor_peak = peak
         first_step = start + 1
         if primary and times:
             segments = segments + [segment(peak)]
@@ -221,8 +251,11 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "first_step": first_step,
         "step_times_s": times,
         "tokens_per_step": tokens_per_step,
-        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0] if times else None),
+        "tokens_per_s": _tokens_per_s(times[:-1] if profile_last else times, tokens_per_step)
+        or (tokens_per_step / times[0] if times else None),
         "peak_memory_bytes": peak,
+        "tensor_peak_bytes": tensor_peak,
+        "memory_measure": mem.describe() if hasattr(mem, "describe") else None,
         "allgather_bytes_per_step": gathered,
         "allgather_bytes_counted_per_step": counted,
         "allgather_calls_per_step": calls,

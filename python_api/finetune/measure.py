@@ -17,7 +17,12 @@ process's peak resident set since `reset_peak` (VmHWM, reset through /proc/self/
 minus its resident set at `set_baseline`, both taken after `gc.collect()` and `malloc_trim(0)`
 so freed heap is not counted. On CPU this covers everything the process touches: shards, cached
 or unsharded weights, activations, gradients, optimizer state, communication buffers. Linux
-only; elsewhere the CPU figure is None.
+only; elsewhere the CPU figure is None. The resident set is comparable across engines only
+with glibc's mmap threshold fixed ([Note: a fixed mmap threshold]); `describe()` says which.
+The tensor peak (`tensor_peak`) is the figure engines are compared by: on GPU the same
+`max_memory_allocated`; on CPU the live tensor bytes before a step plus the profiler's
+allocation high-water during it, minus the tensors alive at `set_baseline` (the pool's arena
+counted from its own snapshot, the host store left out: host memory on a GPU machine).
 """
 
 from __future__ import annotations
@@ -130,6 +135,56 @@ def reset_rss_peak() -> int | None:
     return _vm_hwm_bytes()
 
 
+# [Note: a fixed mmap threshold]
+# glibc serves an allocation above M_MMAP_THRESHOLD with its own mmap, given back to the OS
+# when freed; below it from the heap, which keeps freed memory resident. By default the
+# threshold is dynamic: each freed mmapped block raises it to that block's size (up to 32
+# MiB), so after the first freed gather buffer or activation every later one of that size
+# comes from the heap and stays resident when freed. The resident set then says more about
+# the allocation history than about what an engine holds (FSDP2: 2,061 MiB of RSS for a 646
+# MiB tensor peak; budget 0 read as high as budget all: issue 27). Fixing the threshold with
+# mallopt (any explicit setting turns the dynamic adjustment off) at start-up, before the
+# big allocations, makes the RSS growth of each engine comparable: buffers of 128 KiB and
+# more go back to the OS when freed. The CLI and bench/bench_frontier.py do it and say so.
+MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's initial value
+_M_MMAP_THRESHOLD = -3  # malloc.h
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold (see [Note: a fixed mmap threshold]); False where it cannot
+    be set (not glibc)."""
+    try:
+        ok = bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    except (OSError, AttributeError):
+        ok = False
+    _MMAP["fixed"] = _MMAP["fixed"] or ok
+    return ok
+
+
+_MMAP = {"fixed": False}
+
+
+def mmap_threshold_fixed() -> bool:
+    return _MMAP["fixed"]
+
+
+def live_tensor_bytes_of(engine) -> int:
+    """Live CPU tensor bytes now, the pool's arena of `engine`'s runtime counted once from its
+    snapshot and its host store left out (host memory on a GPU machine)."""
+    from ..planning.measure import _live_tensor_bytes
+
+    exclude, pool_bytes = set(), 0
+    runtime = getattr(engine, "runtime", None)
+    if runtime is not None:
+        if runtime.pool is not None:
+            segments = runtime.pool.snapshot()
+            exclude |= {seg["data_ptr"] for seg in segments}
+            pool_bytes = sum(seg["bytes"] for seg in segments)
+        if getattr(runtime, "host_store", None) is not None:
+            exclude.add(runtime.host_store.tensor().untyped_storage().data_ptr())
+    return _live_tensor_bytes(exclude) + pool_bytes
+
+
 def rss_peak_bytes() -> int | None:
     return _vm_hwm_bytes()
 
@@ -140,6 +195,7 @@ class PeakMemory:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.baseline: int | None = None
+        self.live_baseline: int | None = None  # CPU: live tensor bytes at set_baseline
 
     def set_baseline(self) -> None:
         if self.device.type == "cuda":
@@ -147,7 +203,32 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
         else:
+            from ..planning.measure import _live_tensor_bytes
+
+            self.live_baseline = _live_tensor_bytes()
             self.baseline = reset_rss_peak()
+
+    def describe(self) -> str:
+        """What peak_above_baseline measures, for the report."""
+        if self.device.type == "cuda":
+            return "max_memory_allocated above the level before the build"
+        if mmap_threshold_fixed():
+            return "resident-set growth over the build and steps (glibc's mmap threshold fixed at 128 KiB)"
+        return "resident-set growth (glibc's dynamic mmap threshold: not comparable across engines)"
+
+    def tensor_peak(self, step, engine) -> int | None:
+        """The tensor peak of one call of `step()` ([Note: what "peak memory" means here]);
+        on GPU the max_memory_allocated figure over everything since reset_peak."""
+        if self.device.type == "cuda":
+            step()
+            return self.peak_above_baseline()
+        if self.live_baseline is None:
+            step()
+            return None
+        from ..planning.measure import _profiled_growth
+
+        live = live_tensor_bytes_of(engine)
+        return live + _profiled_growth(step) - self.live_baseline
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":

@@ -22,6 +22,7 @@ COLUMNS = [
     "tokens/s",
     "tokens/s vs FSDP2",
     "peak memory MiB",
+    "tensor peak MiB",
     "all-gather MiB/step (steady)",
     "all-gather MiB (first step)",
     "host->device MiB/step (steady)",
@@ -119,6 +120,15 @@ def _mib(b):
     return None if b is None else b / MiB
 
 
+def memory_key(runs: list[dict]) -> str:
+    """The figure runs are compared by: the tensor peak when every run has one (CPU runs of 3
+    steps or more, every GPU run), else the peak memory of [Note: what "peak memory" means
+    here] in measure.py; never a mix of the two."""
+    if runs and all(r.get("tensor_peak_bytes") is not None for r in runs):
+        return "tensor_peak_bytes"
+    return "peak_memory_bytes"
+
+
 def table_rows(runs: list[dict]) -> list[dict]:
     base = next((r for r in runs if r["kind"] == "fsdp2"), None)
     rows = []
@@ -131,6 +141,7 @@ def table_rows(runs: list[dict]) -> list[dict]:
             "tokens/s": r["tokens_per_s"],
             "tokens/s vs FSDP2": ratio,
             "peak memory MiB": _mib(r["peak_memory_bytes"]),
+            "tensor peak MiB": _mib(r.get("tensor_peak_bytes")),
             "all-gather MiB/step (steady)": _mib(r["allgather_bytes_steady"]),
             "all-gather MiB (first step)": _mib(r["allgather_bytes_first_step"]),
             "host->device MiB/step (steady)": _mib(r.get("h2d_bytes_steady", 0)),
@@ -208,17 +219,18 @@ def peer_notes(runs: list[dict], skipped: dict[str, str]) -> str:
     out = []
     for kind, why in skipped.items():
         out.append(f"--baseline {kind} left out: {why}")
-    peer_points = [{"name": r["name"], "memory": r["peak_memory_bytes"], "tokens_per_s": r["tokens_per_s"],
+    key = memory_key(runs)
+    peer_points = [{"name": r["name"], "memory": r[key], "tokens_per_s": r["tokens_per_s"],
                     "weight_format": numerics(r)} for r in runs if r["kind"] not in ELASTIC_KINDS]
     if peer_points:
         for r in runs:
             mine = [p for p in peer_points if p["weight_format"] == numerics(r)]  # peers of its own numerics
             if r["kind"] not in ELASTIC_KINDS or not mine:
                 continue
-            best = best_peer_at_or_below(r["peak_memory_bytes"], mine)
+            best = best_peer_at_or_below(r[key], mine)
             if best is None:
                 least = min((p["memory"] for p in mine if p["memory"] is not None), default=None)
-                out.append(f"{r['name']}: no peer ran in its memory ({_fmt('m', _mib(r['peak_memory_bytes']))} MiB; "
+                out.append(f"{r['name']}: no peer ran in its memory ({_fmt('m', _mib(r[key]))} MiB; "
                            f"the least a peer needed: {_fmt('m', _mib(least))} MiB)")
             elif r["tokens_per_s"] and best["tokens_per_s"]:
                 out.append(f"{r['name']}: {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the tokens/s of the fastest "
@@ -242,6 +254,12 @@ def peer_notes(runs: list[dict], skipped: dict[str, str]) -> str:
     if peer_points:
         kinds = list(dict.fromkeys(r["kind"] for r in runs))
         out.append("peak memory holds: " + "; ".join(f"{k}: {MEMORY_HOLDS[k]}" for k in kinds if k in MEMORY_HOLDS))
+    measures = sorted({r["memory_measure"] for r in runs if r.get("memory_measure")})
+    if measures:
+        out.append(f"memory figures: 'peak memory' is the {' / '.join(measures)}; 'tensor peak' is the bytes of "
+                   f"live tensors at their peak (CPU: the profiled last step, the pool counted once, the host store "
+                   f"not counted; GPU: max_memory_allocated); runs are set against peers by "
+                   f"{'tensor peak' if memory_key(runs) == 'tensor_peak_bytes' else 'peak memory'}")
     return "".join(f"\n{line}  " for line in out)
 
 
@@ -298,7 +316,8 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
     bars = [
         ("tokens/s (steady state)", [r["tokens_per_s"] for r in runs], "{:.0f}"),
         ("all-gather MiB per step (steady)", [_mib(r["allgather_bytes_steady"]) for r in runs], "{:.2f}"),
-        ("peak memory MiB (rank 0)", [_mib(r["peak_memory_bytes"]) for r in runs], "{:.1f}"),
+        ("tensor peak MiB (rank 0)" if memory_key(runs) == "tensor_peak_bytes" else "peak memory MiB (rank 0)",
+         [_mib(r[memory_key(runs)]) for r in runs], "{:.1f}"),
     ]
     for ax, (title, values, fmt) in zip(axes[1:4], bars):
         vals = [0.0 if v is None else v for v in values]
@@ -314,8 +333,9 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
     if panels == 5:
         ax = axes[4]
         plot_frontier(ax, [{"system": system_of(r["kind"], numerics(r)), "label": _short_label(r["name"]),
-                            "memory": r["peak_memory_bytes"], "tokens_per_s": r["tokens_per_s"]} for r in runs],
-                      memory_label="peak memory MiB (rank 0)")
+                            "memory": r[memory_key(runs)], "tokens_per_s": r["tokens_per_s"]} for r in runs],
+                      memory_label=("tensor peak" if memory_key(runs) == "tensor_peak_bytes" else "peak memory")
+                      + " MiB (rank 0)")
         ax.set_title("tokens/s against peak memory; lines: each system's frontier", fontsize=10)
     fig.suptitle(caption, fontsize=9)
     fig.tight_layout()

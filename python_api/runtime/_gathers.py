@@ -195,7 +195,7 @@ class _Gathers:
                 chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
             work = GatherWork(
                 chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s,
-                seq=self._seq, device=self.device,
+                seq=self._seq, device=self.device, channel=self._header_channel(),
             )
             self._seq += 1
             self._stats["allgather_calls"] += 1
@@ -208,12 +208,19 @@ class _Gathers:
                     use.works[c] = work
                     use.chunks[c] = page
 
+    def _header_channel(self):
+        """[Note: headers off the prefetch path] in python_api/distributed/collectives.py: the
+        channel of the host-waited path, set up at registration (None: headers on the group)."""
+        return self._channel
+
     def _end_use(self, use: _Use, keep: Residency, failed: bool = False) -> None:
         """Unpin the use's chunks; discard those whose residency is below `keep`, and those
         whose gather failed or never completed (their pages hold no data)."""
         if use.ended:
             return
         use.ended = True
+        for work in {id(w): w for w in use.works if hasattr(w, "cancel") and not w.done}.values():
+            work.cancel()  # never waited (an error while starting uses): its data is never issued
         if not use.keys_pinned:
             return
         et = use.tensor

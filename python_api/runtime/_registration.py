@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.agree import exchange
+from ..distributed.collectives import header_channel
 from ..host.sources import store_offsets
 from ..host.store import build_node_host_store
 from .tensor import ElasticTensor
@@ -84,6 +85,9 @@ class _Registration:
         """After the last `register`, on every rank: check that the ranks agree, then build the
         host store when the policy uses the host tier ([Note: chunk sources])."""
         self.check_ranks_agree()
+        if self.world_size > 1 or self._force_pool:
+            if self.comm_stream is None:  # host-waited gathers ([Note: headers off the prefetch path])
+                self._channel = header_channel(self.group)
         if self.policy.uses_host_store and self.host_store is None:
             self._build_host_store()
 

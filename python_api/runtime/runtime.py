@@ -174,7 +174,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         if self.pool is not None:
             self.pool.reset_peak()
 
-    # Note [closing a runtime]
+    # [Note: closing a runtime]
     # A runtime owns the pool (every page of its device memory), the shards, the host store's
     # mapping and the activation offload's host buffers. `close()` gives all of them back now,
     # on the rank that calls it (no collective): in-flight gathers are waited for and dropped

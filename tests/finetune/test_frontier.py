@@ -50,7 +50,8 @@ def test_every_elastic_variant_is_one_system():
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Two points per system that has two settings (DDP has one), on the tiny preset with 4 layers
 # (with 2, the working set of two decoder layers is the whole model and budget 0 keeps it all);
-# 2 steps per pass (the first is warm-up), 2 passes. 140 s on this 2-core VM (2026-12-02).
+# 2 steps per pass (the first is warm-up), 2 passes: memory each alone, then 1 + 2 interleaved
+# rounds. 140 s on this 2-core VM (2026-12-02).
 FRONTIER_ARGS = ["--preset", "tiny", "--num-layers", "4", "--steps", "2", "--passes", "2", "--budgets", "0,all", "--host-budgets", "",
                  "--planned-caps", "0", "--peers", "fsdp2,deepspeed,ddp", "--fsdp2-reshard", "true,false",
                  "--ds-grid", "defaults,per-use"]
@@ -96,7 +97,9 @@ def test_frontier_script_writes_one_row_per_configuration_and_its_picture(fronti
         assert (r["preset"], r["world_size"], r["backend"], r["passes"], r["steps"]) == ("tiny", "2", "gloo", "2", "2")
         assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0
         assert float(r["peak_memory_mib"]) > 0 and float(r["peak_memory_mib"]) == float(r["peak_tensor_mib"])
-        assert float(r["peak_rss_mib"]) > 0
+        assert float(r["peak_rss_mib"]) >= 0  # resident-set growth at a fixed mmap threshold
+        assert r["mmap_threshold_fixed"] == "True" and r["memory_measure"] == "tensor peak (CPU)"
+        assert int(r["rounds"]) == 2  # passes x (steps - 1) timed rounds after the warm-up
         # the same base weights, initial adapters, batches and AdamW: the losses agree to fp32
         # rounding ([Note: the peers' tolerances] in test_peers.py)
         assert float(r["max_abs_loss_diff"]) <= 1e-5, r
@@ -152,3 +155,26 @@ def test_frontier_script_marks_the_front_and_the_best_peer_below(frontier_run):
         names = {f"{p['system']}: {p['config']}" for p in fits if float(p["tokens_per_s"]) == best}
         assert r["best_peer_at_or_below"] in names
         assert float(r["vs_best_peer"]) == pytest.approx(float(r["tokens_per_s"]) / best, rel=1e-5)
+
+
+def test_pair_ratios_are_taken_round_by_round():
+    """The median of per-round ratios and the ratio of medians differ when one configuration's
+    slow round is another's fast one ([Note: what the frontier's memory is])."""
+    from bench.bench_frontier import Config, _pair_ratios
+
+    a, b = Config("elastic", "budget 0", None), Config("fsdp2", "reshard", None)
+    a.times, b.times = [50.0, 1.0, 2.0, 10.0], [60.0, 3.0, 2.0, 4.0]  # the first round is warm-up
+    r = _pair_ratios(a, b)
+    assert r["ratios"] == [3.0, 1.0, 0.4] and r["rounds"] == 3
+    assert (r["median_of_ratios"], r["min"], r["max"]) == (1.0, 0.4, 3.0)
+    assert r["ratio_of_medians"] == 3.0 / 2.0
+
+
+@pytest.mark.distributed
+@pytest.mark.needs_ext
+def test_frontier_script_reports_the_pairs_round_by_round(frontier_run):
+    _, _, stdout = frontier_run
+    for pair in ("budget 0 vs fsdp2: reshard", "budget all vs ddp: replicated"):
+        line = next(x for x in stdout.splitlines() if x.startswith(f"per-round ratios, {pair}: "))
+        assert len(line.split(": ")[-1].split(", ")) == 2, line  # one ratio per timed round
+    assert "| tokens/s ratio, median of per-round ratios [min, max] | ratio of medians |" in stdout
