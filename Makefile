@@ -3,7 +3,8 @@
 #   make demo       .venv + pinned deps + extension build, then the main fine-tuning job
 #   make bench      the CPU benchmarks (rows appended to bench/results/)
 #   make gpu-check  on a GPU machine, with the torch already installed there (no internet):
-#                   build, GPU tests, kernel benchmarks; logs and rows to $OUT
+#                   environment, install, build, GPU test files one by one, then the kernel
+#                   benchmarks; logs, summary and rows to $OUT (docs/gpu.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -86,8 +87,8 @@ bench: build
 	$(VPY) bench/bench_planner.py
 	$(VPY) bench/simulate_mtuner.py
 
-gpu-check:
-	bash bench/gpu_check.sh
+gpu-check:  # the tests, then the benchmarks as a second command with their own budget (docs/gpu.md)
+	bash bench/gpu_check.sh tests; t=$$?; bash bench/gpu_check.sh bench; b=$$?; exit $$(( t || b ))
 
 clean:
 	rm -rf build elastic_kernels/_C*.so *.egg-info .pytest_cache

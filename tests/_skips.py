@@ -1,7 +1,8 @@
 """The one place every skip reason comes from.
 
 Skips exist for exactly two situations: no CUDA device (GPU tests), and an install made on
-purpose without the extension (ELASTIC_SKIP_EXT=1). A failure to load the extension when it
+purpose without the extension (ELASTIC_SKIP_EXT=1) or without its CUDA part (ELASTIC_SKIP_CUDA=1,
+for the tests of the CUDA kernels). A failure to load the extension when it
 was meant to be built is an error, never a skip.
 """
 
@@ -85,8 +86,12 @@ def require_ext():
 
 
 def require_cuda_ext():
-    """The extension with its CUDA kernels, on a machine with a GPU (GPU tests only)."""
+    """The extension with its CUDA kernels, on a machine with a GPU (GPU tests only); skipped
+    only when ELASTIC_SKIP_CUDA=1 says the CUDA part was left out on purpose (`make gpu-check`
+    on a machine without nvcc: docs/gpu.md)."""
     mod = require_ext()
+    if not mod.cuda_built() and os.environ.get("ELASTIC_SKIP_CUDA", "0").strip().lower() in ("1", "true", "yes", "on"):
+        pytest.skip("ELASTIC_SKIP_CUDA=1: the extension's CUDA kernels were not built on purpose (no nvcc)")
     if not mod.cuda_built():
         raise AssertionError("a GPU is visible but elastic_kernels._C was built without CUDA")
     return mod

@@ -90,3 +90,44 @@ def check_weight_formats(spec, args) -> None:
         raise FinetuneError(
             f"{what} with {given}: weight {name} of shape {list(shape)} has rows of {shape[1]} weights, not a multiple "
             f"of {block} (a row is stored in whole blocks); {hint}")
+
+
+# [Note: a config that claims quantized weights]
+# load_elastic reads a checkpoint whose config.json has a `quantization_config` only if it is a
+# bitsandbytes 4-bit nf4 checkpoint whose files hold the packed weights, and refuses a config
+# that claims it over full-precision files ("no tensor of its files is packed"). The CLI used
+# to ignore the claim and train the full-precision tensors (issue 31). One rule for both: the
+# CLI refuses the same configs with the same reasons, in prepare() on every rank (only the
+# files' headers are read). It trains full-precision checkpoints only (--weight-format
+# quantizes them on load), so a genuine packed checkpoint is refused too, pointing at
+# load_elastic; a config over full-precision files is refused with what to fix.
+
+def check_checkpoint_format(spec) -> None:
+    """Raise FinetuneError for a model directory whose config claims quantized weights. See
+    [Note: a config that claims quantized weights]."""
+    qc = None if spec.embedded else getattr(spec.config, "quantization_config", None)
+    if qc is None:
+        return
+    from ..config import ElasticPolicy
+    from ..loading import LoadError, SafetensorsSource
+    from ..loading.bnb import PackedFormatError, _as_dict, packed_format
+
+    where = f"model directory {spec.source}"
+    nested = bool(_as_dict(qc).get("bnb_4bit_use_double_quant", False))
+    try:  # what load_elastic says of a format it does not read (the policy: the one it would need)
+        fmt = packed_format(spec.config, ElasticPolicy(weight_format="nf4", quant_nested=nested))
+    except PackedFormatError as exc:
+        raise FinetuneError(f"{where}: {exc}") from exc
+    try:
+        packed = bool(SafetensorsSource(spec.source).packed)
+    except LoadError as exc:
+        raise FinetuneError(f"{where}: {exc}") from exc
+    if not packed:
+        raise FinetuneError(
+            f"{where}: the config says the checkpoint is saved quantized ({fmt.describe()}), but no tensor of its "
+            f"files is packed (no *.quant_state.bitsandbytes__nf4 record); load_elastic refuses it too. If the "
+            f"weights are full precision, remove quantization_config from config.json (--weight-format nf4 "
+            f"quantizes them on load)")
+    raise FinetuneError(
+        f"{where}: the checkpoint is saved quantized ({fmt.describe()}); elastic-finetune trains full-precision "
+        f"checkpoints (--weight-format quantizes them on load): load this one with elastic_kernels.api.load_elastic")

@@ -12,7 +12,7 @@ from .agreement import run_configuration
 from .checkpoints import Resume, find_checkpoint, read_checkpoint
 from .data import TokenWindows
 from .errors import FinetuneError
-from .formats import check_weight_formats
+from .formats import check_checkpoint_format, check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
 from .options import ignored_options, resolve_training_defaults
 from .save_dir import check_save_dir
@@ -62,6 +62,7 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     resolve_training_defaults(args, pretrained=not spec.embedded)
     windows, data_info = resolve_data(args, spec)
     targets, adapter_shapes = resolved_targets(spec, args)
+    check_checkpoint_format(spec)  # [Note: a config that claims quantized weights]
     check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None
@@ -70,7 +71,9 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     if args.resume is not None:
         resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
     job = Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
-    job.notices = ignored_options(args, world_size)
+    from .pipelined import pipeline_notices  # not at the top: pipelined -> engines -> job
+
+    job.notices = ignored_options(args, world_size) + pipeline_notices(args, world_size, spec.config)
     if getattr(args, "tokenizer", None) == "bytes" and not spec.embedded:
         # [Note: the tokenizer is never silently replaced] (models.py): asked for by name, and said
         job.notices.append(f"--tokenizer bytes: the byte-level tokenizer (UTF-8 bytes as token ids) stands in for the "

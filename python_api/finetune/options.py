@@ -608,6 +608,9 @@ def ignored_options(args, world_size: int) -> list[str]:
         if chosen:
             out.append(f"--plan auto: {' and '.join(chosen)} only put{'s' if len(chosen) == 1 else ''} the host tier "
                        "into the profile; the plan picks the planned run's host fraction and activation offload itself")
+    if args.compare_pp is not None and args.plan != "auto" and args.pp == args.compare_pp:
+        out.append(f"--compare-pp {args.compare_pp} is ignored: the main run is already --pp {args.pp} with the same "
+                   "options (the comparison would train the same run twice)")
     if args.weights_on == "host" and args.compare_host:
         out.append("--compare-host is ignored: with --weights-on host the main run already has its weights in the host "
                    "store (the comparison would train the same run twice)")

@@ -83,15 +83,16 @@ def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
     return [per_layer] * n_layers, 0.0, 2.0 * config.vocab_size * h
 
 
-def layout_of(args, world_size: int, pp: int, config) -> tuple[PipelineLayout, int]:
+def layout_of(args, world_size: int, pp: int, config, option: str = "--pp") -> tuple[PipelineLayout, int]:
     """The pipeline layout the options describe, and the micro-batch size ([Note: the pipelined
-    run and the global batch]). Raises FinetuneError naming the option."""
+    run and the global batch]). Raises FinetuneError naming the option (`option`: --pp, or
+    --compare-pp for the comparison)."""
     share = args.micro_batch * args.grad_accum * pp
     m = args.micro_batches or args.grad_accum * pp
     if share % m:
         raise FinetuneError(f"--micro-batches {m} does not divide the {share} sequences of each dp group's share of "
                             f"the global batch (--micro-batch {args.micro_batch} x --grad-accum {args.grad_accum} x "
-                            f"--pp {pp}); divisors: {[d for d in range(1, share + 1) if share % d == 0]}")
+                            f"{option} {pp}); divisors: {[d for d in range(1, share + 1) if share % d == 0]}")
     costs, first, last = layer_costs(config, args.seq_len)
     try:
         layout = PipelineLayout.build(world_size, pp, len(costs), args.schedule, m,
@@ -99,8 +100,43 @@ def layout_of(args, world_size: int, pp: int, config) -> tuple[PipelineLayout, i
                                       layer_costs=costs, first_cost=first, last_cost=last,
                                       residency=args.pack_residency, window=args.pack_window)
     except PipelineError as exc:
-        raise FinetuneError(f"--pp {pp}: {exc}") from exc
+        raise FinetuneError(f"{option} {pp}: {exc}") from exc
     return layout, share // m
+
+
+# [Note: the pipelines the options describe, checked in prepare]
+# The layouts of the pipelined runs of a job (--pp N without --plan auto, --compare-pp N) are
+# pure functions of the options, the world size and the model's config, so prepare() builds them
+# on every rank before the process group exists: a layout that cannot be built is refused there,
+# naming the option that asked for it (--compare-pp 3 on 2 ranks was reported as --pp 3, issue
+# 31). --pack-size is the most layers a pack holds: the layers are balanced over
+# ceil(layers / --pack-size) packs, so --pack-size 3 on 4 layers runs 2 packs of 2. That is kept
+# (a refusal would reject every layer count the size does not divide) but said, as a notice on
+# rank 0 and in summary.json, with the packs that run.
+
+def pipeline_notices(args, world_size: int, config) -> list[str]:
+    """See [Note: the pipelines the options describe, checked in prepare]. Raises
+    FinetuneError naming the option whose layout cannot be built."""
+    runs = []
+    if args.pp != "auto" and args.pp > 1 and args.plan != "auto":
+        runs.append(("--pp", args.pp))
+    if args.compare_pp is not None and not compare_pp_is_main(args):
+        runs.append(("--compare-pp", args.compare_pp))
+    out = []
+    for option, pp in runs:
+        layout, _ = layout_of(args, world_size, pp, config, option)
+        sizes = [layout.boundaries[k + 1] - layout.boundaries[k] for k in range(layout.n_packs)]
+        if args.pack_size != "auto" and set(sizes) != {args.pack_size}:
+            out.append(f"--pack-size {args.pack_size} with {option} {pp}: the {layout.boundaries[-1]} decoder layers "
+                       f"run as {layout.n_packs} packs of {'/'.join(map(str, sizes))} layers (a pack holds at most "
+                       f"--pack-size layers; the layers are balanced over ceil(layers / --pack-size) packs)")
+    return out
+
+
+def compare_pp_is_main(args) -> bool:
+    """--compare-pp N with a main run of --pp N (not planned): the comparison would train the
+    same run again ([Note: options a run ignores])."""
+    return args.compare_pp is not None and args.plan != "auto" and args.pp == args.compare_pp
 
 
 class PipelinedEngine:
@@ -109,19 +145,19 @@ class PipelinedEngine:
     kind = "pipelined"
 
     def __init__(self, job, pp: int, layout: PipelineLayout | None = None, micro_batch_size: int | None = None,
-                 plan=None):
+                 plan=None, option: str = "--pp"):
         """`layout` and `micro_batch_size`: a planned layout (`plan`, a PipelinePlan); else the
-        options' (`layout_of`)."""
+        options' (`layout_of`). `option`: the option that asked for it, named in errors."""
         args = job.args
         if layout is None:
-            layout, mbs = layout_of(args, job.world_size, pp, job.spec.config)
+            layout, mbs = layout_of(args, job.world_size, pp, job.spec.config, option)
         else:
             mbs = micro_batch_size
         self.layout, self.micro_batch_size, self.plan = layout, mbs, plan
         try:
             self.groups = pipeline_groups(pp, job.device, args.timeout_s)
         except PipelineError as exc:
-            raise FinetuneError(f"--pp {pp}: {exc}") from exc
+            raise FinetuneError(f"{option} {pp}: {exc}") from exc
         if job.spec.embedded:
             lm, source = _collective_build(job), None
         else:
@@ -130,7 +166,7 @@ class PipelinedEngine:
             self.model = PipelinedModel(lm, lora_config_of(args), policy_of(args, None), layout, self.groups,
                                         micro_batch_size=mbs, seq_len=args.seq_len, source=source, device=job.device)
         except (PipelineError, LoadError) as exc:  # raised on every rank (agreed)
-            raise FinetuneError(f"--pp {pp}: {exc}") from exc
+            raise FinetuneError(f"{option} {pp}: {exc}") from exc
         if source is not None:
             errors = [_nonfinite_loaded(pack, rt, job.spec) for pack, rt in
                       zip(self.model.packs.values(), self.model.runtimes.values())]

@@ -30,6 +30,7 @@ from .options import budget_label
 from .pipelined import (
     PipelinedEngine,
     close_engine,
+    compare_pp_is_main,
     engine_adapters,
     primary_engine,
     save_engine_adapter,
@@ -52,8 +53,9 @@ def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) 
         builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
     if args.compare_planned:
         builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
-    if args.compare_pp is not None:
-        builds.append((f"pipelined, pp {args.compare_pp}", lambda: PipelinedEngine(job, args.compare_pp)))
+    if args.compare_pp is not None and not compare_pp_is_main(args):  # the same run: [Note: options a run ignores]
+        builds.append((f"pipelined, pp {args.compare_pp}",
+                       lambda: PipelinedEngine(job, args.compare_pp, option="--compare-pp")))
     for kind in args.baselines:  # the peers, in the order given; those not installed left out
         if kind not in (skipped or {}):
             builds.append((kind, lambda kind=kind: peers.build(job, kind, counter)))

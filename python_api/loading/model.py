@@ -49,18 +49,20 @@ model: see `tests/loading/test_loading.py::test_meta_loading_peak_rss` for the m
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from ..config import ElasticPolicy
-from ..distributed.agree import agree
+from ..distributed.agree import agree, exchange
 from ..distributed.launch import ensure_default_group
-from ..nn import LoRAConfig, convert_to_elastic
+from ..nn import LoRAConfig, convert_to_elastic, runtime_of
 from .bnb import PackedFormatError, compute_dtype, packed_format
-from .source import LoadError, SafetensorsSource, check_regular_file, list_directory
+from .source import LoadError, LoadWarning, SafetensorsSource, check_regular_file, list_directory
 
 # ---------------------------------------------------------------------- building on meta
 
@@ -172,7 +174,8 @@ def empty_model(config_or_dir, dtype: torch.dtype | None = None, model_class=Non
 
 
 def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torch.device | str | None = None,
-                 unit_modules=None, dtype: torch.dtype | None = None, model_class=None) -> nn.Module:
+                 unit_modules=None, dtype: torch.dtype | None = None, model_class=None,
+                 allow_nonfinite: bool = False) -> nn.Module:
     """The Hugging Face model in directory `path` under an elastic runtime with LoRA adapters,
     read from its safetensors files without any rank holding it whole ([Note: loading from
     files]): `convert_to_elastic(empty_model(path, dtype), lora, policy, group, unit_modules,
@@ -180,7 +183,9 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     files' dtype, else float32; a bitsandbytes 4-bit checkpoint's `bnb_4bit_compute_dtype`),
     and then the files must hold it; given, floating weights of another dtype are cast on load. A collective: call it on every rank of `group`. The model
     comes back in eval mode (as `from_pretrained` returns it): call `.train()` to train with
-    dropout."""
+    dropout. Weights holding NaN or Inf (a NaN `absmax` of a bitsandbytes checkpoint, say) are
+    a LoadError on every rank naming them; `allow_nonfinite=True` loads them with a
+    NonFiniteWeightsWarning instead ([Note: non-finite weights on load])."""
     # Arguments: the same on every rank (a programming error, raised before any collective).
     if not isinstance(lora, LoRAConfig):
         raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig, got {type(lora).__name__}")
@@ -196,12 +201,13 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     # Before the first collective: [Note: converting under a launcher creates the process group]
     if group is None:
         ensure_default_group(device, "load_elastic")
-    error, model, source = None, None, None
+    error, model, source, packed = None, None, None, None
     try:
         source = SafetensorsSource(path, device=device, allow_cast=dtype is not None)
         config = read_config(source.path)
         compute = compute_dtype(config)  # before read_checkpoint_format drops the quantization_config
-        if read_checkpoint_format(source, config, policy) is not None and dtype is None and compute is not None:
+        packed = read_checkpoint_format(source, config, policy)
+        if packed is not None and dtype is None and compute is not None:
             # A bitsandbytes checkpoint computes in bnb_4bit_compute_dtype: the model's dtype
             # ([Note: loading a bitsandbytes 4-bit checkpoint]); other tensors are cast to it.
             dtype = compute
@@ -214,7 +220,105 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     except ValueError as exc:  # model_class of another architecture: the same on every rank, but agreed anyway
         error = str(exc)
     agree(error, group, error_type=LoadError)
-    return convert_to_elastic(model, lora, policy, group=group, unit_modules=unit_modules, source=source)
+    model = convert_to_elastic(model, lora, policy, group=group, unit_modules=unit_modules, source=source)
+    bad = nonfinite_weights(model, group)
+    if bad:
+        listed = ", ".join(f"{name} ({n} of {numel})" for name, (n, numel) in list(bad.items())[:_NONFINITE_LISTED])
+        more = f" and {len(bad) - _NONFINITE_LISTED} more" if len(bad) > _NONFINITE_LISTED else ""
+        why = (f" (the checkpoint is {packed.describe()}: a packed weight's absmax or nested_absmax scales are not "
+               f"finite, or its weights were not when it was quantized)" if packed is not None else "")
+        msg = (f"{source.path}: {len(bad)} weight(s) hold NaN or Inf values: {listed}{more}{why}; the model's "
+               f"outputs through them are NaN or wrong")
+        if not allow_nonfinite:
+            raise LoadError(msg + "; pass allow_nonfinite=True to load them anyway")
+        warnings.warn(NonFiniteWeightsWarning(msg), stacklevel=2)
+    return model
+
+
+class NonFiniteWeightsWarning(LoadWarning):
+    """load_elastic(..., allow_nonfinite=True) loaded weights that hold NaN or Inf values."""
+
+
+_NONFINITE_LISTED = 8  # weights named in the message; the rest counted
+
+
+# [Note: non-finite weights on load]
+# A checkpoint whose weights hold NaN or Inf (a damaged file; a bitsandbytes checkpoint with a
+# NaN `absmax`, an Inf `nested_absmax`, or NaN weights before it was quantized) loads without a
+# word and its first loss is NaN (issue 31). The CLI refuses such weights before step 1; the
+# library does the same by default: a NaN weight makes the outputs through it NaN, whatever the
+# adapters or the learning rate (or, worse, silently wrong: CPU attention turned one NaN query
+# feature into a finite loss in the test), so there is nothing sound to train, and a refusal that
+# names the tensors is found at once where a warning scrolls by. The flag
+# `allow_nonfinite=True` is for a caller that means to repair or inspect the weights: it loads
+# them with a NonFiniteWeightsWarning (a LoadWarning: the CLI shows those as one line) naming the
+# same tensors. The check costs one pass over what each rank holds (its shard of every elastic
+# weight, or its share of its node's host store, and the replicated tensors) and one exchange
+# of counts: no rank reads a weight whole. A quantized weight is counted as it is read: the
+# rows it was quantized from, or for a packed checkpoint the weights of its blocks whose scale
+# is not finite (BnbNF4Weight counts those), since the codes of a packed image hold no value a
+# finiteness check could read. Every rank gets the same totals, so every rank raises alike.
+
+_COUNT_SLICE = 1 << 18  # elements per finiteness test: a 256 KiB bool temporary
+
+
+def _count_nonfinite(t: torch.Tensor) -> int:
+    """NaN and Inf values of `t` (0 unless floating), tested a slice at a time: loading is
+    bounded by a rank's share of the weights (tests/loading/test_loading.py's peak RSS test);
+    isfinite(...).sum() over a whole shard added 30 MiB per rank there (measured on its 225 MiB
+    model: a bool per element and the sum's int64 widening)."""
+    if not t.is_floating_point():
+        return 0
+    flat, n = t.reshape(-1), 0
+    for i in range(0, flat.numel(), _COUNT_SLICE):
+        ok = torch.isfinite(flat[i:i + _COUNT_SLICE])
+        if not bool(ok.all()):  # counted only where some value is not finite (the sum widens to int64)
+            n += int(ok.numel() - ok.sum())
+    return n
+
+
+def nonfinite_weights(model: nn.Module, group=None) -> dict[str, tuple[int, int]]:
+    """{name: (non-finite values, values)} of the weights of an elastic `model` that hold NaN or
+    Inf, over every rank of `group` (a collective: call it on every rank). See [Note: non-finite
+    weights on load]."""
+    rt = runtime_of(model)
+    node = rt.host_node.layout if rt.host_node is not None else None
+    local_rank, local_world = (node.local_rank, node.local_world) if node is not None else (0, 1)
+    # Each rank's counts keyed by what they were read from, merged over ranks by key (a row two
+    # ranks read to quantize their slices, a host-store chunk every node holds: counted once).
+    mine: dict[str, dict[tuple, int]] = {}
+    numel: dict[str, int] = {}
+    for et in rt.tensors:
+        name = f"{et.name}.weight"
+        numel[name] = math.prod(et.shape)
+        if et.qlayout is not None:
+            parts = et.nonfinite_parts()
+        elif et.shard is not None:
+            parts = {("shard", rt.rank): _count_nonfinite(et.shard)}
+        else:
+            parts = {("chunk", c): _count_nonfinite(et.host_chunk(c)) for c in range(local_rank, et.num_chunks, local_world)}
+        parts = {k: n for k, n in parts.items() if n}
+        if parts:
+            mine[name] = parts
+    replicated = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type != "meta":
+            n = _count_nonfinite(t.detach())
+            if n:
+                replicated[name] = (n, t.numel())
+    every = exchange((mine, replicated), group, what="load_elastic's finiteness check")
+    out: dict[str, tuple[int, int]] = {}
+    for name in numel:
+        merged: dict[tuple, int] = {}
+        for m, _ in every:
+            for k, n in m.get(name, {}).items():
+                merged[k] = max(merged.get(k, 0), n)
+        if merged:
+            out[name] = (sum(merged.values()), numel[name])
+    for m in every:  # replicated: the same tensors on every rank
+        for name, v in m[1].items():
+            out.setdefault(name, v)
+    return out
 
 
 def read_checkpoint_format(source: SafetensorsSource, config, policy):

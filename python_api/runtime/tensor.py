@@ -152,6 +152,16 @@ class ElasticTensor:
         shard, its share of the host store), or those of a weight its file holds quantized."""
         return sum(self._bad_rows.values()) + self._nonfinite_packed
 
+    def nonfinite_parts(self) -> dict[tuple, int]:
+        """Quantized only: `nonfinite_read` by what it was read from, so that counts of several
+        ranks can be merged without counting twice a row two ranks both read: {("row", r): its
+        non-finite values} for the rows quantized here, and {("packed", rank): n} for a weight
+        its file holds quantized (each rank counts the scales of its own slices)."""
+        out: dict[tuple, int] = {("row", r): n for r, n in self._bad_rows.items()}
+        if self._nonfinite_packed:
+            out[("packed", self.runtime.rank)] = self._nonfinite_packed
+        return out
+
     def shard_of(self, rows) -> torch.Tensor:
         """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
         as stored (quantized when the policy says so): only the rows the shard needs are read."""

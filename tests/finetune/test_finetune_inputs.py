@@ -180,3 +180,68 @@ def test_a_loss_gap_beyond_rounding_is_a_warning(tmp_path, monkeypatch, capsys):
     summary = runner._summary(job, _runs(0.197))
     assert summary["warnings"] == ["an ignored option"]
     assert summary["runs"][0]["loss_gap_vs_fsdp2"].startswith("not compared")
+
+
+# ------------------------------------------------------------- pipelines the options describe
+# [Note: the pipelines the options describe, checked in prepare] in python_api/finetune/pipelined.py
+
+def test_a_pack_size_that_does_not_fit_says_what_runs(tmp_path):
+    """--pp 2 --pack-size 3 on 4 layers runs packs of 2: said, with the packs that run."""
+    four = ["--num-layers", "4", "--save-dir", str(tmp_path / "o")]
+    [n] = _prepare(TINY + four + ["--pp", "2", "--pack-size", "3"]).notices
+    assert n == ("--pack-size 3 with --pp 2: the 4 decoder layers run as 2 packs of 2/2 layers (a pack holds at most "
+                 "--pack-size layers; the layers are balanced over ceil(layers / --pack-size) packs)")
+    assert _prepare(TINY + four + ["--pp", "2", "--pack-size", "2"]).notices == []
+    [n] = _prepare(TINY + four + ["--compare-pp", "2", "--pack-size", "3"]).notices
+    assert n.startswith("--pack-size 3 with --compare-pp 2: the 4 decoder layers run as 2 packs of 2/2 layers")
+
+
+def test_compare_pp_is_named_in_its_errors(tmp_path):
+    from elastic_kernels.api.finetune import FinetuneError
+
+    with pytest.raises(FinetuneError, match=r"^--compare-pp 3: the pipeline degree 3 does not divide the world size 2"):
+        _prepare(TINY + ["--compare-pp", "3", "--save-dir", str(tmp_path / "o")])
+    with pytest.raises(FinetuneError, match=r"^--pp 3: the pipeline degree 3 does not divide the world size 2"):
+        _prepare(TINY + ["--pp", "3", "--save-dir", str(tmp_path / "o")])
+
+
+def test_compare_pp_of_the_main_degree_is_not_trained_again(tmp_path):
+    from elastic_kernels.api.finetune.runner import comparison_builds
+
+    job = _prepare(TINY + ["--pp", "2", "--compare-pp", "2", "--save-dir", str(tmp_path / "o")])
+    [n] = job.notices
+    assert n.startswith("--compare-pp 2 is ignored: the main run is already --pp 2") and "same run twice" in n
+    assert comparison_builds(job, None) == []
+    job = _prepare(TINY + ["--compare-pp", "2", "--save-dir", str(tmp_path / "o")])
+    assert job.notices == [] and [what for what, _ in comparison_builds(job, None)] == ["pipelined, pp 2"]
+
+
+# ------------------------------------------------- a config that claims quantized weights
+# [Note: a config that claims quantized weights] in python_api/finetune/formats.py
+
+def test_a_quantization_config_over_full_precision_files_is_refused_as_load_elastic_does(tmp_path):
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.finetune import FinetuneError, embedded_config, embedded_model
+    from elastic_kernels.api.loading import LoadError
+    from elastic_kernels.api.nn import LoRAConfig
+
+    d = str(tmp_path / "m")  # rows of 64 and 128: nf4's block of 64 fits them
+    embedded_model(embedded_config(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2),
+                   seed=3).save_pretrained(d)
+    cfg = json.loads(open(os.path.join(d, "config.json")).read())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    claim = (r"the config says the checkpoint is saved quantized \(bitsandbytes 4-bit nf4, blocksize 64, double "
+             r"quantization True\), but no tensor of its files is packed")
+    with pytest.raises(LoadError, match=claim):
+        load_elastic(d, LoRAConfig(r=4, alpha=8), ElasticPolicy(weight_format="nf4", quant_nested=True))
+    for fmt in ("none", "nf4"):
+        with pytest.raises(FinetuneError, match=rf"^model directory {d}: {claim}.*remove quantization_config"):
+            _prepare(["--model", d, "--seq-len", "16", "--weight-format", fmt, "--save-dir", str(tmp_path / "o")])
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(FinetuneError, match=r"saved quantized by 'gptq'"):
+        _prepare(["--model", d, "--seq-len", "16", "--save-dir", str(tmp_path / "o")])

@@ -476,3 +476,110 @@ def test_bitsandbytes_checkpoint_keeps_its_full_precision_head_and_compute_dtype
         assert set(formats.values()) == {("nf4", dtype)} and len(formats) == 2 * 7, (what, formats)
         assert embed_dtype == dtype, what
         assert torch.equal(head, sd["lm_head.weight"].to(dtype)), what  # the file's head, as it is
+
+
+def _nan_before_quantizing(root) -> str:
+    """transformers' bitsandbytes checkpoint of the llama whose q_proj held a NaN before it was
+    quantized (its block's absmax comes out NaN)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    fp, out = str(root / "nan-fp"), str(root / "nan-nf4")
+    model = _bnb_base_model("llama").float()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[2, 7] = float("nan")
+    model.save_pretrained(fp, safe_serialization=True)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(fp, quantization_config=q, dtype=torch.float32, device_map="cpu") \
+        .save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _set(key, index, value):
+    def edit(sd):
+        sd[key].view(-1)[index] = value
+    return edit
+
+
+NONFINITE = [
+    # (id, checkpoint, tensor edit, the weight named, its non-finite values: 64 per block whose scale is not finite)
+    ("nan-absmax", "llama-nf4", _set("model.layers.0.mlp.up_proj.weight.absmax", 3, float("nan")),
+     "model.layers.0.mlp.up_proj.weight", 64),
+    # nested: one of 512 / 256 = 2 nested scales covers 256 blocks of 64 weights
+    ("inf-nested-absmax", "llama-nf4-dq", _set("model.layers.1.mlp.up_proj.weight.nested_absmax", 1, float("inf")),
+     "model.layers.1.mlp.up_proj.weight", 256 * 64),
+    ("nan-before-quantizing", None, None, "model.layers.1.self_attn.q_proj.weight", 64),
+]
+
+
+@pytest.mark.parametrize("case", NONFINITE, ids=[c[0] for c in NONFINITE])
+def test_nonfinite_scales_are_refused_or_warned(bnb_checkpoints, tmp_path, case):
+    """load_elastic of a bitsandbytes checkpoint whose scales are not finite (issue 31 item 3):
+    a LoadError naming the weight and its count of non-finite values, unless
+    allow_nonfinite=True, which loads it with a NonFiniteWeightsWarning saying the same ([Note:
+    non-finite weights on load]). The count is independent of the loader: 64 weights per block
+    of bitsandbytes whose scale was edited (or came out NaN from bitsandbytes' own quantizer)."""
+    import warnings
+
+    from elastic_kernels.api import load_elastic
+    from elastic_kernels.api.loading import LoadError, NonFiniteWeightsWarning, nonfinite_weights
+
+    _, name, edit, weight, count = case
+    path = _nan_before_quantizing(tmp_path) if name is None else _edited_copy(
+        bnb_checkpoints[name], tmp_path / name, tensors=edit)  # the name tells _bnb_policy its nesting
+    expected = rf"1 weight\(s\) hold NaN or Inf values: {weight} \({count} of \d+\) \(the checkpoint is bitsandbytes"
+    with pytest.raises(LoadError, match=expected + r".*pass allow_nonfinite=True"):
+        load_elastic(path, _bnb_lora(path), _bnb_policy(path, 4096))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = load_elastic(path, _bnb_lora(path), _bnb_policy(path, 4096), allow_nonfinite=True)
+    msgs = [str(w.message) for w in seen if issubclass(w.category, NonFiniteWeightsWarning)]
+    assert len(msgs) == 1 and __import__("re").search(expected, msgs[0]), msgs
+    bad = nonfinite_weights(model)
+    assert list(bad) == [weight] and bad[weight][0] == count
+
+
+def test_finite_checkpoint_loads_without_the_warning(bnb_checkpoints):
+    import warnings
+
+    from elastic_kernels.api import load_elastic
+    from elastic_kernels.api.loading import NonFiniteWeightsWarning, nonfinite_weights
+
+    path = bnb_checkpoints["llama-nf4-dq"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteWeightsWarning)
+        model = load_elastic(path, _bnb_lora(path), _bnb_policy(path, 4096))
+    assert nonfinite_weights(model) == {}
+
+
+def _nonfinite_worker(rank, world_size, path):
+    from elastic_kernels.api import ElasticPolicy, load_elastic
+    from elastic_kernels.api.loading import LoadError
+    from elastic_kernels.api.nn import LoRAConfig
+
+    out = []
+    for kw in (dict(), dict(weights_on="host"), dict(weight_format="nf4"), dict(weight_format="nf4", weights_on="host")):
+        try:
+            load_elastic(path, LoRAConfig(r=4, alpha=8, target_modules=TARGETS),
+                         ElasticPolicy(chunk_bytes=64 * 4 * 7, replicate_below_bytes=0, **kw))
+            out.append(None)
+        except LoadError as exc:
+            out.append(str(exc).split(": ", 1)[1])
+    return out
+
+
+def test_nonfinite_weights_counted_once_over_ranks(tmp_path):
+    """On 2 ranks, weights on the device (each rank its shard) or on host (each rank its share of
+    the node's store), full precision or quantized on load: every rank refuses with the same
+    counts, each non-finite value counted once (2 NaN in the first row, one Inf in the last:
+    different ranks' shares)."""
+    model = quant_llama()
+    with torch.no_grad():
+        w = model.get_submodule("model.layers.1.mlp.down_proj").weight
+        w[0, 5] = w[0, 7] = float("nan")
+        w[-1, 3] = float("inf")
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    per_rank = run_distributed(_nonfinite_worker, 2, str(tmp_path), timeout=300)
+    assert per_rank[0] == per_rank[1]
+    for msg in per_rank[0]:
+        assert msg is not None and msg.startswith(
+            f"1 weight(s) hold NaN or Inf values: model.layers.1.mlp.down_proj.weight (3 of {w.numel()})"), msg
