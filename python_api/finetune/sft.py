@@ -29,11 +29,15 @@ that does not fit starts the next row), each record's position ids restarting at
 transformers' masking (masking_utils.find_packed_sequence_indices: a position id that does
 not follow its predecessor starts a new sequence) confines attention to the record; the
 first token of every record gets no label (it would be predicted from the record before it).
-A row's tail that no record fills is padding (eos ids, no label). Measured on the real model
-(bench/results/2026-12-03_realmodel.md): packed rows hold 2.6x the real tokens of padded ones
-on the default instruction set at --seq-len 128 while a step costs the same, so packing is
-the default; `--pad-records` puts one record per row instead (no position ids: the plain
-causal mask). A record longer than --seq-len keeps its first --seq-len tokens and is counted
+A row's tail that no record fills is padding (eos ids, no label) whose position ids go on
+from the last record's, so a row of one record is one sequence and keeps the plain causal
+mask. Measured on the real model (bench/bench_sft_packing.py, bench/results/
+2026-12-03_realmodel.md): on the default instruction set at --seq-len 256 packed rows hold
+0.78 real tokens per slot against 0.36 padded, a packed step costs 1.33x a padded one (the
+block-causal mask instead of the causal kernel), so packing trains 1.61x the real tokens per
+second; at --seq-len 128 (records of 59-165 tokens) no two records fit a row and both
+layouts are the same rows. So packing is the default; `--pad-records` puts one record per row
+(no position ids: the plain causal mask). A record longer than --seq-len keeps its first --seq-len tokens and is counted
 (the header, results.md and summary.json say how many); one left with no trained token is
 dropped, and counted too. Never silently.
 
