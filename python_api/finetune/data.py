@@ -26,7 +26,6 @@ micro-batches and accumulation steps.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import torch
@@ -82,15 +81,16 @@ def embedded_documents() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def read_documents(path: str) -> list[str]:
-    """Documents of a `.txt` (the whole file) or `.jsonl` (field "text" per line) file."""
+def read_data_file(path: str) -> tuple[str, str]:
+    """(extension, UTF-8 content) of a data file, its existence, type and encoding checked."""
     if not os.path.exists(path):
         raise DataError(f"data file {path} does not exist")
     if not os.path.isfile(path):
         raise DataError(f"data file {path} is not a regular file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".txt", ".jsonl"):
-        raise DataError(f"data file {path}: unknown type {ext or '(no extension)'!r}; expected .txt (raw text) or .jsonl (a \"text\" field per line)")
+        raise DataError(f"data file {path}: unknown type {ext or '(no extension)'!r}; expected .txt (raw text) or "
+                        ".jsonl (per line {\"messages\": [...]}, {\"prompt\", \"completion\"} or {\"text\"})")
     try:
         with open(path, encoding="utf-8") as f:
             content = f.read()
@@ -98,26 +98,22 @@ def read_documents(path: str) -> list[str]:
         raise DataError(f"data file {path} is not valid UTF-8 (byte {exc.start}): {exc.reason}") from exc
     except OSError as exc:
         raise DataError(f"data file {path} cannot be read: {exc.strerror or exc}") from exc
+    return ext, content
+
+
+def read_documents(path: str) -> list[str]:
+    """Documents of a `.txt` (the whole file) or `.jsonl` (field "text" per line) file."""
+    from .sft import read_jsonl
+
+    ext, content = read_data_file(path)
     if ext == ".txt":
         if not content.strip():
             raise DataError(f"data file {path} is empty")
         return [content]
-    docs = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"data file {path}, line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-        if not isinstance(obj, dict) or "text" not in obj:
-            raise DataError(f"data file {path}, line {lineno}: expected a JSON object with a \"text\" field")
-        if not isinstance(obj["text"], str):
-            raise DataError(f"data file {path}, line {lineno}: \"text\" must be a string, got {type(obj['text']).__name__}")
-        docs.append(obj["text"])
-    if not docs:
-        raise DataError(f"data file {path} has no documents (every line is blank)")
-    return docs
+    fmt, items = read_jsonl(path, content)
+    if fmt != "text":
+        raise DataError(f"data file {path} holds {fmt} records, not text documents")
+    return items
 
 
 def tokenize(documents: list[str], tokenizer) -> torch.Tensor:
@@ -162,6 +158,14 @@ class TokenWindows:
     def global_starts(self, seed: int, step: int, count: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(_step_seed(seed, step))
         return torch.randint(0, self.n_train - self.seq_len + 1, (count,), generator=gen)
+
+    def inputs(self, seed: int, step: int, world_size: int, rank: int, micro_batch: int, grad_accum: int) -> dict:
+        """The model's inputs of step `step` (as sft.RecordRows.inputs): every token is a label."""
+        b = self.batch(seed, step, world_size, rank, micro_batch, grad_accum)
+        return {"input_ids": b, "labels": b}
+
+    def probe_inputs(self) -> dict:
+        return {"input_ids": self.probe, "labels": self.probe}
 
     def batch(self, seed: int, step: int, world_size: int, rank: int, micro_batch: int, grad_accum: int) -> torch.Tensor:
         """This rank's windows of step `step`: int64 [grad_accum, micro_batch, seq_len]."""

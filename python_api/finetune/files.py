@@ -90,7 +90,9 @@ def save_adapter_agreed(job, model, folder: str, what: str) -> None:
 
     err = None
     try:
-        save_adapter(model, folder)
+        # [Note: adapters that load everywhere] (nn/adapters.py): the base the job loaded (the hub id,
+        # else the directory: for a known name or a .gguf, the cache's), and its tokenizer beside.
+        save_adapter(model, folder, base_model_name_or_path=getattr(job.spec, "name", None))
     except (OSError, SafetensorError) as exc:
         err = f"{what}: {OutputError(folder, exc)}"
         if job.world_size > 1:
@@ -106,8 +108,11 @@ def save_adapter_agreed(job, model, folder: str, what: str) -> None:
             weights = os.path.join(folder, ADAPTER_WEIGHTS)
             try:
                 os.chmod(weights, _file_mode())
+                tok = getattr(job.spec.tokenizer, "tok", None)
+                if tok is not None:  # beside the adapter: AutoPeftModelForCausalLM users find it there
+                    tok.save_pretrained(folder)
             except OSError as exc:
-                err = f"{what}: {OutputError(weights, exc)}"
+                err = f"{what}: {OutputError(exc.filename or weights, exc)}"
     agree_error(err, job.world_size)
 
 

@@ -36,6 +36,7 @@ class Job:
     memory: object = None  # elastic_kernels.api.finetune.measure.PeakMemory, set by run()
     checkpoint_step: int | None = None  # the step of the last complete checkpoint in save_dir/checkpoint
     notices: list[str] = field(default_factory=list)  # options this job ignores ([Note: options a run ignores])
+    samples: dict | None = None  # rank 0: the reloaded adapter's held-out losses and samples (samples.py)
     run_id: str | None = None  # the run's identity: a resumed run's, else agreed when it starts (runner.run)
 
 
@@ -61,6 +62,11 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     spec = resolve_model(args)
     resolve_training_defaults(args, pretrained=not spec.embedded)
     windows, data_info = resolve_data(args, spec)
+    if data_info["format"] != "text" and (args.pp != 1 or args.compare_pp is not None):
+        raise FinetuneError(
+            f"--pp / --compare-pp: a pipelined run trains text windows only, and the data is {data_info['format']} "
+            f"records ({'--data ' + args.data if args.data else 'the default instruction set of a model with a chat template'}); "
+            "pass --data FILE.txt (or a .jsonl of {\"text\"} lines), or train without --pp / --compare-pp")
     targets, adapter_shapes = resolved_targets(spec, args)
     check_checkpoint_format(spec)  # [Note: a config that claims quantized weights]
     check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
@@ -78,5 +84,11 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
         # [Note: the tokenizer is never silently replaced] (models.py): asked for by name, and said
         job.notices.append(f"--tokenizer bytes: the byte-level tokenizer (UTF-8 bytes as token ids) stands in for the "
                            f"model's own ({spec.config.vocab_size} ids); the adapter fits only byte-level input")
+    if data_info["format"] == "text":
+        for opt, given in (("--loss-on", getattr(args, "loss_on", "assistant") != "assistant"),
+                           ("--pad-records", getattr(args, "pad_records", False))):
+            if given:
+                job.notices.append(f"{opt} is ignored: the data is text (a token stream in windows, every token "
+                                   "trained); it applies to chat and prompt-completion records")
     job.run_id = resume.run_id if resume is not None else None
     return job

@@ -104,14 +104,14 @@ def train_step(job: Job, engine, opt, step: int, counter) -> dict:
     # windows across the ranks, [Note: adaptive accumulation] in planning.py).
     engine.before_step(step)
     mb, accum = engine.micro_batch, engine.grad_accum
-    batch = job.windows.batch(args.seed, step, W, rank, mb, accum).to(device)
+    batch = {k: v.to(device) for k, v in job.windows.inputs(args.seed, step, W, rank, mb, accum).items()}
     g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
     _sync(device)
     t0 = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for a in range(accum):
         with engine.accumulate(is_last=a == accum - 1):
-            out = model(input_ids=batch[a], labels=batch[a])
+            out = model(**model_inputs(batch, a))
             (out.loss / accum).backward()
         total += out.loss.detach().double()
     if hasattr(engine, "optimizer_step"):
@@ -216,8 +216,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
             peak, first_step = last["peak_memory_bytes"], last["first_step"]
         model.eval()
         with torch.no_grad():
-            probe = job.windows.probe.to(device)
-            out = model(input_ids=probe, labels=probe)
+            out = model(**model_inputs({k: v.to(device) for k, v in job.windows.probe_inputs().items()}))
         model.train()
     except BaseException as exc:
         # [Note: a run that fails after training steps] (runner.py): what was trained is
@@ -284,6 +283,17 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     if primary:
         result["probe_logits"] = out.logits.detach().float().cpu()
     return result
+
+
+def model_inputs(batch: dict, a: int | None = None) -> dict:
+    """The forward's keyword arguments: micro-step `a` of a batch (or the whole batch). Packed
+    records carry position ids, which confine attention to each record only without a KV cache
+    (transformers' masking_utils detects packed sequences when no cache is passed), hence
+    use_cache=False ([Note: records are packed, attention stays in each record] in sft.py)."""
+    out = {k: (v if a is None else v[a]) for k, v in batch.items()}
+    if "position_ids" in out:
+        out["use_cache"] = False
+    return out
 
 
 def _steady(per_step: list) -> float:

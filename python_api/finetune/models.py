@@ -21,7 +21,7 @@ from .data import (
     HFTokenizer,
     TokenWindows,
     embedded_documents,
-    read_documents,
+    read_data_file,
     token_digest,
     tokenize,
 )
@@ -349,26 +349,57 @@ def _resolve_tokenizer(path: str, shown: str, config, choice: str | None = None)
 
 
 def resolve_data(args, spec: ModelSpec):
+    """The job's data: TokenWindows over a text stream, or sft.RecordRows of chat /
+    prompt-completion records. --data not given: the embedded instruction set where the
+    tokenizer has a chat template (the real model), else the language reference as text."""
+    from .sft import embedded_instructions, has_chat_template, read_jsonl, sft_rows, split_heldout
+
     try:
-        if args.data is None:
-            docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
-        else:
-            docs, source = read_documents(args.data), os.path.abspath(args.data)
-        tokens = tokenize(docs, spec.tokenizer)
-        vocab = spec.config.vocab_size
-        if tokens.numel() and int(tokens.max()) >= vocab:
-            raise DataError(
-                f"the tokenizer ({spec.tokenizer.name}) produced id {int(tokens.max())}, outside the model's "
-                f"vocabulary of {vocab}"
-            )
         max_pos = getattr(spec.config, "max_position_embeddings", None)
         if max_pos is not None and args.seq_len > max_pos:
             raise DataError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+        records = None
+        if args.data is None and has_chat_template(spec.tokenizer):
+            train, held = embedded_instructions()
+            records, source = (train, held), ("embedded: instructions from pydoc_data.topics (\"Explain the Python "
+                                              "`<topic>` statement ...\"), held out: " + ", ".join(
+                                                  f"`{m.messages[0]['content'].split('`')[1]}`" for m in held))
+        elif args.data is None:
+            docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
+        else:
+            source = os.path.abspath(args.data)
+            ext, content = read_data_file(args.data)
+            if ext == ".txt":
+                if not content.strip():
+                    raise DataError(f"data file {args.data} is empty")
+                docs = [content]
+            else:
+                fmt, items = read_jsonl(args.data, content)
+                if fmt == "text":
+                    docs = items
+                else:
+                    records = split_heldout(items)
+        if records is not None:
+            windows, info = sft_rows(records[0], records[1], spec.tokenizer, args, args.data or "the embedded instructions")
+            ids = torch.cat([windows.rows.input_ids.flatten(), windows.probe.flatten()])
+            _check_ids(ids, spec)
+            info = {"source": source, **info}
+            return windows, info
+        tokens = tokenize(docs, spec.tokenizer)
+        _check_ids(tokens, spec)
         windows = TokenWindows(tokens, args.seq_len, PROBE_SEQS, args.data or "the embedded corpus")
     except DataError as exc:
         raise FinetuneError(str(exc)) from exc
-    info = {"source": source, "documents": len(docs), "tokens": int(tokens.numel()), "sha256": token_digest(tokens)}
+    info = {"source": source, "format": "text", "documents": len(docs), "tokens": int(tokens.numel()),
+            "sha256": token_digest(tokens)}
     return windows, info
+
+
+def _check_ids(tokens: torch.Tensor, spec: ModelSpec) -> None:
+    vocab = spec.config.vocab_size
+    if tokens.numel() and int(tokens.max()) >= vocab:
+        raise DataError(f"the tokenizer ({spec.tokenizer.name}) produced id {int(tokens.max())}, outside the model's "
+                        f"vocabulary of {vocab}")
 
 
 def target_list(args) -> list[str] | str:

@@ -268,7 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="FILE",
-                   help=".txt (raw text) or .jsonl (a \"text\" field per line); default: the Python language reference (pydoc_data)")
+                   help=".txt (raw text) or .jsonl with one record per line: {\"messages\": [{\"role\", \"content\"}, "
+                        "...]} (chat, rendered with the tokenizer's chat template), {\"prompt\", \"completion\"} or "
+                        "{\"text\"}; one format per file. Default: with a chat template (the real model), instructions "
+                        "made from the Python language reference (pydoc_data); else that reference as text")
+    g.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
+                   help="chat and prompt-completion records: the loss on the assistant turns / the completion only "
+                        "(as TRL's assistant_only_loss / completion_only_loss), or on every token")
+    g.add_argument("--pad-records", action="store_true",
+                   help="one record per sequence, padded (default: records packed into sequences, position ids "
+                        "restarting and attention confined to each record)")
 
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help="optimizer steps (total, counting resumed ones)")
@@ -400,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from DIR/checkpoint (or DIR itself)")
     g.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty --save-dir")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--sample-tokens", type=_int_in(0, 4096, "an integer in [0, 4096]"), default=32,
+                   help="greedy tokens of the generation samples (two held-out prompts, before and after training, "
+                        "rank 0; a tokenizer with a chat template or prompt-completion data only); 0: none")
+    g.add_argument("--save-probe", action="store_true",
+                   help="write probe.safetensors: the held-out batch and the trained model's logits on it "
+                        "(100 MB on the real model)")
     return p
 
 

@@ -74,7 +74,7 @@ def run(job: Job) -> dict:
     if job.rank == 0:
         print(f"{PROG}: {job.spec.description()}; tokenizer {job.spec.tokenizer.name}; {job.world_size} ranks on "
               f"{job.device.type} "
-              f"({dist.get_backend()}); data {job.data_info['source']}, {job.data_info['tokens']} tokens; "
+              f"({dist.get_backend()}); data {data_line(job.data_info)}; "
               f"{job.world_size * args.micro_batch * args.grad_accum} sequences x {args.seq_len} tokens per step; "
               f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {len(job.targets)} modules; lr {args.lr:g} "
               f"{args.lr_schedule}, warm-up {args.warmup_steps} steps; output {job.save_dir}",
@@ -100,12 +100,16 @@ def run(job: Job) -> dict:
             runs.append(result)
             save_engine_adapter(job, engine, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
 
+            if args.sample_tokens:
+                agreed_write(job, lambda: _reload_and_sample(job), "the saved adapter could not be reloaded")
+
             def probe():
-                if job.rank == 0:
+                if job.rank == 0 and args.save_probe:
                     from safetensors.torch import save_file
 
                     write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
-                        {"input_ids": job.windows.probe.contiguous(), "logits": probe_logits.contiguous()}, p))
+                        {**{k: v.contiguous() for k, v in job.windows.probe_inputs().items()},
+                         "logits": probe_logits.contiguous()}, p))
 
             agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
             close_engine(engine)
@@ -128,6 +132,36 @@ def run(job: Job) -> dict:
     agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
+
+
+def data_line(info: dict) -> str:
+    """The data in one phrase (the header, results.md)."""
+    if info.get("format", "text") == "text":
+        return f"{info['source']}, {info['tokens']} tokens"
+    return (f"{info['source']}: {info['records']} {info['format']} records (+{info['heldout_records']} held out), loss "
+            f"on {'assistant/completion tokens' if info['loss_on'] == 'assistant' else 'every token'}, "
+            f"{info['layout']} into {info['rows']} rows ({info['row_fill']:.0%} real tokens), "
+            f"{info['truncated_records']} record(s) truncated at --seq-len"
+            + (f", {info['dropped_records']} dropped (nothing left to train)" if info['dropped_records'] else ""))
+
+
+def _reload_and_sample(job: Job) -> None:
+    """Rank 0: the adapter reloaded with PEFT, the held-out loss before and after and the
+    samples ([Note: the held-out loss before and after, and the samples] in samples.py)."""
+    if job.rank != 0:
+        return
+    from .samples import reload_and_sample
+
+    try:
+        job.samples = reload_and_sample(job, os.path.join(job.save_dir, "adapter"))
+    except Exception as exc:  # noqa: BLE001 - one line on every rank (agreed_write), not a traceback on one
+        raise FinetuneError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}") from exc
+    s = job.samples
+    print(f"{PROG}: held-out loss {s['heldout_loss_before']:.4f} before training, {s['heldout_loss_reloaded']:.4f} "
+          f"after (the saved adapter reloaded with PEFT)", flush=True)
+    for smp in s["samples"]:
+        print(f"{PROG}: sample ({s['sample_tokens']} greedy tokens) {smp['prompt']!r}\n  before: {smp['before']!r}\n"
+              f"  after:  {smp['after']!r}", flush=True)
 
 
 def _with_format(job: Job, engine, result: dict) -> dict:
@@ -247,6 +281,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
         "save_dir": job.save_dir,
         "resumed_from": job.resume.path if job.resume is not None else None,
         "runs": runs,
+        "heldout": job.samples,
         "skipped_baselines": skipped or {},
     }
 
@@ -257,16 +292,31 @@ def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
     md = (f"Command: `{summary['command']}`  \n"
           f"Date: {summary['date']}; machine: {summary['machine']}; {job.world_size} ranks, {summary['backend']}; "
           f"torch {summary['torch']}  \n"
-          f"Model: {summary['model']}; data: {job.data_info['source']} ({job.data_info['tokens']} tokens)\n\n")
+          f"Model: {summary['model']}; tokenizer: {job.spec.tokenizer.name}; data: {data_line(job.data_info)}\n\n")
     if summary["status"] == "failed":
         md += f"**FAILED**: {summary['error']} (the table shows what was trained before it)\n\n"
     md += report.markdown_table(report.table_rows(runs))
     for line in _gap_lines(runs):
         md += f"\n{line}  "
     md += report.peer_notes(runs, summary["skipped_baselines"])
+    md += _samples_markdown(job.samples, runs)
     for w in summary["warnings"]:
         md += f"\n\n**Warning**: {w}"
     return md + "\n"
+
+
+def _samples_markdown(s: dict | None, runs: list[dict]) -> str:
+    """The held-out loss before and after, and the samples, for results.md."""
+    if not s:
+        return ""
+    main = next((r for r in runs if r.get("heldout_loss") is not None), None)
+    md = (f"\n\nHeld-out loss: {s['heldout_loss_before']:.4f} before training (the base model: every run starts "
+          f"there), {s['heldout_loss_reloaded']:.4f} after (the saved adapter reloaded with PEFT"
+          + (f"; the elastic run measured {main['heldout_loss']:.4f}" if main else "") + ")")
+    for smp in s["samples"]:
+        md += (f"\n\nSample ({s['sample_tokens']} greedy tokens, rank 0): *{smp['prompt']}*  \n"
+               f"before: {smp['before']!r}  \nafter: {smp['after']!r}")
+    return md
 
 
 def _gap_lines(runs: list[dict]) -> list[str]:
@@ -305,5 +355,6 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
         print(notes.replace("  \n", "\n").strip())
     print(f"\ntable:   {os.path.join(d, 'results.md')} (and results.csv)")
     print(f"picture: {png}")
-    print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format)")
+    print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format, with the tokenizer: "
+          f"AutoPeftModelForCausalLM.from_pretrained(DIR) loads it)")
     print(f"checkpoint: {os.path.join(d, CKPT)}; losses: {os.path.join(d, 'losses.csv')}; all figures: {os.path.join(d, 'summary.json')}")

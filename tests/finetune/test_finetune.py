@@ -46,7 +46,7 @@ DIMS = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num
 TINY = [
     "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", "24", "--micro-batch", "2", "--grad-accum", "2", "--chunk-kib", "1",
-    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress",
+    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress", "--save-probe", "--sample-tokens", "0",
 ]
 STEPS = 8
 LOSS_TOL = 1e-5  # see [Note: the elastic-vs-FSDP2 tolerance]
@@ -318,7 +318,7 @@ def _bad_cases(tmp_path, ckpt_dir):
         (TINY + ["--data", str(t / "nope.txt")] + out, "data file .*nope.txt does not exist"),
         (TINY + ["--data", str(t / "d.csv")] + out, "unknown type '.csv'"),
         (TINY + ["--data", str(t / "bad.jsonl")] + out, "bad.jsonl, line 3: not valid JSON"),
-        (TINY + ["--data", str(t / "notext.jsonl")] + out, 'notext.jsonl, line 2: expected a JSON object with a "text" field'),
+        (TINY + ["--data", str(t / "notext.jsonl")] + out, 'notext.jsonl, line 2: expected exactly one of "messages", "prompt"'),
         (TINY + ["--data", str(t / "short.txt")] + out, "has 9 tokens; --seq-len 24 needs at least 120"),
         (TINY + ["--lora-targets", "qkv_proj"] + out, "matches no nn.Linear"),
         (TINY + ["--save-dir", str(t / "nonempty")], "is not empty"),

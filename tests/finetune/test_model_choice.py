@@ -148,3 +148,44 @@ def test_the_default_model_is_the_real_one(tmp_path):
     assert job.spec.source == str(pretrained_dir("smollm2-135m-instruct")) == job.spec.name
     assert job.spec.config.num_hidden_layers == 30 and job.spec.config.vocab_size == 49152
     assert "from " + job.spec.source in job.spec.tokenizer.name
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("ELASTIC_KERNELS_CACHE") or
+                                                   os.path.expanduser("~/.cache/elastic-kernels"),
+                                                   "models", "smollm2-135m-instruct")),
+                    reason="the real model is not in the cache (make demo fetches it)")
+def test_real_model_adapter_loads_with_autopeft(tmp_path):
+    """The CLI on its default model and data (2 gloo ranks, 1 step): the adapter folder loads with
+    AutoPeftModelForCausalLM alone (task type, base path and tokenizer in it), and the reloaded
+    model's logits on the held-out rows equal the elastic model's (fp32: the elastic layers sum
+    in another order than the dense ones; 1e-4 is 100x the largest difference seen)."""
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from elastic_kernels.api.loading.pretrained import pretrained_dir
+    from tests.finetune.test_finetune import summary_of, torchrun
+
+    out = str(tmp_path / "out")
+    _, stdout, _ = torchrun(["--steps", "1", "--micro-batch", "1", "--grad-accum", "1", "--lora-targets", "q_proj,v_proj",
+                             "--save-probe", "--sample-tokens", "8", "--no-progress", "--save-dir", out],
+                            what="the real model's CLI run")
+    assert "tokenizer TokenizersBackend from" in stdout and "sample (8 greedy tokens)" in stdout
+    adapter = os.path.join(out, "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        cfg = __import__("json").load(f)
+    assert cfg["task_type"] == "CAUSAL_LM"
+    assert cfg["base_model_name_or_path"] == str(pretrained_dir("smollm2-135m-instruct"))
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    AutoTokenizer.from_pretrained(adapter)  # the tokenizer is beside the adapter
+    probe = load_file(os.path.join(out, "probe.safetensors"))
+    inputs = {k: v for k, v in probe.items() if k in ("input_ids", "position_ids")}
+    import torch
+
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    s = summary_of(out)
+    assert s["heldout"]["heldout_loss_before"] > 0 and len(s["heldout"]["samples"]) == 2
+    assert abs(s["heldout"]["heldout_loss_reloaded"] - s["runs"][0]["heldout_loss"]) < 1e-4

@@ -51,7 +51,7 @@ def test_counter_counts_keyword_and_positional_calls():
 TINY = [
     "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", "24", "--micro-batch", "2", "--grad-accum", "2", "--chunk-kib", "1",
-    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress",
+    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress", "--save-probe", "--sample-tokens", "0",
 ]
 STEPS = 4
 # [Note: the peers' tolerances]

@@ -34,7 +34,7 @@ SEQ, MB, ACCUM = 24, 2, 2
 TINY = [
     "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", str(SEQ), "--micro-batch", str(MB), "--grad-accum", str(ACCUM), "--chunk-kib", "1",
-    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress",
+    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress", "--save-probe", "--sample-tokens", "0",
 ]
 PIPE = ["--schedule", "1f1b", "--pack-residency", "step"]
 STEPS = 4

@@ -13,7 +13,7 @@ from elastic_kernels.api.finetune.options import parse_args, policy_of
 
 BASE = ["--model", "tiny", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
         "--num-kv-heads", "2", "--seq-len", "16", "--micro-batch", "2", "--chunk-kib", "1",
-        "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress"]
+        "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress", "--sample-tokens", "0"]
 
 
 def test_policy_follows_the_options():
