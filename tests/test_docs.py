@@ -12,7 +12,7 @@ thread. A runnable block must be quick: a tiny model built in code or the CLI's 
 steps. Blocks that need a GPU, a hub, the real model or minutes are left unmarked and say so.
 
 The index of Notes. Design reasoning lives in named `[Note: name]` blocks in the code
-(python_api/, elastic_kernels/, csrc/, tests/, bench/). A Note is *defined* by a docstring or
+(python_api/, elastic_kernels/, csrc/, tests/, bench/; .py, C++/CUDA and .sh files). A Note is *defined* by a docstring or
 comment line that is `[Note: name]` alone, followed by its text on the next lines of the same
 docstring or comment, or by a line that starts with `[Note: name]` and goes on with a sentence
 (`// [Note: CPU copies] Both ops ...`). Every other `[Note: name]` is a *reference*, including
@@ -134,7 +134,7 @@ def run_block(lang: str, code: str, folder: Path) -> tuple[int | None, str]:
 # The index of Notes
 
 NOTE_ROOTS = ("python_api", "elastic_kernels", "csrc", "tests", "bench")
-NOTE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".cuh"}
+NOTE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".cuh", ".sh"}
 NOTES_INDEX = ROOT / "docs" / "notes.md"
 REGENERATE = "python tests/test_docs.py --write-notes-index"
 # Markdown whose references must resolve (docs/notes.md is generated from the definitions; the
