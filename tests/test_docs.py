@@ -358,6 +358,21 @@ if __name__ != "__main__":
         would silently stop checking them."""
         assert len(runnable_blocks(ROOT / "README.md")) >= 2
 
+    def test_relative_links_resolve():
+        """Every relative link of the README, NOTES.md and docs/ names a file or folder of the
+        repository: a page that was renamed, moved or never written is a broken promise."""
+        link = re.compile(r"\]\(([^)\s]+)\)")
+        broken = []
+        for page in [*DOCS, ROOT / "NOTES.md"]:
+            text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks are not links
+            for target in link.findall(text):
+                if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                    continue
+                path = (page.parent / target.split("#", 1)[0]).resolve()
+                if not path.exists():
+                    broken.append(f"{page.relative_to(ROOT)}: {target}")
+        assert not broken, "links to nothing:\n" + "\n".join(broken)
+
     def test_block_extraction_sees_markers_and_languages(tmp_path):
         doc = tmp_path / "x.md"
         doc.write_text("a\n```python runnable\nprint(1)\n```\n```python\nskip\n```\n```bash runnable\necho hi\n```\n"
