@@ -37,6 +37,7 @@ class ModelSpec:
     # What a saved adapter names as its base (adapter_config.json's base_model_name_or_path):
     # the hub id, or the directory (the cached one for a known name or a .gguf); None for tiny.
     name: str | None = None
+    label: str | None = None  # how --model named it, where that is not the path (a known name, a .gguf file)
 
     @property
     def embedded(self) -> bool:
@@ -71,7 +72,9 @@ class ModelSpec:
 
     def description(self) -> str:
         c = self.config
-        what = "tiny random Llama" if self.embedded else f"{c.model_type} from {self.name or self.source}"
+        what = ("tiny random Llama" if self.embedded else
+                f"{self.label} ({c.model_type}, converted into {self.source})" if self.label else
+                f"{c.model_type} from {self.name or self.source}")
         return (f"{what}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate "
                 f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}")
 
@@ -224,7 +227,8 @@ def resolve_model(args) -> ModelSpec:
         dtype = checkpoint_dtype(config, source)
         args.dtype = str(dtype).replace("torch.", "")
     tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
-    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path)
+    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path,
+                     label=args.model if kind in ("pretrained", "gguf") else None)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
