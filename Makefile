@@ -46,7 +46,7 @@ test-noext: setup
 # converted into ~/.cache/elastic-kernels on first use) instruction-tuned on the default
 # instruction set (python_api/finetune/sft.py), one process per GPU (2 gloo processes on CPU
 # where there is none): the elastic run at full and at zero pool budget beside FSDP2 + PEFT,
-# 6 steps of 4 sequences x 128 tokens, with the held-out loss before and after and two
+# 4 steps of 2 sequences x 128 tokens, with the held-out loss before and after and two
 # greedy samples, into out/demo/. The peers' rows that a step of the real model makes too
 # slow for this target on the 2-core VM (DeepSpeed, DDP, the host store, the planner: its
 # profile of 30 layers takes minutes, issue 31; pipelines train text windows only) run on the
@@ -65,7 +65,7 @@ demo: build
 	@nreal=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 2)"); \
 	echo "make demo: the real model, $$nreal processes, output in out/demo/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nreal -m elastic_kernels.api.finetune \
-		--steps 6 --micro-batch 1 --grad-accum 2 --baseline fsdp2 --compare-budgets 0 \
+		--steps 4 --micro-batch 1 --grad-accum 1 --baseline fsdp2 --compare-budgets 0 \
 		--save-dir out/demo --overwrite $(DEMO_ARGS)
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	pp=$$([ $$((nproc % 2)) -eq 0 ] && echo "--compare-pp 2"); \

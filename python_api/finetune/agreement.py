@@ -107,7 +107,7 @@ _OPTION_OF = {
     "residency.keep_ratio": "--keep-ratio", "residency.persist_ratio": "--persist-ratio",
     "residency.prefetch_depth": "--prefetch-depth", "residency.collective_bytes": "--collective-kib",
     "runs.baseline": "--baseline", "runs.compare_budgets": "--compare-budgets", "data.sha256": "--data",
-    "data.tokens": "--data", "model.kind": "--model", "tokenizer": "--model",
+    "data.tokens": "--data", "model.kind": "--model", "tokenizer": "--model / --tokenizer",
     "pipeline_options.pp": "--pp", "pipeline_options.pack_size": "--pack-size", "pipeline_options.schedule": "--schedule",
     "pipeline_options.micro_batches": "--micro-batches", "pipeline_options.pack_residency": "--pack-residency",
     "pipeline_options.pack_window": "--pack-window", "pipeline_options.compare_pp": "--compare-pp",

@@ -45,6 +45,7 @@ class ModelSpec:
     # bitsandbytes 4-bit checkpoints]); `config` is then the checkpoint's without its
     # quantization_config (nothing in memory is bitsandbytes-packed).
     packed: object = None
+    label: str | None = None  # how --model named it, where that is not the path (a known name, a .gguf file)
 
     @property
     def embedded(self) -> bool:
@@ -82,7 +83,9 @@ class ModelSpec:
 
     def description(self) -> str:
         c = self.config
-        what = "tiny random Llama" if self.embedded else f"{c.model_type} from {self.name or self.source}"
+        what = ("tiny random Llama" if self.embedded else
+                f"{self.label} ({c.model_type}, converted into {self.source})" if self.label else
+                f"{c.model_type} from {self.name or self.source}")
         packed = "" if self.packed is None else f", {self.packed.describe()} checkpoint"
         return (f"{what}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate "
                 f"{getattr(c, 'intermediate_size', '?')}, vocab {c.vocab_size}, {str(self.dtype).replace('torch.', '')}"
@@ -243,7 +246,7 @@ def resolve_model(args) -> ModelSpec:
         del config.quantization_config
     tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
     return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path,
-                     packed=packed)
+                     packed=packed, label=args.model if kind in ("pretrained", "gguf") else None)
 
 
 def _bnb_checkpoint(args, config):

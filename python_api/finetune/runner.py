@@ -108,7 +108,7 @@ def run(job: Job) -> dict:
                     from safetensors.torch import save_file
 
                     write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
-                        {**{k: v.contiguous() for k, v in job.windows.probe_inputs().items()},
+                        {**{k: v.clone() for k, v in job.windows.probe_inputs().items()},  # text: labels is input_ids
                          "logits": probe_logits.contiguous()}, p))
 
             agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
