@@ -44,6 +44,24 @@ def _adapter_only(path: str) -> bool:
             and not any(os.path.isfile(os.path.join(path, f)) for f in _FULL_WEIGHTS))
 
 
+def _check_trl_head(cls, model) -> None:
+    """TRL's trainers (1.x) compute the loss with a fused LM head that reads
+    `get_output_embeddings().weight` itself; an output layer under the runtime has no whole
+    weight to read (its shards live in the runtime), which failed at the first step with
+    "'ElasticLinear' object has no attribute 'weight'". Refused when the trainer is built."""
+    if model is None or not any(c.__module__.startswith("trl.") for c in cls.__mro__):
+        return
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if getattr(head, "et", None) is not None and not hasattr(head, "weight"):  # ElasticLinear / ElasticLoRALinear
+        nbytes = head.et.layout.rows * head.et.layout.cols * head.et.dtype.itemsize
+        raise ValueError(
+            f"{cls.__name__}: TRL computes the loss with a fused LM head that reads the output layer's weight whole, "
+            f"and this model's output layer is under the elastic runtime (sharded, {nbytes} bytes). Keep it "
+            f"replicated: convert with ElasticPolicy(replicate_below_bytes > {nbytes}) (also keeps smaller frozen "
+            f"linears replicated), or use a model whose output layer is tied to its embeddings")
+
+
 class ElasticTrainerMixin:
     """`class MyTrainer(ElasticTrainerMixin, transformers.Trainer)` (or `ElasticTrainer`;
     TRL: `class ElasticSFTTrainer(ElasticTrainerMixin, SFTTrainer)`).
@@ -61,6 +79,7 @@ class ElasticTrainerMixin:
         if not isinstance(save_full_model, bool):
             raise TypeError(f"{type(self).__name__}: save_full_model must be True or False, got {save_full_model!r}")
         self.save_full_model = save_full_model
+        _check_trl_head(type(self), kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
 
     def _save(self, output_dir=None, state_dict=None):

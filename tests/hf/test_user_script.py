@@ -247,3 +247,23 @@ def test_accelerate_matches_one_process():
     for k in grads0:
         name, w = k.rsplit(".", 1)
         torch.testing.assert_close(grads0[k], getattr(mods[name], w)["default"].weight.grad, **TOL)
+
+
+# ------------------------------------------------------------------------------------- TRL
+
+
+def test_trl_with_an_elastic_output_layer_is_refused_when_built(tmp_path):
+    """TRL's fused LM head reads the output layer's weight whole: an elastic one is refused
+    when the trainer is built, naming the fix, not at the first step."""
+    from trl import SFTConfig, SFTTrainer
+
+    from elastic_kernels.api.hf import ElasticTrainerMixin
+
+    class ElasticSFTTrainer(ElasticTrainerMixin, SFTTrainer):
+        pass
+
+    model = _converted()  # replicate_below_bytes=0: lm_head is elastic
+    assert type(model.lm_head).__name__ == "ElasticLinear"
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"fused LM head .* ElasticPolicy\(replicate_below_bytes > 8192\)"):
+        ElasticSFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3]}])
