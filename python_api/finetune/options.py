@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: profile the model, plan residency, recompute, micro-batch and pool budget under "
                         "--memory-cap, write plan.json, follow it and re-plan when the memory changes")
     g.add_argument("--memory-cap", type=_memory_cap, default="auto", metavar="SIZE|auto",
-                   help="memory per rank the planner may use (auto: the device's; on CPU the machine's memory "
+                   help="tensor memory per rank the planner may use: the peak of the tensors a step allocates "
+                        "(torch.cuda.max_memory_allocated on CUDA), not the process's resident memory, which adds the "
+                        "interpreter, libraries and allocator slack (auto: the device's; on CPU the machine's memory "
                         "divided by the local ranks)")
     g.add_argument("--memory-cap-change", type=_cap_change, action="append", default=[], metavar="STEP:SIZE",
                    help="from optimizer step STEP on, the memory cap is SIZE (repeatable; the planner re-plans "

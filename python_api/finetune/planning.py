@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..planner.profile import ProfileError
 from ..planner.search import PlanningError
 from ..planning.apply import apply_plan, plan
-from ..planning.measure import ProfileBoundError, measure_profile
+from ..planning.measure import ProfileBelowTensorsError, ProfileBoundError, measure_profile
 from .constants import PROG
 from .errors import FinetuneError
 from .files import agreed_write, write_json
@@ -52,6 +52,17 @@ def _host_memory_share() -> int:
             raise FinetuneError("--memory-cap auto: cannot read MemTotal from /proc/meminfo; give a size")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return total // max(1, local)
+
+
+# The least cap is extrapolated from per-token figures measured at the requested micro-batch:
+# 0.14% below the figure measured at one sequence on the test's tiny model (See Note [refusing
+# a cap before profiling] in python_api/planning/measure.py).
+_LEAST_MARGIN = 1.02
+
+
+def _mib_up(n: float) -> str:
+    """`n` bytes as a --memory-cap value, rounded up to whole MiB (never below `n`)."""
+    return f"{-(-int(n) // 2**20)}MiB"
 
 
 def plan_document(plan, events: list[dict], profile_seconds: float) -> dict:
@@ -94,7 +105,20 @@ class JobPlanner:
                 profile = measure_profile(engine.model, [batch],
                                           capacity_bytes=max(caps) if caps and not self.device_auto else None)
                 break
+            except ProfileBelowTensorsError as exc:  # See Note [refusing a cap before profiling] (measure.py)
+                raise FinetuneError(
+                    f"--memory-cap {fmt_bytes(exc.bound_bytes)}: no plan fits; the model's own tensors need "
+                    f"{fmt_bytes(exc.needed_bytes)} per rank (the shards of the frozen weights, the replicated tensors, "
+                    f"the adapters with their gradients and AdamW state), before any activation or gathered weight: "
+                    f"give more than {_mib_up(exc.needed_bytes)} (found before profiling)") from exc
             except ProfileBoundError as exc:
+                if exc.least_bytes is not None and exc.least_bytes > exc.bound_bytes:
+                    raise FinetuneError(
+                        f"--memory-cap {fmt_bytes(exc.bound_bytes)}: too small to plan; profiling the model at one "
+                        f"sequence per micro-batch, every weight streamed, needs {fmt_bytes(exc.least_bytes)} per rank "
+                        f"of tensor memory by the memory model: give --memory-cap "
+                        f"{_mib_up(exc.least_bytes * _LEAST_MARGIN)} or more (found after one profiling step, "
+                        f"extrapolated from {batch.shape[0]} sequences)") from exc
                 if batch.shape[0] == 1:
                     raise FinetuneError(f"no plan: the memory cap leaves no room to profile the model ({exc})") from exc
                 batch = batch[: batch.shape[0] // 2]
@@ -116,7 +140,8 @@ class JobPlanner:
         self.events = [self._event(1, None)]
         if job.rank == 0:
             print(f"{PROG}: profiled in {self.profile_seconds:.1f} s, planned in {self.plan.planning_seconds:.3f} s "
-                  f"for {fmt_bytes(self.cap)} per rank:", flush=True)
+                  f"for {fmt_bytes(self.cap)} of tensor memory per rank (the cap bounds the tensors' peak, not the "
+                  f"process's resident memory):", flush=True)
             print(self.plan.table(), flush=True)
         self._write()
 

@@ -115,7 +115,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 import warnings
 
@@ -497,9 +501,33 @@ class ProfileBoundError(ValueError):
     `needed_bytes` is that figure, `bound_bytes` the bound (optional arguments: unpickling
     calls the class with the message alone, then restores them)."""
 
-    def __init__(self, message: str, needed_bytes: int | None = None, bound_bytes: int | None = None):
+    def __init__(self, message: str, needed_bytes: int | None = None, bound_bytes: int | None = None,
+                 least_bytes: int | None = None):
         super().__init__(message)
-        self.needed_bytes, self.bound_bytes = needed_bytes, bound_bytes
+        self.needed_bytes, self.bound_bytes, self.least_bytes = needed_bytes, bound_bytes, least_bytes
+
+
+# Note [refusing a cap before profiling]
+# A --memory-cap too small for any plan was found only by profiling: each try measured a few
+# steps at a micro-batch, found streaming did not fit, and halved it, down to one sequence (85 s
+# on the real model before the refusal, issue 31). Two checks end it early, each with the
+# memory model's own terms, so neither refuses a cap some plan fits:
+# 1. before any step: the tensors alive at a step's start (`_static_bytes`: shards, replicated
+#    tensors, trainable parameters with gradient and AdamW's two states, the dequant workspace)
+#    are in every plan's peak, whatever it keeps or recomputes; a bound below them is refused
+#    at once (ProfileBelowTensorsError, `needed_bytes` that figure). It is a lower bound of the
+#    least plan, not the least plan: activations and gather buffers need a step to be measured;
+# 2. after the first byte-count step: ProfileBoundError carries `least_bytes`, the model's peak
+#    of profiling itself at one sequence (every weight streamed), which the per-token figures
+#    give without another step; a cap below it is refused naming it, not profiled again at
+#    smaller micro-batches. It is the least cap a planned run can start with: the least plan
+#    (one sequence, every layer recomputed) can need less, but it must be profiled first (the
+#    tiny model of tests/planner/test_cap_refusal.py: 525 KB for that plan, 565 KB to profile).
+
+
+class ProfileBelowTensorsError(ProfileBoundError):
+    """The bound is below the model's own tensors (Note [refusing a cap before profiling]):
+    no micro-batch helps. `needed_bytes`: those tensors' bytes (MAX over ranks)."""
 
 
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
@@ -538,6 +566,14 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     if total is not None:
         bound = min(bound, int(total))
     bound = -_max_over_ranks(-bound, rt, "measure_profile: the memory bound")  # the MIN over the ranks
+    # See Note [refusing a cap before profiling]: the tensors alive before any step, counted
+    # as the memory model counts them, are below every plan's peak.
+    static = _max_over_ranks(_static_bytes(model, rt), rt, "measure_profile: the model's tensors")
+    if static > bound:
+        raise ProfileBelowTensorsError(
+            f"measure_profile: the model's own tensors need {static} bytes per rank (the shards of the frozen weights, "
+            f"the replicated tensors, the adapters with their gradients and AdamW state), above the bound "
+            f"{bound}; no plan fits, whatever is kept or recomputed", static, bound)
 
     saved = [(et, et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     budget = rt.cache_budget
@@ -596,10 +632,13 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             limit = int(bound * (1.0 - _PROFILE_MARGIN))
             least = _residency_peak(prelim, [], B)
             if least > bound:
+                # What profiling needs at one sequence (streamed, as here), by the same model: a
+                # caller need not try smaller micro-batches under a bound below it.
+                least_one = _residency_peak(prelim, [], 1)
                 raise ProfileBoundError(
                     f"measure_profile: streaming every weight at this micro-batch ({B} x {batch.shape[1]} tokens) "
                     f"needs {least} bytes per rank by the memory model, above the profiling bound memory_bytes = "
-                    f"{bound}: profile with a smaller micro-batch, or give more memory", least, bound)
+                    f"{bound}: profile with a smaller micro-batch, or give more memory", least, bound, least_one)
             # 2. Rounds of resident units, timed.
             fits: dict[int, tuple] = {}  # unit -> (fwd fixed, fwd per token, bwd fixed, bwd per token)
             outside = None
@@ -885,9 +924,10 @@ def _backward_window_peaks(modules: dict[str, nn.Module], run, device: torch.dev
             marks.append(("", int(torch.cuda.max_memory_allocated(device)) - base[0]))
             # marks[k] holds the peak of the window that ended at boundary k: shift by one
             return {marks[k][0]: marks[k + 1][1] for k in range(len(marks) - 1)}
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
-        events = _trace_events(prof)
+        with _kineto_quiet():  # See Note [the CPU profiler's log lines]
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                run()
+            events = _trace_events(prof)
     finally:
         for h in handles:
             h.remove()
@@ -933,9 +973,43 @@ def _profiled_growth(run) -> int:
     """CPU: the high-water mark of the bytes allocated during `run()` (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return max([0] + [b for _, b in _allocated_since_start(_trace_events(prof))])
+    with _kineto_quiet():  # See Note [the CPU profiler's log lines]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        events = _trace_events(prof)
+    return max([0] + [b for _, b in _allocated_since_start(events)])
+
+
+# Note [the CPU profiler's log lines]
+# The CPU memory peaks come from torch.profiler's memory events, and its C++ library (kineto)
+# writes its own log lines to fd 2 at every use: "USDT: ... profiler_start", and on a machine
+# without CUDA "ERROR: ... gpuGetDeviceCount failed with code 35" (issue 31: every CPU run
+# printed it; nothing is wrong). They are C++ writes, so Python's sys.stderr cannot filter them:
+# fd 2 is pointed at a temporary file while the profiler runs and exports, and what was written
+# there is written back afterwards, less kineto's lines (a line of its log format: LEVEL:date
+# time pid:tid File.cpp:line]). Anything else written meanwhile (a warning of another thread)
+# comes out, only later.
+_KINETO_LINE = re.compile(r"^(?:USDT|STAGE|INFO|WARNING|ERROR):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def _kineto_quiet():
+    """See Note [the CPU profiler's log lines]."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _KINETO_LINE.match(ln)]
+            if kept:
+                os.write(2, "".join(kept).encode())
 
 
 def _excess(profile: Profile, window_peaks: dict[str, int], micro_batch: int, recompute: bool) -> int:
