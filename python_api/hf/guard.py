@@ -57,11 +57,12 @@ def refuse_plain_trainer(model) -> None:
     trainer = plain_trainer_on_stack()
     if trainer is not None:
         name = type(trainer).__name__
+        fix = ("use elastic_kernels.api.hf.ElasticTrainer instead of Trainer" if type(trainer).__module__.startswith(
+            "transformers.") else f"use class Elastic{name}(ElasticTrainerMixin, {name}) instead of {name}, with "
+            f"ElasticTrainerMixin from elastic_kernels.api.hf (what ElasticTrainer is for the plain Trainer)")
         raise TypeError(
             f"{name} on a model converted by elastic_kernels across {rt.world_size} ranks: the plain Trainer saves on "
-            f"rank 0 alone (which cannot gather the sharded weights) and resumes without the adapters. Use "
-            f"elastic_kernels.api.hf.ElasticTrainer instead of {name} (for a Trainer subclass such as TRL's: "
-            f"class Elastic{name}(ElasticTrainerMixin, {name}), ElasticTrainerMixin from elastic_kernels.api.hf)")
+            f"rank 0 alone (which cannot gather the sharded weights) and resumes without the adapters; {fix}")
 
 
 def _guard_hook(module, args):
