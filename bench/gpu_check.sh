@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_check.sh [all|tests|bench]     (default all: tests, then bench)
 #
-# [Note: a gpu-check that cannot come back empty]
+# Why it is written this way (a gpu-check that cannot come back empty):
 # The first version built CUDA by force (no nvcc: nothing ran) and ran `pytest -m gpu` over the
 # whole suite (one missing optional import aborted collection: nothing ran), and it put the
 # worktree on PYTHONPATH, which no longer finds elastic_kernels.api (setup.py maps it from

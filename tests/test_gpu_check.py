@@ -3,8 +3,7 @@ GPU visible (CUDA_VISIBLE_DEVICES empty), an optional package hidden (a sitecust
 makes its import fail, as where it is not installed), the build skipped (the extension built
 here is used). The script must still run every file it can, skip a file whose collection needs
 the hidden package (saying which), count any other collection error as a failure, and write
-its log and summary under $OUT ([Note: a gpu-check that cannot come back empty] in the
-script). Collection only, on three small files written here: a few seconds."""
+its log and summary under $OUT (the comment at the top of the script says why). Collection only, on three small files written here: a few seconds."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ class JobPlanner:
                 profile = measure_profile(engine.model, [batch],
                                           capacity_bytes=max(caps) if caps and not self.device_auto else None)
                 break
-            except ProfileBelowTensorsError as exc:  # See Note [refusing a cap before profiling] (measure.py)
+            except ProfileBelowTensorsError as exc:  # See [Note: refusing a cap before profiling] (measure.py)
                 raise FinetuneError(
                     f"--memory-cap {fmt_bytes(exc.bound_bytes)}: no plan fits; the model's own tensors need "
                     f"{fmt_bytes(exc.needed_bytes)} per rank (the shards of the frozen weights, the replicated tensors, "

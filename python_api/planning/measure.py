@@ -507,7 +507,7 @@ class ProfileBoundError(ValueError):
         self.needed_bytes, self.bound_bytes, self.least_bytes = needed_bytes, bound_bytes, least_bytes
 
 
-# Note [refusing a cap before profiling]
+# [Note: refusing a cap before profiling]
 # A --memory-cap too small for any plan was found only by profiling: each try measured a few
 # steps at a micro-batch, found streaming did not fit, and halved it, down to one sequence (85 s
 # on the real model before the refusal, issue 31). Two checks end it early, each with the
@@ -526,7 +526,7 @@ class ProfileBoundError(ValueError):
 
 
 class ProfileBelowTensorsError(ProfileBoundError):
-    """The bound is below the model's own tensors (Note [refusing a cap before profiling]):
+    """The bound is below the model's own tensors ([Note: refusing a cap before profiling]):
     no micro-batch helps. `needed_bytes`: those tensors' bytes (MAX over ranks)."""
 
 
@@ -566,7 +566,7 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     if total is not None:
         bound = min(bound, int(total))
     bound = -_max_over_ranks(-bound, rt, "measure_profile: the memory bound")  # the MIN over the ranks
-    # See Note [refusing a cap before profiling]: the tensors alive before any step, counted
+    # See [Note: refusing a cap before profiling]: the tensors alive before any step, counted
     # as the memory model counts them, are below every plan's peak.
     static = _max_over_ranks(_static_bytes(model, rt), rt, "measure_profile: the model's tensors")
     if static > bound:
@@ -924,7 +924,7 @@ def _backward_window_peaks(modules: dict[str, nn.Module], run, device: torch.dev
             marks.append(("", int(torch.cuda.max_memory_allocated(device)) - base[0]))
             # marks[k] holds the peak of the window that ended at boundary k: shift by one
             return {marks[k][0]: marks[k + 1][1] for k in range(len(marks) - 1)}
-        with _kineto_quiet():  # See Note [the CPU profiler's log lines]
+        with _kineto_quiet():  # See [Note: the CPU profiler's log lines]
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 run()
             events = _trace_events(prof)
@@ -973,14 +973,14 @@ def _profiled_growth(run) -> int:
     """CPU: the high-water mark of the bytes allocated during `run()` (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _kineto_quiet():  # See Note [the CPU profiler's log lines]
+    with _kineto_quiet():  # See [Note: the CPU profiler's log lines]
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run()
         events = _trace_events(prof)
     return max([0] + [b for _, b in _allocated_since_start(events)])
 
 
-# Note [the CPU profiler's log lines]
+# [Note: the CPU profiler's log lines]
 # The CPU memory peaks come from torch.profiler's memory events, and its C++ library (kineto)
 # writes its own log lines to fd 2 at every use: "USDT: ... profiler_start", and on a machine
 # without CUDA "ERROR: ... gpuGetDeviceCount failed with code 35" (issue 31: every CPU run
@@ -994,7 +994,7 @@ _KINETO_LINE = re.compile(r"^(?:USDT|STAGE|INFO|WARNING|ERROR):\d{4}-\d\d-\d\d \
 
 @contextlib.contextmanager
 def _kineto_quiet():
-    """See Note [the CPU profiler's log lines]."""
+    """See [Note: the CPU profiler's log lines]."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:

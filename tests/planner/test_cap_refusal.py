@@ -1,6 +1,6 @@
 """A --memory-cap no plan fits is refused early (issue 31; Note [refusing a cap before
 profiling] in python_api/planning/measure.py), and the CPU profiler's log lines stay out of
-the output (Note [the CPU profiler's log lines]). One process, the tiny model: a few seconds."""
+the output ([Note: the CPU profiler's log lines]). One process, the tiny model: a few seconds."""
 
 from __future__ import annotations
 
