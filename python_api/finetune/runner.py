@@ -281,7 +281,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
         "save_dir": job.save_dir,
         "resumed_from": job.resume.path if job.resume is not None else None,
         "runs": runs,
-        "heldout": job.samples,
+        "heldout": getattr(job, "samples", None),
         "skipped_baselines": skipped or {},
     }
 
@@ -299,7 +299,7 @@ def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
     for line in _gap_lines(runs):
         md += f"\n{line}  "
     md += report.peer_notes(runs, summary["skipped_baselines"])
-    md += _samples_markdown(job.samples, runs)
+    md += _samples_markdown(getattr(job, "samples", None), runs)
     for w in summary["warnings"]:
         md += f"\n\n**Warning**: {w}"
     return md + "\n"
