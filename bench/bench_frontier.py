@@ -135,6 +135,10 @@ def _parse(argv):
     opts, rest = p.parse_known_args(argv)
     if opts.steps < 2 or opts.passes < 1:
         p.error("--steps must be >= 2 (the first step is warm-up) and --passes >= 1")
+    bad = [x for x in opts.pairs.split(",") if x.strip() and ("=" not in x or ":" not in x.partition("=")[2])]
+    if bad:
+        p.error(f"--pairs: {bad} is not 'elastic configuration=peer system:peer configuration' "
+                "(e.g. 'budget 0=fsdp2:reshard')")
     opts.ds_grid = [n.strip() for n in opts.ds_grid.split(",") if n.strip()]
     unknown = [n for n in opts.ds_grid if n not in DS_GRID]
     if unknown:
@@ -423,7 +427,7 @@ def _pair_ratios(a: Config, b: Config) -> dict:
             "rounds": len(ratios), "ratios": ratios}
 
 
-def pairs(opts, configs: list[Config]) -> list[dict]:
+def pairs(opts, configs: list[Config], job_rank0: bool = False) -> list[dict]:
     out = []
     for spec in (x for x in opts.pairs.split(",") if x.strip()):
         mine, _, peer = spec.partition("=")
@@ -431,6 +435,8 @@ def pairs(opts, configs: list[Config]) -> list[dict]:
         a = next((c for c in configs if c.system.startswith("elastic") and c.label == mine.strip()), None)
         b = next((c for c in configs if c.system == system.strip() and c.label.split(" (")[0] == label.strip()), None)
         if a is None or b is None:
+            if job_rank0:
+                print(f"bench_frontier: --pairs {spec.strip()!r}: {'no elastic configuration ' + repr(mine.strip()) if a is None else 'no configuration ' + repr(peer.strip())} in this run; left out", flush=True)
             continue
         out.append({"elastic": a.label, "peer": f"{b.system}: {b.label}", **_pair_ratios(a, b),
                     "elastic_peak": a.tensor_peak, "peer_peak": b.tensor_peak,
@@ -594,7 +600,7 @@ def main(argv=None) -> int:
         for c in configs:
             refs.setdefault(c.weight_format, (c, [st["loss"] for st in c.steps_run]))
         rows = summarize(job, configs, {f: losses for f, (_, losses) in refs.items()})
-        pair_rows = pairs(opts, configs)
+        pair_rows = pairs(opts, configs, rank == 0)
         elapsed = time.perf_counter() - t_start
     load_end = os.getloadavg()
     if rank == 0:
