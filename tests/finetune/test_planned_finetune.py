@@ -83,8 +83,14 @@ def test_planned_run_refuses_an_impossible_cap(tmp_path):
     rc, out, err = torchrun(TINY + ["--steps", "1", "--plan", "auto", "--memory-cap", "1KiB", "--save-dir",
                                     str(tmp_path / "x"), "--overwrite"], expect_ok=False)
     assert rc != 0
-    text = out + err
-    assert "no plan" in text and "exceeds capacity_bytes (1024)" in text, text[-3000:]
+    # Below the model's own tensors: refused before any profiling step, on every rank
+    # ([Note: refusing a cap before profiling] in python_api/planning/measure.py).
+    lines = [ln for ln in err.splitlines() if ln.startswith("elastic-finetune: error:")]
+    assert len(lines) == 2, err[-4000:]
+    for line in lines:
+        assert line.startswith("elastic-finetune: error: --memory-cap 1KiB: no plan fits; the model's own tensors "
+                               "need ") and line.endswith("(found before profiling)"), line
+    assert "profiled in" not in out
     assert not os.path.exists(tmp_path / "x" / "summary.json")
 
 
