@@ -156,7 +156,7 @@ def test_gathered_bytes_are_the_quantized_size(label, policy, fmt, block, nested
     chunking and residency do not change with the format); at budget "all" the first step
     gathers every chunk once, the second nothing."""
     world = 2
-    policy = dict(policy, replicate_below_bytes=0)
+    policy = dict(policy, replicate_below_bytes=0, quant_skip_modules=())  # lm_head gathered quantized too
     q = run_distributed(_gathers_worker, world, policy, fmt, block, nested, timeout=300)
     q_steps, layout, fp_steps = q[0]
     assert q[1][0] == q_steps  # symmetric ranks
@@ -181,7 +181,8 @@ def _pool_worker(rank, world_size, budget, fmt, block, nested):
     out = []
     for f, b, n in ((fmt, block, nested), (None, None, False)):  # quantized, then unquantized
         _, _, _, elastic = _train(quant_llama(), dict(keep_ratio=1.0, persist_ratio=1.0, pool_budget_bytes=budget,
-                                                      replicate_below_bytes=0, prefetch_depth=0), f, b, n)
+                                                      replicate_below_bytes=0, prefetch_depth=0,
+                                                      quant_skip_modules=()), f, b, n)
         rt = elastic._elastic_runtime
         resident = sum(1 for et in rt.tensors for k in et.keys if rt.pool.contains(k))
         blobs = {et.name: (et.layout.rows_per_chunk, et.layout.cols, et.num_chunks) for et in rt.tensors}
