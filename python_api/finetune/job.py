@@ -12,7 +12,7 @@ from .agreement import run_configuration
 from .checkpoints import Resume, find_checkpoint, read_checkpoint
 from .data import TokenWindows
 from .errors import FinetuneError
-from .formats import check_checkpoint_format, check_weight_formats
+from .formats import check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
 from .options import ignored_options, resolve_training_defaults
 from .save_dir import check_save_dir
@@ -68,7 +68,6 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
             f"records ({'--data ' + args.data if args.data else 'the default instruction set of a model with a chat template'}); "
             "pass --data FILE.txt (or a .jsonl of {\"text\"} lines), or train without --pp / --compare-pp")
     targets, adapter_shapes = resolved_targets(spec, args)
-    check_checkpoint_format(spec)  # [Note: a config that claims quantized weights]
     check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None

@@ -236,7 +236,7 @@ def resolve_model(args) -> ModelSpec:
         source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
     except LoadError as exc:
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
-    packed = _bnb_checkpoint(args, config)
+    packed = _bnb_checkpoint(args, config, path, source)
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
         # A bitsandbytes checkpoint computes in its bnb_4bit_compute_dtype, as load_elastic does.
         dtype = (compute_dtype(config) if packed is not None else None) or checkpoint_dtype(config, source)
@@ -249,9 +249,9 @@ def resolve_model(args) -> ModelSpec:
                      packed=packed, label=args.model if kind in ("pretrained", "gguf") else None)
 
 
-def _bnb_checkpoint(args, config):
+def _bnb_checkpoint(args, config, path, source):
     """The bitsandbytes 4-bit format of `--model`'s checkpoint (None: full precision), checked
-    against the options.
+    against the files (`source`: their headers) and the options.
 
     [Note: the CLI reads bitsandbytes 4-bit checkpoints]
     As `load_elastic` does ([Note: loading a bitsandbytes 4-bit checkpoint] in
@@ -262,7 +262,14 @@ def _bnb_checkpoint(args, config):
     `--compare-format` run of another format, not pipeline stages (`--pp`: each pack quantizes
     from rows), not the host tier (its store is filled from full-precision rows). Each is refused here, naming the option, before anything runs. The
     run's header names the format (ModelSpec.description) and the dtype is the checkpoint's
-    `bnb_4bit_compute_dtype` unless `--dtype` is given."""
+    `bnb_4bit_compute_dtype` unless `--dtype` is given.
+
+    [Note: a config that claims quantized weights]
+    A config whose `quantization_config` says bitsandbytes 4-bit over files that hold no packed
+    tensor is refused, as load_elastic refuses it, and before the options are weighed: the
+    weights are full precision and the fix is in config.json (the CLI once ignored the claim
+    and trained the full-precision tensors, issue 31). Any other quantization method is refused
+    with load_elastic's reason (PackedFormatError)."""
     if getattr(config, "quantization_config", None) is None:
         return None
     where = f"--model {args.model}"
@@ -273,6 +280,12 @@ def _bnb_checkpoint(args, config):
         fmt = packed_format(config, ElasticPolicy(weight_format="nf4", quant_nested=nested))
     except PackedFormatError as exc:
         raise FinetuneError(f"{where}: {exc}") from exc
+    if not source.packed:
+        raise FinetuneError(
+            f"model directory {path}: the config says the checkpoint is saved quantized ({fmt.describe()}), but no "
+            f"tensor of its files is packed (no *.quant_state.bitsandbytes__nf4 record); load_elastic refuses it too. "
+            f"If the weights are full precision, remove quantization_config from config.json (--weight-format nf4 "
+            f"quantizes them on load)")
     want = "--weight-format nf4" + (" --quant-nested" if nested else "")
     if args.weight_format != "nf4" or bool(args.quant_nested) != nested or args.quant_block not in (None, 64):
         given = f"--weight-format {args.weight_format}" + (" --quant-nested" if args.quant_nested else "") + (

@@ -49,13 +49,24 @@ def prompt_text(prompt: dict) -> str:
     return prompt["prompt"]
 
 
+def _peft_base(spec):
+    """The base model PEFT reloads the adapter onto. A bitsandbytes 4-bit checkpoint is loaded
+    as a QLoRA user loads it: transformers reads its quantization_config and builds Linear4bit
+    layers over the packed weights (bitsandbytes, on the CPU here), in its compute dtype."""
+    if spec.packed is None:
+        return spec.build()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec.source, local_files_only=True, dtype=spec.dtype, device_map="cpu")
+
+
 def reload_and_sample(job, adapter_dir: str) -> dict:
     """Rank 0: {"heldout_loss_before", "heldout_loss_reloaded", "samples": [{prompt, before,
     after}], "sample_tokens"} ([Note: the held-out loss before and after, and the samples])."""
     from peft import PeftModel
 
     args = job.args
-    base = job.spec.build().eval()
+    base = _peft_base(job.spec).eval()
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     probe = job.windows.probe_inputs()
     prompts = job.data_info.get("samples", []) if hasattr(job.spec.tokenizer, "tok") else []

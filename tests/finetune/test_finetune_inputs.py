@@ -217,7 +217,7 @@ def test_compare_pp_of_the_main_degree_is_not_trained_again(tmp_path):
 
 
 # ------------------------------------------------- a config that claims quantized weights
-# [Note: a config that claims quantized weights] in python_api/finetune/formats.py
+# [Note: a config that claims quantized weights] in python_api/finetune/models.py
 
 def test_a_quantization_config_over_full_precision_files_is_refused_as_load_elastic_does(tmp_path):
     from elastic_kernels.api import ElasticPolicy, load_elastic

@@ -9,7 +9,7 @@ for FSDP2 in tests/finetune/test_finetune.py: [Note: the elastic-vs-FSDP2 tolera
 measured difference is printed); the resumed run reproduces the uninterrupted pipelined run's
 losses bit for bit (same ranks, same collectives, same order on CPU); its adapter, one PEFT
 adapter of every stage, has the pp = 1 adapter's keys, shapes and config and its values within
-1e-5 x their scale, loads in PeftModel.from_pretrained and reproduces the pipelined model's
+1e-3 of the largest change the steps can make (lr x steps; the reason at the check), loads in PeftModel.from_pretrained and reproduces the pipelined model's
 logits on the held-out batch; the summary's pipelined entry has kind "pipelined", its per-step
 all-gather, H2D and P2P bytes (P2P exactly the analytic activation bytes) and the bubble per rank.
 """
@@ -31,10 +31,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIMS = dict(hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2)
 SEQ, MB, ACCUM = 24, 2, 2
+LR = 1e-2
 TINY = [
     "--model", "tiny", "--hidden-size", "32", "--intermediate-size", "48", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2",
     "--seq-len", str(SEQ), "--micro-batch", str(MB), "--grad-accum", str(ACCUM), "--chunk-kib", "1",
-    "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-2", "--no-progress", "--save-probe", "--sample-tokens", "0",
+    "--lora-r", "4", "--lora-alpha", "8", "--lr", str(LR), "--no-progress", "--save-probe", "--sample-tokens", "0",
 ]
 PIPE = ["--schedule", "1f1b", "--pack-residency", "step"]
 STEPS = 4
@@ -114,9 +115,16 @@ def test_resume_is_bit_exact_and_the_adapter_is_the_pp1_adapter(runs):
     a = load_file(os.path.join(both, "adapter", "adapter_model.safetensors"))
     b = load_file(os.path.join(resumed, "adapter", "adapter_model.safetensors"))
     assert sorted(a) == sorted(b) and len(a) == 2 * 7 * 4
+    # AdamW divides each gradient by its own running RMS, so an adapter value carries its
+    # gradient's *relative* rounding error times lr: for a gradient summed from terms that nearly
+    # cancel, reduced over dp 4 (pp 1) or dp 2 (pp 2) in another fp32 order, that is far above
+    # fp32's 6e-8 (measured 2026-12-03: 2.2e-6 = lr x 2.2e-4, on one value). The bound, 1e-3 of
+    # the largest change the steps can make (lr x STEPS = 4e-2), is 18x that; a wrong gradient
+    # moves a value by up to lr per step, 250x the bound.
+    atol = 1e-3 * LR * STEPS
     for k in a:
         assert a[k].shape == b[k].shape, k
-        torch.testing.assert_close(b[k], a[k], atol=1e-5 * float(a[k].abs().max()), rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(b[k], a[k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
     with open(os.path.join(both, "adapter", "adapter_config.json")) as f1, \
             open(os.path.join(resumed, "adapter", "adapter_config.json")) as f2:
         assert json.load(f1) == json.load(f2)

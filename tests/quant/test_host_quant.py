@@ -32,7 +32,7 @@ from tests.quant.test_runtime_quant import CHUNK, _blob_bytes, _reference, _trai
 pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
 FORMATS = [("nf4", None, False), ("nf4", None, True), ("int8", 64, False)]
-ALL = dict(replicate_below_bytes=0)  # every linear under the runtime (and quantized)
+ALL = dict(replicate_below_bytes=0, quant_skip_modules=())  # every linear under the runtime and quantized, lm_head too
 BUDGETS = {
     "budget0": dict(keep_ratio=0.0, persist_ratio=0.0, pool_budget_bytes=0),
     "partial": dict(keep_ratio=1.0, persist_ratio=0.5),
@@ -107,7 +107,7 @@ def _loaded(path) -> bool:
 
     model = load_elastic(path, LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
                          ElasticPolicy(chunk_bytes=CHUNK, weight_format="nf4", quant_nested=True, weights_on="host",
-                                       replicate_below_bytes=0))
+                                       replicate_below_bytes=0, quant_skip_modules=()))  # lm_head too
     rt, original = model._elastic_runtime, quant_llama()
     ok = len(rt.tensors) == 2 * 7 + 1
     for et in rt.tensors:
