@@ -144,8 +144,9 @@ def test_a_wheel_that_is_not_the_recorded_one_is_refused(tmp_path, monkeypatch):
 
 def test_a_user_gguf_file_is_converted_once_keyed_by_its_digest(real_model, cache_copy, tmp_path, monkeypatch):
     """`--model file.gguf`: converted into the cache under its digest (the same bytes as the
-    known model's conversion, since it is the same file), reused on the next call without a
-    conversion; what is not a GGUF file is refused by name."""
+    known model's conversion, since it is the same file; the same logits as transformers' own
+    GGUF-loaded model), reused on the next call without a conversion; what is not a GGUF file
+    is refused by name."""
     from elastic_kernels.api.finetune.models import resolve_model_path
     from elastic_kernels.api.loading import pretrained
     from elastic_kernels.api.loading.pretrained import MODELS, PretrainedError, gguf_dir, sha256_file
@@ -156,6 +157,14 @@ def test_a_user_gguf_file_is_converted_once_keyed_by_its_digest(real_model, cach
     d = gguf_dir(gguf)
     assert d.parent == cache_copy / "gguf" and d.name.startswith(gguf.stem + "-" + sha256_file(gguf)[:16])
     assert _manifest(d)["files"] == _manifest(real_model)["files"]
+    # The conversion changes no number: its logits are transformers' GGUF-loaded model's, exactly.
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)
 
     def no_conversion(*a, **k):
         raise AssertionError("converted again")
