@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ds-quantized-nontrainable-weights", action="store_true",
                    help="ZeRO++ zero_quantized_nontrainable_weights (CUDA only)")
     g.add_argument("--compare-budgets", default="", metavar="B1,B2",
-                   help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%) and compare")
+                   help="also train the elastic job from scratch at these pool budgets (e.g. 0,50%%; each once, none the "
+                        "main run's --pool-budget) and compare")
     g.add_argument("--compare-host", action="store_true",
                    help="also train the elastic job from scratch with --weights-on host (same budget) and compare")
     g.add_argument("--compare-format", default="", metavar="FMT,FMT",
@@ -475,6 +476,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.compare_budgets = [_budget(b) for b in args.compare_budgets.split(",") if b.strip()]
     except argparse.ArgumentTypeError as exc:
         p.error(f"argument --compare-budgets: {exc}")
+    labels = [budget_label(b) for b in args.compare_budgets]  # 0 and 0B, 50% and 50.0% are one budget
+    twice = sorted({b for b in labels if labels.count(b) > 1})
+    if twice:
+        p.error(f"argument --compare-budgets: budget(s) {twice} given twice (each would train the same run)")
+    if budget_label(args.pool_budget) in labels:
+        p.error(f"argument --compare-budgets: {budget_label(args.pool_budget)} is the main run's budget (--pool-budget "
+                f"{budget_label(args.pool_budget)}, all when not given)")
     try:
         args.baselines = _baselines(args.baseline)
     except argparse.ArgumentTypeError as exc:

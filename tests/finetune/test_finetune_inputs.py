@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -245,3 +246,23 @@ def test_a_quantization_config_over_full_precision_files_is_refused_as_load_elas
         json.dump(cfg, f)
     with pytest.raises(FinetuneError, match=r"saved quantized by 'gptq'"):
         _prepare(["--model", d, "--seq-len", "16", "--save-dir", str(tmp_path / "o")])
+
+
+# ------------------------------------------------- a comparison budget that repeats a run
+
+def test_a_compared_budget_that_repeats_a_run_is_refused(capsys):
+    """--compare-budgets trains each budget from scratch beside the main run: a budget given
+    twice (0 and 0B are one budget) or equal to the main run's (--pool-budget, all when not
+    given) would train the same run again, and is an option error naming it."""
+    from elastic_kernels.api.finetune import parse_args
+
+    for argv, said in ((["--compare-budgets", "0,0B"], r"budget\(s\) \['0'\] given twice"),
+                       (["--compare-budgets", "50%,50.0%"], r"budget\(s\) \['50%'\] given twice"),
+                       (["--compare-budgets", "0,all"], r"all is the main run's budget \(--pool-budget all"),
+                       (["--pool-budget", "64MiB", "--compare-budgets", "67108864"], r"64 ?MiB is the main run's budget")):
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--model", "tiny"] + argv)
+        assert info.value.code == 2, argv
+        assert re.search(said, capsys.readouterr().err), argv
+    assert parse_args(["--model", "tiny", "--pool-budget", "0", "--compare-budgets", "50%,all"]).compare_budgets == [
+        ("fraction", 0.5), None]
