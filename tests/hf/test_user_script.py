@@ -267,3 +267,101 @@ def test_trl_with_an_elastic_output_layer_is_refused_when_built(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"fused LM head .* ElasticPolicy\(replicate_below_bytes > 8192\)"):
         ElasticSFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3]}])
+
+
+def _sft_model(vocab: int):
+    """A tiny Llama with SmolLM2's vocabulary and a tied output layer (TRL's fused LM head reads
+    it whole: tied, it stays replicated), the same in every process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+# Four chat records and a global batch of four: each of the two steps (epochs) trains on all of
+# them, whatever order the Trainer's sampler draws, so 2 ranks x 2 rows and 1 process x 4 rows
+# see the same batches.
+_RECORDS = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(4)]
+
+
+def _sft_args(out, per_device, **kw):
+    from trl import SFTConfig
+
+    return SFTConfig(**kw, output_dir=out, max_steps=2, per_device_train_batch_size=per_device, learning_rate=1e-2,
+                     lr_scheduler_type="constant", warmup_steps=0, max_length=64, save_strategy="no", logging_steps=1,
+                     use_cpu=True, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
+                     bf16=False)  # TRL's default is bf16 autocast (PEFT rounds differently there: docs/huggingface.md)
+
+
+def _trl_worker(rank, world_size, port, tokenizer_dir, tmp):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTTrainer
+
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.hf import ElasticTrainerMixin
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers, runtime_of
+
+    class ElasticSFTTrainer(ElasticTrainerMixin, SFTTrainer):
+        pass
+
+    _as_torchrun(rank, world_size, port)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = convert_to_elastic(_sft_model(len(tok)), LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj")),
+                               ElasticPolicy(chunk_bytes=32 * 4 * 5, replicate_below_bytes=0))
+    gen = torch.Generator().manual_seed(7)  # B = 0 would hide A's gradient
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen) * 0.1)
+    initial = {n: (l.lora_A.weight.detach().clone(), l.lora_B.weight.detach().clone()) for n, l in lora_layers(model)}
+    trainer = ElasticSFTTrainer(model=model, args=_sft_args(tmp, 4 // world_size, ddp_backend="gloo"), train_dataset=Dataset.from_list(_RECORDS),
+                                processing_class=tok)
+    trainer.train()
+    final = {n: (l.lora_A.weight.detach().clone(), l.lora_B.weight.detach().clone()) for n, l in lora_layers(model)}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return runtime_of(model).world_size, initial, final, losses
+
+
+def test_sft_trainer_on_two_ranks_matches_peft_in_one_process(real_model, tmp_path):
+    """TRL's SFTTrainer over chat records (TRL's own formatting with SmolLM2's chat template),
+    2 gloo ranks with ElasticTrainerMixin, against PEFT + SFTTrainer in one process on the same
+    global batches from the same adapters: the logged losses and the adapters after two AdamW
+    steps agree within fp32 summation order (TOL: the runtime's chunked GEMMs, the 2-rank
+    average of token sums)."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+    from trl import SFTTrainer
+
+    from tests.nn.test_lora import TOL
+
+    results = run_distributed(_trl_worker, 2, _free_port(), real_model, str(tmp_path / "elastic"), timeout=600)
+    (world, initial, final, losses), (_, _, final1, losses1) = results
+    assert world == 2
+    for n in final:  # the ranks hold one adapter
+        torch.testing.assert_close(final[n], final1[n], rtol=0, atol=0)
+    assert losses == losses1 and len(losses) == 2
+
+    tok = AutoTokenizer.from_pretrained(real_model)
+    peft = get_peft_model(_sft_model(len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0))
+    mods = dict(peft.base_model.model.named_modules())
+    with torch.no_grad():
+        for n, (a, b) in initial.items():
+            mods[n].lora_A["default"].weight.copy_(a)
+            mods[n].lora_B["default"].weight.copy_(b)
+    trainer = SFTTrainer(model=peft, args=_sft_args(str(tmp_path / "peft"), 4), train_dataset=Dataset.from_list(_RECORDS),
+                         processing_class=tok)
+    trainer.train()
+    ref_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(f"losses: elastic on 2 ranks {losses}, PEFT in one process {ref_losses}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    moved = 0.0
+    for n, (a, b) in final.items():
+        torch.testing.assert_close(a, mods[n].lora_A["default"].weight, **TOL)
+        torch.testing.assert_close(b, mods[n].lora_B["default"].weight, **TOL)
+        moved = max(moved, (a - initial[n][0]).abs().max().item(), (b - initial[n][1]).abs().max().item())
+    assert moved > 1e-3  # the steps moved the adapters (lr 1e-2): the comparison is not of the initial values
