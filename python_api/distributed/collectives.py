@@ -78,11 +78,23 @@ issues at fixed points (adapter gradient buckets, full_weight, agreements) stay 
 runtime's group. A runtime on a subgroup (a pipeline's stage or data-parallel group) keeps
 the blocking exchange on its group: creating groups there would need every rank of the
 world to take part, at a point they do not all reach.
+
+Off by default, on only with ELASTIC_HEADER_CHANNEL=1 (read when a runtime registers): on
+this 2-core VM the channel made the planner's memory test flaky and once hung it. Measured
+2026-12-03 (`tests/planner/test_memory_model.py -k fitting_points`, 3 rounds of 2 concurrent
+runs, commit 3136c38): with the channel 3 of 6 runs failed (two measured peaks 10.5-10.6%
+below the model's bound, the gathers of a prefetch window no longer all in flight at once; one
+"Operation timed out" in a data all-gather), and the whole suite at 42339ab hung 300 s in the
+same test; with blocking headers 6 of 6 passed. Its speed gain was not distinguishable from
+noise (budget 0 0.947x, budget all 1.067x its blocking twin, bench/results/2026-12-03_frontier.md),
+and on NCCL there are no headers. The timeout is not explained yet: until it is, the blocking
+exchange is the default.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import zlib
 from typing import NamedTuple
 
@@ -97,6 +109,7 @@ from elastic_kernels import pack_shards, unpack_gathered
 ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 _HEADER_MAGIC = 0x454C4153  # "ELAS"
+HEADER_CHANNEL_ENV = "ELASTIC_HEADER_CHANNEL"  # "1": [Note: headers off the prefetch path]
 
 SYMMETRY_RULE = (
     "every rank must run the same forward and backward passes through the elastic layers, in "
@@ -162,8 +175,11 @@ _CHANNELS: dict[int, HeaderChannel] = {}
 
 
 def header_channel(group) -> HeaderChannel | None:
-    """The channel of `group` on gloo when it is the default group, created on first call (a
-    collective of every rank); None otherwise ([Note: headers off the prefetch path])."""
+    """The channel of `group` on gloo when it is the default group and ELASTIC_HEADER_CHANNEL=1,
+    created on first call (a collective of every rank); None otherwise ([Note: headers off the
+    prefetch path])."""
+    if os.environ.get(HEADER_CHANNEL_ENV) != "1":  # off by default: see the Note
+        return None
     if group is not dist.group.WORLD or dist.get_backend(group) != "gloo":
         return None
     ch = _CHANNELS.get(id(group))
