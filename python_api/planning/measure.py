@@ -1071,20 +1071,23 @@ def _live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
     """Bytes of every tensor storage reachable from Python (each storage once), but those
     whose data pointer is in `exclude`."""
     import gc
+    import warnings
 
     gc.collect()  # garbage (e.g. a finished use's page views) would count its storage
     seen, total = set(exclude), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
+    with warnings.catch_warnings():  # isinstance() on deprecated objects (dist.reduce_op) warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
+                    continue
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()  # raises for a storage freed underneath (DeepSpeed's partitioned params)
+            except Exception:  # noqa: BLE001 - half-built, exotic or freed tensors: nothing to count
                 continue
-            storage = obj.untyped_storage()
-            ptr = storage.data_ptr()  # raises for a storage freed underneath (DeepSpeed's partitioned params)
-        except Exception:  # noqa: BLE001 - half-built, exotic or freed tensors: nothing to count
-            continue
-        if ptr and ptr not in seen:
-            seen.add(ptr)
-            total += storage.nbytes()
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
     return total
 
 
