@@ -5,6 +5,7 @@ configuration, locks the save dir, runs, and reports a failure as one line."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import warnings
@@ -89,6 +90,10 @@ def main(argv=None) -> int:
     # transformers 5.23 warns about its own deprecated attribute whenever FSDP2 inspects the
     # model; it says nothing about this job.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    # bitsandbytes (imported by PEFT) logs at import that an optional CPU kernel package is
+    # absent; its CPU path works without it, and the line says nothing about this job.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "kernels-community" not in record.getMessage())
     # Before the first big allocation: the resident set is comparable across engines only so
     # ([Note: a fixed mmap threshold] in measure.py; the report says whether it was fixed).
     fix_mmap_threshold()
