@@ -62,6 +62,28 @@ def _check_trl_head(cls, model) -> None:
             f"linears replicated), or use a model whose output layer is tied to its embeddings")
 
 
+def _check_no_sharding_plugin(cls, model, args) -> None:
+    """Refuse the Trainer's FSDP or DeepSpeed integration (TrainingArguments `fsdp=` /
+    `deepspeed=`, or accelerate's FSDP / DeepSpeed plugin chosen by `accelerate launch`) on an
+    elastic model: its frozen weights are sharded already, and the adapters' gradients are
+    averaged by the runtime; wrapping it again would shard the replicated parameters a second
+    time under another engine's rules."""
+    if args is None or not _elastic_lora_model(model):
+        return
+    env = {k for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+           if os.environ.get(k, "").lower() in ("1", "true", "yes")}
+    asked = [what for what, on in (("TrainingArguments(fsdp=...)", bool(getattr(args, "fsdp", None))),
+                                   ("TrainingArguments(deepspeed=...)", getattr(args, "deepspeed", None) is not None),
+                                   *((f"{k}=true (accelerate launch's plugin)", True) for k in sorted(env)))
+             if on]
+    if asked:
+        raise ValueError(
+            f"{cls.__name__}: {', '.join(asked)} on a model converted by elastic_kernels: its frozen weights are "
+            f"sharded by the elastic runtime already, and FSDP / DeepSpeed would wrap it a second time. Leave them "
+            f"out: under torchrun or accelerate launch (multi-process, no FSDP or DeepSpeed plugin) the runtime "
+            f"shards the weights and averages the adapter gradients")
+
+
 class ElasticTrainerMixin:
     """`class MyTrainer(ElasticTrainerMixin, transformers.Trainer)` (or `ElasticTrainer`;
     TRL: `class ElasticSFTTrainer(ElasticTrainerMixin, SFTTrainer)`).
@@ -79,7 +101,9 @@ class ElasticTrainerMixin:
         if not isinstance(save_full_model, bool):
             raise TypeError(f"{type(self).__name__}: save_full_model must be True or False, got {save_full_model!r}")
         self.save_full_model = save_full_model
-        _check_trl_head(type(self), kwargs.get("model", args[0] if args else None))
+        model = kwargs.get("model", args[0] if args else None)
+        _check_trl_head(type(self), model)
+        _check_no_sharding_plugin(type(self), model, kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
 
     def _save(self, output_dir=None, state_dict=None):

@@ -365,3 +365,28 @@ def test_sft_trainer_on_two_ranks_matches_peft_in_one_process(real_model, tmp_pa
         torch.testing.assert_close(b, mods[n].lora_B["default"].weight, **TOL)
         moved = max(moved, (a - initial[n][0]).abs().max().item(), (b - initial[n][1]).abs().max().item())
     assert moved > 1e-3  # the steps moved the adapters (lr 1e-2): the comparison is not of the initial values
+
+
+# ----------------------------------------------------------- accelerate's FSDP / DeepSpeed
+
+
+@pytest.mark.parametrize("how", ["fsdp", "deepspeed", "accelerate-env"])
+def test_fsdp_or_deepspeed_integration_is_refused_on_an_elastic_model(tmp_path, monkeypatch, how):
+    """The Trainer's FSDP / DeepSpeed integration (its arguments, or accelerate launch's plugin
+    through the environment) would wrap a model whose frozen weights the runtime shards already:
+    refused when the trainer is built, naming what asked for it and the fix."""
+    from transformers import TrainingArguments
+
+    from elastic_kernels.api.hf import ElasticTrainer
+
+    kw = {"fsdp": dict(fsdp=True), "deepspeed": dict(deepspeed={"zero_optimization": {"stage": 3},
+                                                                 "train_micro_batch_size_per_gpu": 1}),
+          "accelerate-env": {}}[how]
+    if how == "accelerate-env":
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+    named = {"fsdp": r"TrainingArguments\(fsdp=\.\.\.\)", "deepspeed": r"TrainingArguments\(deepspeed=\.\.\.\)",
+             "accelerate-env": r"ACCELERATE_USE_FSDP=true \(accelerate launch's plugin\)"}[how]
+    with pytest.raises(ValueError, match=rf"ElasticTrainer: {named} on a model converted by elastic_kernels: .*"
+                                         r"sharded by the elastic runtime already"):
+        ElasticTrainer(model=_converted(), args=args, train_dataset=_Rows())
