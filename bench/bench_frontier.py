@@ -143,6 +143,28 @@ def _parse(argv):
     unknown = [n for n in opts.ds_grid if n not in DS_GRID]
     if unknown:
         p.error(f"--ds-grid: unknown setting(s) {unknown}; known: {', '.join(DS_GRID)}")
+    # The CLI's own parsers, so that a bad value is an argument error on every rank, before any
+    # process group or model exists (not a traceback once the runs are being built).
+    from elastic_kernels.api.finetune.options import PEERS, _budget, _reshard
+
+    for flag in ("budgets", "host_budgets", "legacy_budgets"):
+        for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
+            try:
+                _budget(b)
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"--{flag.replace('_', '-')}: {exc}")
+    peers = [x.strip() for x in opts.peers.split(",") if x.strip()]
+    unknown = [x for x in peers if x not in PEERS]
+    if unknown:
+        p.error(f"--peers: unknown peer(s) {unknown}; known: {', '.join(PEERS)} ('' for none)")
+    if opts.fsdp2_reshard is not None:
+        for r in (x for x in opts.fsdp2_reshard.split(",") if x.strip()):
+            try:
+                _reshard(r)
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"--fsdp2-reshard: {exc}")
+    if opts.planned_caps < 0:
+        p.error(f"--planned-caps: a number of caps >= 0 is expected, got {opts.planned_caps}")
     return opts, rest
 
 
@@ -181,21 +203,34 @@ def _planned_caps(job, n: int) -> list[int]:
     model under its cap first, streaming every weight without recomputing, down to one
     sequence ([Note: profiling a smaller micro-batch] in python_api/finetune/planning.py),
     which can need more than the least plan (one that recomputes): the lowest cap is the
-    larger of the two, the profiler's figure (ProfileBoundError.needed_bytes, asked for with a
-    bound of one byte) taken 5% over, as it varies a little between runs."""
+    larger of the two, the profiler's figures (ProfileBoundError's, asked for with a bound just
+    above the model's tensors) taken 5% over, as they vary a little between runs."""
     from elastic_kernels.api.finetune.engines import ElasticEngine
     from elastic_kernels.api.planner.search import least_memory, plan_from_profile
-    from elastic_kernels.api.planning.measure import ProfileBoundError, measure_profile
+    from elastic_kernels.api.planning.measure import ProfileBelowTensorsError, ProfileBoundError, measure_profile
 
     args = job.args
     engine = ElasticEngine(job, None)
     batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
     profile = measure_profile(engine.model, [batch], capacity_bytes=1 << 40)
-    try:
-        measure_profile(engine.model, [batch[:1]], capacity_bytes=1 << 40, memory_bytes=1)
-        raise AssertionError("measure_profile profiled within a bound of one byte")
-    except ProfileBoundError as exc:
-        profiling = int(exc.needed_bytes * 1.05)
+    # What the planned run's profiling will need under its cap (python_api/finetune/planning.py):
+    # streaming one sequence, as extrapolated from the first step at --micro-batch (what its
+    # "too small to plan" check compares) and as measured at one sequence (where it halves to).
+    # A bound below the model's own tensors is refused before any step (ProfileBelowTensorsError,
+    # whose figure is those tensors only), so each is asked for just above them.
+    needs = []
+    for b in ([batch] if batch.shape[0] == 1 else [batch, batch[:1]]):
+        bound = 1
+        while True:
+            try:
+                measure_profile(engine.model, [b], capacity_bytes=1 << 40, memory_bytes=bound)
+                raise AssertionError(f"measure_profile profiled within a bound of {bound} bytes")
+            except ProfileBelowTensorsError as exc:
+                bound = exc.needed_bytes + 1
+            except ProfileBoundError as exc:
+                needs += [n for n in (exc.needed_bytes if b.shape[0] == 1 else None, exc.least_bytes) if n]
+                break
+    profiling = int(max(needs) * 1.05)
     del engine
     gc.collect()
     global_batch = job.world_size * args.micro_batch * args.grad_accum

@@ -178,3 +178,24 @@ def test_frontier_script_reports_the_pairs_round_by_round(frontier_run):
         line = next(x for x in stdout.splitlines() if x.startswith(f"per-round ratios, {pair}: "))
         assert len(line.split(": ")[-1].split(", ")) == 2, line  # one ratio per timed round
     assert "| tokens/s ratio, median of per-round ratios [min, max] | ratio of medians |" in stdout
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--budgets", "0,x"], r"--budgets: not a size: 'x'"),
+    (["--host-budgets", "-1"], r"--host-budgets: a size must be >= 0"),
+    (["--legacy-budgets", "150%"], r"--legacy-budgets: a percentage in \[0, 100\]"),
+    (["--peers", "fsdp3"], r"--peers: unknown peer\(s\) \['fsdp3'\]"),
+    (["--fsdp2-reshard", "maybe"], r"--fsdp2-reshard: expected true, false or a number of ranks"),
+    (["--planned-caps", "-1"], r"--planned-caps: a number of caps >= 0"),
+])
+def test_frontier_script_refuses_bad_arguments_before_anything_runs(argv, said, capsys):
+    """Each was a traceback on every rank once the runs were being built (or, for --peers, a
+    peer silently left out); now an argument error before any process group exists."""
+    import re
+
+    from bench.bench_frontier import _parse
+
+    with pytest.raises(SystemExit) as info:
+        _parse(["--preset", "tiny", *argv])
+    assert info.value.code == 2
+    assert re.search(said, capsys.readouterr().err), argv
