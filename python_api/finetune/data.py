@@ -101,21 +101,6 @@ def read_data_file(path: str) -> tuple[str, str]:
     return ext, content
 
 
-def read_documents(path: str) -> list[str]:
-    """Documents of a `.txt` (the whole file) or `.jsonl` (field "text" per line) file."""
-    from .sft import read_jsonl
-
-    ext, content = read_data_file(path)
-    if ext == ".txt":
-        if not content.strip():
-            raise DataError(f"data file {path} is empty")
-        return [content]
-    fmt, items = read_jsonl(path, content)
-    if fmt != "text":
-        raise DataError(f"data file {path} holds {fmt} records, not text documents")
-    return items
-
-
 def tokenize(documents: list[str], tokenizer) -> torch.Tensor:
     """One int64 stream: the documents' tokens joined by eos (or by a blank line's tokens)."""
     sep = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n\n")

@@ -15,6 +15,7 @@ from .errors import FinetuneError
 from .formats import check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
 from .options import ignored_options, resolve_training_defaults
+from .pipeline_layout import pipeline_notices
 from .save_dir import check_save_dir
 
 
@@ -76,7 +77,6 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
     if args.resume is not None:
         resume = read_checkpoint(args.resume, rank, config, args.steps, adapter_shapes)
     job = Job(args, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
-    from .pipelined import pipeline_notices  # not at the top: pipelined -> engines -> job
 
     job.notices = ignored_options(args, world_size) + pipeline_notices(args, world_size, spec.config)
     if getattr(args, "tokenizer", None) == "bytes" and not spec.embedded:
