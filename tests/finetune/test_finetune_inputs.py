@@ -184,7 +184,7 @@ def test_a_loss_gap_beyond_rounding_is_a_warning(tmp_path, monkeypatch, capsys):
 
 
 # ------------------------------------------------------------- pipelines the options describe
-# [Note: the pipelines the options describe, checked in prepare] in python_api/finetune/pipelined.py
+# [Note: the pipelines the options describe, checked in prepare] in python_api/finetune/pipeline_layout.py
 
 def test_a_pack_size_that_does_not_fit_says_what_runs(tmp_path):
     """--pp 2 --pack-size 3 on 4 layers runs packs of 2: said, with the packs that run."""
