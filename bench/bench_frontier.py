@@ -346,8 +346,7 @@ def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
         else:
             result = train(job, engine, counter, primary=False)
         result["wall_s"] = time.perf_counter() - t0
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         engine = None  # its memory goes before the next configuration is built
     finally:
         args.steps = saved_steps
@@ -372,10 +371,10 @@ class Runner:
         self.job, self.cfg, self.counter = job, cfg, counter
         self.engine = cfg.build()
         named = self.engine.params()
-        self.opt = getattr(self.engine, "optimizer", None) or adamw([p for _, p in named], job.args)
+        self.opt = self.engine.optimizer or adamw([p for _, p in named], job.args)
         _seed_rng(job.args.seed, job.rank, job.device)
         self.rng = torch.get_rng_state()
-        self.engine.model.train()
+        self.engine.train_mode()
 
     def step(self, k: int) -> dict:
         from elastic_kernels.api.finetune.loop import train_step
@@ -386,9 +385,7 @@ class Runner:
         return r
 
     def close(self) -> None:
-        from elastic_kernels.api.finetune.pipelined import close_engine
-
-        close_engine(self.engine)
+        self.engine.close()
         self.engine = self.opt = None
 
 

@@ -40,8 +40,11 @@ Layout (one concern per file; `python -m elastic_kernels.api.finetune` runs cli.
   checkpoints.py  reading, checking and writing checkpoints
   save_dir.py     the output folder: checks before the run and the lock
   job.py          Job and prepare(): everything checked before the first collective
+  engine.py       Engine: what the loop asks of an engine, with the defaults of the micro-batch engines
   engines.py      ElasticEngine, FSDP2Engine and the collective model build
-  loop.py         train(): the training loop, learning rate, RNG, non-finite loss messages
+  pipelined.py    PipelinedEngine (--pp, --compare-pp) and the choice of the job's main engine
+  loop.py         train(): the one training loop of every engine (resume, RNG, learning rate,
+                  checkpoints, measurements, non-finite loss messages)
   measure.py      what a run measures: all-gathered bytes (a wrapper), peak memory, RSS, device name
   report.py       the results table (markdown, text, CSV) and the picture
   runner.py       run(): the runs of a job, the summary and the report
