@@ -145,7 +145,7 @@ def _parse(argv):
         p.error(f"--ds-grid: unknown setting(s) {unknown}; known: {', '.join(DS_GRID)}")
     # The CLI's own parsers, so that a bad value is an argument error on every rank, before any
     # process group or model exists (not a traceback once the runs are being built).
-    from elastic_kernels.api.finetune.options import PEERS, _budget, _reshard
+    from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
     for flag in ("budgets", "host_budgets", "legacy_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
@@ -243,7 +243,7 @@ def _planned_caps(job, n: int) -> list[int]:
 
 def configurations(opts, job, counter) -> list[Config]:
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
-    from elastic_kernels.api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
+    from elastic_kernels.api.finetune.option_values import _budget, _reshard, budget_label, fmt_bytes
     from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
     from elastic_kernels.api.finetune.peers.frontier import system_of
     from elastic_kernels.api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error

@@ -63,7 +63,8 @@ from .agreement import configuration_differences
 from .constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
 from .errors import FinetuneError
 from .files import agreed_write, local_now, torch_save_atomic, write_json
-from .options import budget_label, policy_of
+from .option_values import budget_label
+from .policy import policy_of
 
 CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ..nn import load_adapter
 from .files import save_adapter_agreed
-from .options import budget_label
+from .option_values import budget_label
 
 
 class Engine:

@@ -34,8 +34,9 @@ from .engine import Engine
 from .errors import FinetuneError
 from .job import Job
 from .models import ModelSpec, lora_config_of, target_list
-from .options import budget_label, fmt_bytes, policy_of
+from .option_values import budget_label, fmt_bytes
 from .planning import JobPlanner
+from .policy import policy_of
 
 
 class ElasticEngine(Engine):

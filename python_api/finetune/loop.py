@@ -20,7 +20,7 @@ from .constants import ADAM_BETAS, ADAM_EPS
 from .engine import steady
 from .errors import FinetuneError
 from .job import Job
-from .options import lr_at
+from .policy import lr_at
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
@@ -44,7 +44,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _lr_at(args, step: int) -> float:
-    return lr_at(args, step)  # [Note: learning-rate defaults] in options.py
+    return lr_at(args, step)  # [Note: learning-rate defaults] in policy.py
 
 
 # [Note: segments of a run]

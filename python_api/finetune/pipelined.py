@@ -41,8 +41,8 @@ from .engine import Engine, steady
 from .engines import ElasticEngine, _collective_build, _collective_build_on_meta, _nonfinite_loaded
 from .errors import FinetuneError
 from .models import lora_config_of
-from .options import policy_of
 from .pipeline_layout import layout_of
+from .policy import policy_of
 
 
 class PipelinedEngine(Engine):

@@ -27,7 +27,7 @@ from .files import (
 from .job import Job
 from .loop import train
 from .measure import AllGatherCounter, PeakMemory, device_name
-from .options import budget_label
+from .option_values import budget_label
 from .pipeline_layout import compare_pp_is_main
 from .pipelined import PipelinedEngine, primary_engine
 

@@ -32,7 +32,7 @@ from ..agreement import agree_error
 from ..engines import FSDP2Engine, fsdp2_reshard_error
 from ..errors import FinetuneError
 from ..job import Job
-from ..options import PEERS
+from ..option_values import PEERS
 from .ddp import DDPEngine
 from .fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
 from .zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error
