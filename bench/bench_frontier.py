@@ -145,7 +145,7 @@ def _parse(argv):
         p.error(f"--ds-grid: unknown setting(s) {unknown}; known: {', '.join(DS_GRID)}")
     # The CLI's own parsers, so that a bad value is an argument error on every rank, before any
     # process group or model exists (not a traceback once the runs are being built).
-    from elastic_kernels.api.finetune.options import PEERS, _budget, _reshard
+    from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
     for flag in ("budgets", "host_budgets", "legacy_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
@@ -243,7 +243,7 @@ def _planned_caps(job, n: int) -> list[int]:
 
 def configurations(opts, job, counter) -> list[Config]:
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
-    from elastic_kernels.api.finetune.options import _budget, _reshard, budget_label, fmt_bytes
+    from elastic_kernels.api.finetune.option_values import _budget, _reshard, budget_label, fmt_bytes
     from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
     from elastic_kernels.api.finetune.peers.frontier import system_of
     from elastic_kernels.api.finetune.peers.fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
@@ -346,8 +346,7 @@ def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
         else:
             result = train(job, engine, counter, primary=False)
         result["wall_s"] = time.perf_counter() - t0
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         engine = None  # its memory goes before the next configuration is built
     finally:
         args.steps = saved_steps
@@ -372,10 +371,10 @@ class Runner:
         self.job, self.cfg, self.counter = job, cfg, counter
         self.engine = cfg.build()
         named = self.engine.params()
-        self.opt = getattr(self.engine, "optimizer", None) or adamw([p for _, p in named], job.args)
+        self.opt = self.engine.optimizer or adamw([p for _, p in named], job.args)
         _seed_rng(job.args.seed, job.rank, job.device)
         self.rng = torch.get_rng_state()
-        self.engine.model.train()
+        self.engine.train_mode()
 
     def step(self, k: int) -> dict:
         from elastic_kernels.api.finetune.loop import train_step
@@ -386,9 +385,7 @@ class Runner:
         return r
 
     def close(self) -> None:
-        from elastic_kernels.api.finetune.pipelined import close_engine
-
-        close_engine(self.engine)
+        self.engine.close()
         self.engine = self.opt = None
 
 

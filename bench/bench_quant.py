@@ -154,7 +154,8 @@ def demo(argv) -> int:
     from elastic_kernels.api.finetune.formats import check_weight_formats
     from elastic_kernels.api.finetune.job import prepare
     from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
-    from elastic_kernels.api.finetune.options import _budget, budget_label, parse_args
+    from elastic_kernels.api.finetune.option_values import _budget, budget_label
+    from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.finetune.peers.fsdp2_nf4 import (
         NF4_DEMO_OPTIONS,
         FSDP2NF4Engine,

@@ -30,7 +30,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from elastic_kernels.api.finetune.data import HFTokenizer
-    from elastic_kernels.api.finetune.loop import model_inputs
+    from elastic_kernels.api.finetune.engine import model_inputs
     from elastic_kernels.api.finetune.sft import build_rows, embedded_instructions, tokenize_record
     from elastic_kernels.api.loading.pretrained import pretrained_dir
 

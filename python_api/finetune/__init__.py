@@ -28,24 +28,30 @@ checkpoint/, and with --save-probe probe.safetensors (the held-out batch and the
 elastic model's logits on it). See docs/cli.md.
 
 Layout (one concern per file; `python -m elastic_kernels.api.finetune` runs cli.main):
-  constants.py    the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
-  errors.py       FinetuneError and OutputError: what is reported as one line
-  options.py      the command line: option types and ranges, build_parser, parse_args, the elastic policy
-  data.py         tokenizers, the embedded and file corpora, the (seed, step)-determined batches
-  models.py       the base model (tiny, a known name, a directory, a .gguf, a hub id), tokenizer, data, LoRA targets
-  sft.py          chat and prompt-completion records: loss masks, packed or padded rows, held-out records
-  samples.py      the saved adapter reloaded on rank 0: held-out loss before and after, generation samples
-  agreement.py    what ranks and checkpoints must agree on, and the collectives that check it
-  files.py        output files: atomic writes, writes agreed across ranks, the adapter's save
-  checkpoints.py  reading, checking and writing checkpoints
-  save_dir.py     the output folder: checks before the run and the lock
-  job.py          Job and prepare(): everything checked before the first collective
-  engines.py      ElasticEngine, FSDP2Engine and the collective model build
-  loop.py         train(): the training loop, learning rate, RNG, non-finite loss messages
-  measure.py      what a run measures: all-gathered bytes (a wrapper), peak memory, RSS, device name
-  report.py       the results table (markdown, text, CSV) and the picture
-  runner.py       run(): the runs of a job, the summary and the report
-  cli.py          main(): process group, rank agreement, lock, error reporting
+  constants.py      the program's name and fixed settings (defaults, the embedded model's size, AdamW's betas)
+  errors.py         FinetuneError and OutputError: what is reported as one line
+  option_values.py  option types and ranges, choices, the labels of sizes and budgets
+  options.py        the command line: build_parser, parse_args
+  option_checks.py  the rules between options (option errors) and the options a run ignores
+  policy.py         what the options make of a run: the elastic policy, the learning-rate schedule
+  data.py           tokenizers, the embedded and file corpora, the (seed, step)-determined batches
+  models.py         the base model (tiny, a known name, a directory, a .gguf, a hub id), tokenizer, data, LoRA targets
+  sft.py            chat and prompt-completion records: loss masks, packed or padded rows, held-out records
+  samples.py        the saved adapter reloaded on rank 0: held-out loss before and after, generation samples
+  agreement.py      what ranks and checkpoints must agree on, and the collectives that check it
+  files.py          output files: atomic writes, writes agreed across ranks, the adapter's save
+  checkpoints.py    reading, checking and writing checkpoints
+  save_dir.py       the output folder: checks before the run and the lock
+  job.py            Job and prepare(): everything checked before the first collective
+  engine.py         Engine: what the loop asks of an engine, with the defaults of the micro-batch engines
+  engines.py        ElasticEngine, FSDP2Engine and the collective model build
+  pipelined.py      PipelinedEngine (--pp, --compare-pp) and the choice of the job's main engine
+  loop.py           train(): the one training loop of every engine (resume, RNG, learning rate,
+                    checkpoints, measurements, non-finite loss messages)
+  measure.py        what a run measures: all-gathered bytes (a wrapper), peak memory, RSS, device name
+  report.py         the results table (markdown, text, CSV) and the picture
+  runner.py         run(): the runs of a job, the summary and the report
+  cli.py            main(): process group, rank agreement, lock, error reporting
 
 [Note: failures during the run]
 Before step 1: every rank checks that all ranks run the same configuration ([Note: what

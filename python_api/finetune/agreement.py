@@ -10,7 +10,8 @@ from ..distributed.agree import agree, exchange
 from .constants import ADAM_BETAS, ADAM_EPS
 from .errors import FinetuneError
 from .models import ModelSpec
-from .options import DS_OPTIONS, budget_label, policy_of, quant_fields
+from .option_values import DS_OPTIONS, budget_label
+from .policy import policy_of, quant_fields
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",

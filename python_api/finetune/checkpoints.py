@@ -62,8 +62,9 @@ from ..distributed.agree import exchange
 from .agreement import configuration_differences
 from .constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
 from .errors import FinetuneError
-from .files import agreed_write, local_now, save_adapter_agreed, torch_save_atomic, write_json
-from .options import budget_label, policy_of
+from .files import agreed_write, local_now, torch_save_atomic, write_json
+from .option_values import budget_label
+from .policy import policy_of
 
 CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"
@@ -358,14 +359,14 @@ def _check_rng_state(rng, path: str) -> None:
         raise FinetuneError(f"checkpoint {path}: the Python RNG state is invalid: {exc}") from exc
 
 
-def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float], segments: list[dict], *,
-                     optimizer_state: dict | None = None, save_adapter=None) -> None:
+def write_checkpoint(job, step: int, losses: list[float], segments: list[dict], optimizer_state: dict,
+                     save_adapter) -> None:
     """Collective: every rank calls it at the same step (see [Note: checkpoint layout and
     resume]). A write that fails on any rank (disk full, folder gone) stops every rank with
-    one message naming the path; the previous checkpoint is left as it was. A pipelined run
-    (python_api/finetune/pipelined.py), whose ranks each hold some of the adapters, passes the
-    whole optimizer state already gathered (`optimizer_state`, what optimizer.pt holds) and
-    the collective that writes its adapter (`save_adapter(folder, what)`)."""
+    one message naming the path; the previous checkpoint is left as it was. `optimizer_state`:
+    what optimizer.pt holds, every rank's part gathered already (loop.optimizer_state);
+    `save_adapter(job, folder, what)`: the collective that writes the adapter
+    (Engine.save_adapter)."""
     save_dir, rank = job.save_dir, job.rank
     tmp = os.path.join(save_dir, _CKPT_TMP)
     final = os.path.join(save_dir, CKPT)
@@ -384,9 +385,7 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
         torch_save_atomic(rng, os.path.join(tmp, _rng_file(rank)))
         digests[_rng_file(rank)] = file_digest(os.path.join(tmp, _rng_file(rank)))
         if rank == 0:
-            torch_save_atomic(optimizer_state if optimizer_state is not None else
-                              {"state_dict": opt.state_dict(), "param_names": param_names},
-                              os.path.join(tmp, "optimizer.pt"))
+            torch_save_atomic(optimizer_state, os.path.join(tmp, "optimizer.pt"))
             write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments,
                                                                   "run_id": job.run_id})
             write_json(os.path.join(tmp, "config.json"), {
@@ -427,10 +426,7 @@ def write_checkpoint(job, model, opt, param_names, step: int, losses: list[float
     digests: dict = {}
     agreed_write(job, fresh_folder, what)
     agreed_write(job, files, what)
-    if save_adapter is None:
-        save_adapter_agreed(job, model, tmp, what)
-    else:
-        save_adapter(tmp, what)
+    save_adapter(job, tmp, what)
     # Every rank's RNG digest to rank 0, which writes the manifest last ([Note: the checkpoint's manifest]).
     every = exchange(digests, what=what)
     agreed_write(job, manifest, what)

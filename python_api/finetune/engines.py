@@ -25,19 +25,21 @@ import torch
 import torch.nn as nn
 
 from ..loading import LoadError, SafetensorsSource, empty_model
-from ..nn import convert_to_elastic, runtime_of
+from ..nn import PEFT_PREFIX, adapter_state_dict, convert_to_elastic, runtime_of
 from ..planner import PlanningError, least_memory
 from ..planning import plan
 from .agreement import agree_error
 from .checkpoints import nonfinite
+from .engine import Engine
 from .errors import FinetuneError
 from .job import Job
 from .models import ModelSpec, lora_config_of, target_list
-from .options import budget_label, fmt_bytes, policy_of
+from .option_values import budget_label, fmt_bytes
 from .planning import JobPlanner
+from .policy import policy_of
 
 
-class ElasticEngine:
+class ElasticEngine(Engine):
     """The model under convert_to_elastic; gradient accumulation through the runtime's no_sync."""
 
     kind = "elastic"
@@ -84,9 +86,6 @@ class ElasticEngine:
         if self.planner is not None:
             self.planner.before_step(step)
 
-    def params(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-
     def accumulate(self, is_last: bool):
         return contextlib.nullcontext() if is_last else self.runtime.no_sync()
 
@@ -95,6 +94,18 @@ class ElasticEngine:
 
     def h2d_bytes(self) -> int:
         return self.runtime.stats()["h2d_bytes"]
+
+    def run_figures(self, per_step: dict[str, list], tensor_peak: int | None, memory) -> dict:
+        out = super().run_figures(per_step, tensor_peak, memory)
+        out.update(budget_bytes=self.budget_bytes, frozen_bytes=self.frozen_bytes, runtime_stats=self.runtime.stats())
+        if self.planner is not None:
+            out.update(self.planner.report())
+        return out
+
+    def adapters(self) -> dict:
+        """The adapters under PEFT's names, a copy (adapter_state_dict's CPU tensors share
+        storage with the parameters)."""
+        return {k: v.clone() for k, v in adapter_state_dict(self.model).items() if k.startswith(PEFT_PREFIX)}
 
     def close(self) -> None:
         """The runtime's pool, shards and host memory go now ([Note: closing a runtime])."""
@@ -135,7 +146,7 @@ def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None
                 f"({exc}){least}; checked before step 1, nothing was trained") from exc
 
 
-class FSDP2Engine:
+class FSDP2Engine(Engine):
     """The same base model with PEFT LoRA (same initial adapters), fully_shard per decoder layer
     (reshard_after_forward=True by default, or False, or an int: `--fsdp2-reshard`) and on the
     root. A model directory is built on the meta device and each rank reads only its shard from
@@ -174,15 +185,6 @@ class FSDP2Engine:
             _load_fsdp2_shards(self.model, base, source, job)
         self.counter = counter
         self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
-
-    def before_step(self, step: int) -> None:
-        pass
-
-    def h2d_bytes(self) -> int:
-        return 0
-
-    def params(self):
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def accumulate(self, is_last: bool):
         self.model.set_requires_gradient_sync(is_last)

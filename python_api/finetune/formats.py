@@ -11,7 +11,7 @@ from ..nn import target_names
 from ..nn.lora import is_conv1d, is_linear
 from .errors import FinetuneError
 from .models import lora_config_of
-from .options import policy_of
+from .policy import policy_of
 
 
 def elastic_weights(model: nn.Module, args, itemsize: int) -> list[str]:

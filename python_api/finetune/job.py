@@ -14,8 +14,9 @@ from .data import TokenWindows
 from .errors import FinetuneError
 from .formats import check_weight_formats
 from .models import ModelSpec, resolve_data, resolve_model, resolved_targets
-from .options import ignored_options, resolve_training_defaults
+from .option_checks import ignored_options
 from .pipeline_layout import pipeline_notices
+from .policy import resolve_training_defaults
 from .save_dir import check_save_dir
 
 

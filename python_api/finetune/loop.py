@@ -1,6 +1,8 @@
-"""The training loop: train() runs an engine for the job's steps (learning-rate schedule, RNG
-seeding and restore, checkpoints at the cadence, a message for a non-finite loss) and
-returns the run's measurements."""
+"""The training loop of every engine (elastic, planned, pipelined, the peers): train() runs
+one for the job's steps (RNG seeding or a checkpoint's restore, the learning-rate schedule,
+the step through the engine's interface, checkpoints at the cadence, a message for a
+non-finite loss) and returns the run's measurements. What an engine provides: [Note: the
+engine interface] in engine.py."""
 
 from __future__ import annotations
 
@@ -12,14 +14,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from ..nn import load_adapter
 from .checkpoints import nonfinite, to_tuple, write_checkpoint
 from .constants import ADAM_BETAS, ADAM_EPS
+from .engine import steady
 from .errors import FinetuneError
 from .job import Job
-from .options import budget_label, lr_at
+from .policy import lr_at
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
@@ -43,7 +44,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _lr_at(args, step: int) -> float:
-    return lr_at(args, step)  # [Note: learning-rate defaults] in options.py
+    return lr_at(args, step)  # [Note: learning-rate defaults] in policy.py
 
 
 # [Note: segments of a run]
@@ -91,41 +92,61 @@ def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> 
 
 
 def train_step(job: Job, engine, opt, step: int, counter) -> dict:
-    """One optimizer step of `engine` (0-based `step`): its learning rate, the job's batch for
-    that step, accumulation, the optimizer; returns the loss (averaged over the ranks), the
-    step's time and its traffic. What train() runs per step, and what bench/bench_frontier.py
-    interleaves across engines."""
-    args, rank, W, device = job.args, job.rank, job.world_size, job.device
-    model = engine.model
+    """One optimizer step of `engine` (0-based `step`): its learning rate, its batch, the
+    step ([Note: the engine interface] in engine.py); returns the loss (averaged over the
+    ranks), the step's time and its traffic. What train() runs per step, and what
+    bench/bench_frontier.py interleaves across engines."""
+    device = job.device
     for group in opt.param_groups:
-        group["lr"] = _lr_at(args, step)
+        group["lr"] = _lr_at(job.args, step)
     # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
     # planned run's (which may change it at this step: the same global batch, the same
     # windows across the ranks, [Note: adaptive accumulation] in planning.py).
     engine.before_step(step)
-    mb, accum = engine.micro_batch, engine.grad_accum
-    batch = {k: v.to(device) for k, v in job.windows.inputs(args.seed, step, W, rank, mb, accum).items()}
+    batch = engine.batch(job, step)
     g0, c0, k0, h0 = engine.gathered_bytes(), counter.bytes, counter.calls, engine.h2d_bytes()
     _sync(device)
     t0 = time.perf_counter()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for a in range(accum):
-        with engine.accumulate(is_last=a == accum - 1):
-            out = model(**model_inputs(batch, a))
-            (out.loss / accum).backward()
-        total += out.loss.detach().double()
-    if hasattr(engine, "optimizer_step"):
-        engine.optimizer_step()
-    else:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    dist.all_reduce(total)
-    loss = total.item() / (accum * W)
+    loss = engine.run_step(job, batch, opt)
     _sync(device)
     elapsed = time.perf_counter() - t0
     return {"loss": loss, "time_s": elapsed, "gathered": engine.gathered_bytes() - g0,
             "counted": counter.bytes - c0, "calls": counter.calls - k0, "h2d": engine.h2d_bytes() - h0,
-            "split": (mb, accum)}
+            "split": engine.split(), **engine.step_figures()}
+
+
+# [Note: the optimizer state crosses ranks on the host]
+# optimizer.pt is made of every rank's part of the optimizer state (a pipeline's stages each
+# hold some: Engine.gather_states exchanges them) with every tensor copied to the host first,
+# for every engine. A CUDA tensor pickled by one rank unpickles onto the device it was saved
+# from: every rank would allocate on the other stages' devices, and optimizer.pt would name
+# them (issue 30's review finding; tests/finetune/test_loop.py). Resuming maps the state back
+# onto each rank's own parameters by name (`local_optimizer_state`).
+
+def optimizer_state(engine, opt, names: list[str]) -> dict:
+    """optimizer.pt's content: the state of every parameter of `engine.param_order()` under
+    its name, in that order (a collective for an engine whose ranks hold parts of it)."""
+    sd = opt.state_dict()
+    mine = {names[i]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
+            for i, entry in sd["state"].items()}
+    full = {}
+    for part in engine.gather_states(mine):
+        full.update(part)
+    order = engine.param_order()
+    group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+    group["params"] = list(range(len(order)))
+    return {"state_dict": {"state": {i: full[n] for i, n in enumerate(order) if n in full}, "param_groups": [group]},
+            "param_names": order}
+
+
+def local_optimizer_state(state: dict, param_names: list[str], names: list[str]) -> dict:
+    """The entries of a checkpoint's optimizer state (its parameters `param_names`) for this
+    rank's parameters `names`, as the optimizer's load_state_dict takes them."""
+    index = {n: i for i, n in enumerate(param_names)}
+    group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+    group["params"] = list(range(len(names)))
+    return {"state": {j: state["state"][index[n]] for j, n in enumerate(names) if index[n] in state["state"]},
+            "param_groups": [group]}
 
 
 def train(job: Job, engine, counter, primary: bool) -> dict:
@@ -133,21 +154,20 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     from tqdm import tqdm
 
     args, rank, W, device = job.args, job.rank, job.world_size, job.device
-    model = engine.model
     named = engine.params()
     names = [n for n, _ in named]
     # An engine that drives its own optimizer (DeepSpeed's, [Note: engines that own their
     # optimizer step] in python_api/finetune/peers/__init__.py) hands it over; else plain AdamW.
-    opt = getattr(engine, "optimizer", None) or adamw([p for _, p in named], args)
+    opt = engine.optimizer or adamw([p for _, p in named], args)
     start, losses, segments = 0, [], []
     if primary and job.resume is not None:
         r = job.resume
-        if r.param_names != names:
+        if r.param_names != engine.param_order():
             raise FinetuneError(f"checkpoint {r.path}: its optimizer state belongs to other parameters than this model's adapters")
         try:
-            load_adapter(model, r.path)
-            opt.load_state_dict(r.optimizer)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            engine.load_adapter(r.path)
+            opt.load_state_dict(local_optimizer_state(r.optimizer, r.param_names, names))
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:  # PipelineError is a ValueError
             # read_checkpoint checked the files; this is the last line, on every rank alike.
             raise FinetuneError(f"checkpoint {r.path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
         start, losses, segments = r.step, list(r.losses), list(r.segments)
@@ -159,19 +179,24 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     mem.reset_peak()
     # [Note: what "peak memory" means here] in measure.py: on CPU the tensor peak of the last
     # step, profiled, when this process runs 3 steps or more (the first warms up).
-    profile_last = device.type == "cpu" and args.steps - start >= 3 and getattr(mem, "live_baseline", None) is not None
+    profile_last = (engine.measures_tensor_peak and device.type == "cpu" and args.steps - start >= 3
+                    and getattr(mem, "live_baseline", None) is not None)
     tensor_peak = rss_peak = None
     tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
-    times, gathered, counted, calls, h2d, splits = [], [], [], [], [], []
+    times, gathered, counted, h2d, splits = [], [], [], [], []
+    per_step: dict[str, list] = {"calls": []}  # and the engine's own figures (Engine.step_figures)
 
     def segment(peak) -> dict:
-        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": budget_label(args.pool_budget),
+        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": engine.budget_label(args),
                 "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
                 "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
 
+    def checkpoint(step: int, segs: list[dict]) -> None:
+        write_checkpoint(job, step, losses, segs, optimizer_state(engine, opt, names), engine.save_adapter)
+
     bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
                dynamic_ncols=True, leave=True, file=sys.stderr)
-    model.train()
+    engine.train_mode()
     try:
         for step in range(start, args.steps):
             if profile_last and step == args.steps - 1:
@@ -184,66 +209,61 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
                 r = box["r"]
             else:
                 r = train_step(job, engine, opt, step, counter)
-            loss = r["loss"]
-            splits.append(r["split"])
-            times.append(r["time_s"])
-            gathered.append(r["gathered"])
-            counted.append(r["counted"])
-            calls.append(r["calls"])
-            h2d.append(r["h2d"])
+            loss = r.pop("loss")
+            splits.append(r.pop("split"))
+            times.append(r.pop("time_s"))
+            gathered.append(r.pop("gathered"))
+            counted.append(r.pop("counted"))
+            h2d.append(r.pop("h2d"))
+            for k, v in r.items():
+                per_step.setdefault(k, []).append(v)
             if not math.isfinite(loss):
                 # The loss is all-reduced and the adapters replicated: every rank raises alike.
                 raise FinetuneError(nan_message(job, engine, loss, step, start, named))
             losses.append(loss)
-            steady = _tokens_per_s(times[:-1] if tensor_peak is not None else times, tokens_per_step)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
+            tok_s = _tokens_per_s(times[:-1] if tensor_peak is not None else times, tokens_per_step)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}" if tok_s else "-")
             bar.update(1)
             if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                write_checkpoint(job, model, opt, names, step + 1, losses, segments + [segment(mem.peak_above_baseline())])
+                checkpoint(step + 1, segments + [segment(mem.peak_above_baseline())])
         bar.close()
         peak = rss_peak if profile_last else mem.peak_above_baseline()
-        if device.type == "cuda":
+        if device.type == "cuda" and engine.measures_tensor_peak:
             tensor_peak = peak
         first_step = start + 1
         if primary and times:
             segments = segments + [segment(peak)]
-            write_checkpoint(job, model, opt, names, args.steps, losses, segments)
+            checkpoint(args.steps, segments)
         elif primary and segments:
             # Resumed at the last step: nothing trained; report the figures of the process that
             # trained the last steps (see [Note: segments of a run]).
             last = segments[-1]
             times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], last["allgather_bytes_counted_per_step"]
             peak, first_step = last["peak_memory_bytes"], last["first_step"]
-        model.eval()
-        with torch.no_grad():
-            out = model(**model_inputs({k: v.to(device) for k, v in job.windows.probe_inputs().items()}))
-        model.train()
+        heldout, probe_logits = engine.evaluate(job, logits=primary)
     except BaseException as exc:
         # [Note: a run that fails after training steps] (runner.py): what was trained is
         # reported, marked as failed, before the error goes on.
         bar.close()
         if times:
-            partial = {"name": engine.name, "kind": engine.kind, "weight_format": getattr(engine, "weight_format", "none"),
+            partial = {"name": engine.name, "kind": engine.kind, "weight_format": engine.weight_format,
                        "status": "failed", "losses": list(losses),
                        "steps_run": len(times), "first_step": start + 1, "step_times_s": list(times),
                        "tokens_per_step": tokens_per_step, "tokens_per_s": _tokens_per_s(times, tokens_per_step),
                        "peak_memory_bytes": mem.peak_above_baseline(), "allgather_bytes_per_step": list(gathered),
                        "allgather_bytes_counted_per_step": list(counted),
-                       "allgather_calls_per_step": list(calls),
+                       "allgather_calls_per_step": list(per_step["calls"]),
                        "allgather_bytes_first_step": gathered[0] if gathered else 0,
-                       "allgather_bytes_steady": _steady(gathered), "h2d_bytes_per_step": list(h2d),
-                       "h2d_bytes_steady": _steady(h2d), "micro_batch_splits": list(splits),
+                       "allgather_bytes_steady": steady(gathered), "h2d_bytes_per_step": list(h2d),
+                       "h2d_bytes_steady": steady(h2d), "micro_batch_splits": list(splits),
                        "final_loss": losses[-1] if losses else None, "heldout_loss": None}
             with contextlib.suppress(AttributeError, TypeError):  # a few built-in exceptions take no attributes
                 exc.partial_run = partial
         raise
-    first = gathered[0] if gathered else 0
-    steady_bytes = _steady(gathered)
-    h2d_steady = _steady(h2d)
     result = {
         "name": engine.name,
         "kind": engine.kind,
-        "weight_format": getattr(engine, "weight_format", "none"),  # the numerics its losses are compared within
+        "weight_format": engine.weight_format,  # the numerics its losses are compared within
         "status": "complete",
         "losses": losses,
         "steps_run": len(times),
@@ -253,54 +273,25 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         "tokens_per_s": _tokens_per_s(times[:-1] if profile_last else times, tokens_per_step)
         or (tokens_per_step / times[0] if times else None),
         "peak_memory_bytes": peak,
-        "tensor_peak_bytes": tensor_peak,
-        "memory_measure": mem.describe() if hasattr(mem, "describe") else None,
         "allgather_bytes_per_step": gathered,
         "allgather_bytes_counted_per_step": counted,
-        "allgather_calls_per_step": calls,
-        "allgather_calls_steady": statistics.median(calls[1:]) if len(calls) > 1 else (calls[0] if calls else 0),
-        "allgather_bytes_first_step": first,
-        "allgather_bytes_steady": steady_bytes,
+        "allgather_bytes_first_step": gathered[0] if gathered else 0,
+        "allgather_bytes_steady": steady(gathered),
         "h2d_bytes_per_step": h2d,
-        "h2d_bytes_steady": h2d_steady,
+        "h2d_bytes_steady": steady(h2d),
         "micro_batch_splits": splits,
         "final_loss": losses[-1],
-        "heldout_loss": float(out.loss),
+        "heldout_loss": heldout,
     }
+    result.update(engine.run_figures(per_step, tensor_peak, mem))
     if primary:
         result["segments"] = [{k: v for k, v in seg.items() if k in ("first_step", "last_step", "pool_budget")}
                               for seg in segments]
         label = _segments_label(segments)
         if label is not None:
             result["losses_label"] = label
-    if engine.kind in ("elastic", "planned"):
-        result["budget_bytes"] = engine.budget_bytes
-        result["frozen_bytes"] = engine.frozen_bytes
-        result["runtime_stats"] = engine.runtime.stats()
-    planner = getattr(engine, "planner", None)
-    if planner is not None:
-        result.update(planner.report())
-    if primary:
-        result["probe_logits"] = out.logits.detach().float().cpu()
+        result["probe_logits"] = probe_logits
     return result
-
-
-def model_inputs(batch: dict, a: int | None = None) -> dict:
-    """The forward's keyword arguments: micro-step `a` of a batch (or the whole batch). Packed
-    records carry position ids, which confine attention to each record only without a KV cache
-    (transformers' masking_utils detects packed sequences when no cache is passed), hence
-    use_cache=False ([Note: records are packed, attention stays in each record] in sft.py)."""
-    out = {k: (v if a is None else v[a]) for k, v in batch.items()}
-    if "position_ids" in out:
-        out["use_cache"] = False
-    return out
-
-
-def _steady(per_step: list) -> float:
-    """The mean of a per-step figure over the steps after the first (the first alone if only it ran)."""
-    if len(per_step) > 1:
-        return sum(per_step[1:]) / (len(per_step) - 1)
-    return float(per_step[0] if per_step else 0)
 
 
 def adamw(params, args) -> torch.optim.AdamW:

@@ -1,5 +1,6 @@
-"""The pipelined run of the CLI (`--pp N`, `--compare-pp N`): PipelinedEngine and its training
-loop, checkpoints and adapter, on elastic_kernels.api.pipeline.
+"""The pipelined run of the CLI (`--pp N`, `--compare-pp N`): PipelinedEngine, the engine
+interface (engine.py) on elastic_kernels.api.pipeline, trained by the loop of every engine
+(loop.py); and the choice of the job's main engine (primary_engine, planned_engine).
 
 [Note: the pipelined run and the global batch]
 The global batch of a step stays --micro-batch x --grad-accum x world size sequences whatever
@@ -18,7 +19,8 @@ reordered, tests/finetune/test_pipelined_finetune.py).
 A checkpoint of a pipelined run has the pp = 1 run's format: one PEFT adapter with every
 stage's adapters (PipelinedModel.save_adapter), and optimizer.pt with AdamW's state of every
 adapter parameter under the names and in the order the pp = 1 model lists them (each stage's
-state gathered over the pp group). Resuming maps them back onto each rank's own adapters.
+state gathered over the pp group, on the host: [Note: the optimizer state crosses ranks on
+the host] in loop.py). Resuming maps them back onto each rank's own adapters.
 The run configuration of a pipelined run adds pp, schedule and micro-batch count (they
 change the order of the gradient sums), so a checkpoint resumes only at the same ones; the
 pack layout, residency and window may change (they change no bit).
@@ -26,43 +28,30 @@ pack layout, residency and window may change (they change no bit).
 
 from __future__ import annotations
 
-import math
 import statistics
-import sys
-import time
 
 import torch
 import torch.nn as nn
 
 from ..distributed.agree import exchange
 from ..loading import LoadError
-from ..nn import PEFT_PREFIX, adapter_state_dict
 from ..pipeline import PipelinedModel, PipelineError, PipelineLayout, pipeline_groups
 from .agreement import agree_error
-from .checkpoints import write_checkpoint
-from .constants import ADAM_BETAS, ADAM_EPS
+from .engine import Engine, steady
 from .engines import ElasticEngine, _collective_build, _collective_build_on_meta, _nonfinite_loaded
 from .errors import FinetuneError
-from .files import save_adapter_agreed as save_elastic_adapter_agreed
-from .loop import (
-    _lr_at,
-    _restore_rng,
-    _seed_rng,
-    _segments_label,
-    _sync,
-    _tokens_per_s,
-    nan_message,
-    train,
-)
 from .models import lora_config_of
-from .options import policy_of
-from .pipeline_layout import compare_pp_is_main, layer_costs, layout_of, pipeline_notices  # noqa: F401 - re-exported
+from .pipeline_layout import layout_of
+from .policy import policy_of
 
 
-class PipelinedEngine:
-    """The job's model as a pipeline ([Note: the pipelined run and the global batch])."""
+class PipelinedEngine(Engine):
+    """The job's model as a pipeline ([Note: the pipelined run and the global batch]): each
+    step one PipelinedModel.train_step over M micro-batches; the checkpoint in the pp = 1
+    format ([Note: pipelined checkpoints])."""
 
     kind = "pipelined"
+    measures_tensor_peak = False  # a pipelined run reports its peak memory only (its last step is not profiled)
 
     def __init__(self, job, pp: int, layout: PipelineLayout | None = None, micro_batch_size: int | None = None,
                  plan=None, option: str = "--pp"):
@@ -98,191 +87,101 @@ class PipelinedEngine:
                      f"{layout.residency[0]}{where}")
         self.frozen_bytes = self.model.frozen_bytes_of_packs()
         self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
+        self.weight_format = args.weight_format
+
+    # ------------------------------------------------------------ a step
 
     def params(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
 
+    def train_mode(self) -> None:
+        """Nothing: train_step puts this rank's packs in training mode."""
+
     def batch(self, job, step: int) -> torch.Tensor:
-        """This dp group's share of step `step`: [M x micro-batch size, seq_len]."""
+        """This dp group's share of step `step`: [M x micro-batch size, seq_len], on the device."""
         m = self.layout.micro_batches
         b = job.windows.batch(job.args.seed, step, self.groups.dp, self.groups.dp_rank, self.micro_batch_size, m)
-        return b.reshape(m * self.micro_batch_size, -1)
+        return b.reshape(m * self.micro_batch_size, -1).to(job.device)
+
+    def run_step(self, job, batch: torch.Tensor, opt) -> float:
+        loss = self.model.train_step(batch)  # the loss agreed over the world
+        self.optimizer_step(opt)
+        return loss
+
+    def split(self) -> tuple[int, int]:
+        return self.micro_batch_size, self.layout.micro_batches
+
+    # ------------------------------------------------------------ figures
+
+    def gathered_bytes(self) -> int:
+        return self.model.stats()["allgather_bytes"]
+
+    def h2d_bytes(self) -> int:
+        return self.model.stats()["h2d_bytes"]
+
+    def step_figures(self) -> dict:
+        """The step's P2P bytes sent by this rank and each rank's idle share of it (the bubble)."""
+        st = self.model.last_step
+        return {"p2p": st["p2p_send_bytes"],
+                "idle": [round(s / st["step_s"], 4) if st["step_s"] > 0 else 0.0 for s in st["idle_s_per_rank"]]}
+
+    def run_figures(self, per_step: dict[str, list], tensor_peak: int | None, memory) -> dict:
+        p2p, idle = per_step.get("p2p", []), per_step.get("idle", [])
+        return {
+            "p2p_bytes_per_step": p2p,
+            "p2p_bytes_steady": steady(p2p),
+            "bubble_per_rank_per_step": idle,
+            "bubble_per_rank": [statistics.median(s[r] for s in idle[1:] or idle) for r in range(len(idle[0]))]
+            if idle else [],
+            "pipeline": self.layout.to_dict(),
+            "pipeline_plan": None if self.plan is None else self.plan.to_dict(),
+            "frozen_bytes": self.frozen_bytes,
+            "frozen_bytes_held": self.model.frozen_bytes_held(),
+            "runtime_stats": self.model.stats(),
+        }
+
+    # ------------------------------------------------------------ checkpoints
+
+    def budget_label(self, args) -> str:
+        return "pipelined"
+
+    def param_order(self) -> list[str]:
+        """The pp = 1 model's order ([Note: pipelined checkpoints])."""
+        return self.model.param_order()
+
+    def gather_states(self, mine: dict) -> list[dict]:
+        """Every stage's optimizer state: a collective over the pp group."""
+        return exchange(mine, self.model.groups.pp_group, what="gathering the optimizer state of every stage")
+
+    def load_adapter(self, path: str) -> None:
+        self.model.load_adapter(path)
+
+    def save_adapter(self, job, folder: str, what: str) -> None:
+        """PipelinedModel.save_adapter (a collective), its failure one message on every rank."""
+        err = None
+        try:
+            self.model.save_adapter(folder)
+        except PipelineError as exc:
+            err = f"{what}: {exc}"
+        agree_error(err, job.world_size)
+
+    def adapters(self) -> dict:
+        """Every stage's adapters under PEFT's names, a copy (a collective over the pp group)."""
+        return {k: v.clone() for k, v in self.model.adapter_state_dict().items()}
+
+    # ------------------------------------------------------------ the end
+
+    def evaluate(self, job, logits: bool) -> tuple[float, torch.Tensor | None]:
+        """The held-out loss of the probe batch, and its logits from a rank of dp group 0 that
+        holds the last pack (a collective either way)."""
+        heldout, mine = self.model.evaluate(job.windows.probe)
+        every = exchange(None if mine is None or self.model.groups.dp_rank != 0 else mine.float().cpu(),
+                         what="the probe's logits")
+        return heldout, next(x for x in every if x is not None) if logits else None
 
     def close(self) -> None:
         self.model.close()
 
-
-# ---------------------------------------------------------------- checkpoints
-
-def gathered_optimizer_state(model: PipelinedModel, opt: torch.optim.Optimizer, names: list[str]) -> dict:
-    """optimizer.pt's content in the pp = 1 format ([Note: pipelined checkpoints]); a
-    collective over the pp group."""
-    sd = opt.state_dict()
-    # On the host before pickling: a CUDA tensor unpickles onto the device it was saved from, so
-    # every rank would allocate on the other stages' devices, and optimizer.pt would name them.
-    mine = {names[i]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
-            for i, entry in sd["state"].items()}
-    every = exchange(mine, model.groups.pp_group, what="gathering the optimizer state of every stage")
-    full = {}
-    for part in every:
-        full.update(part)
-    order = model.param_order()
-    group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-    group["params"] = list(range(len(order)))
-    return {"state_dict": {"state": {i: full[n] for i, n in enumerate(order) if n in full}, "param_groups": [group]},
-            "param_names": order}
-
-
-def local_optimizer_state(state: dict, param_names: list[str], names: list[str]) -> dict:
-    """The entries of a pp = 1-format optimizer state for this rank's parameters `names`."""
-    index = {n: i for i, n in enumerate(param_names)}
-    group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-    group["params"] = list(range(len(names)))
-    return {"state": {j: state["state"][index[n]] for j, n in enumerate(names) if index[n] in state["state"]},
-            "param_groups": [group]}
-
-
-def save_adapter_agreed(job, model: PipelinedModel, folder: str, what: str) -> None:
-    """PipelinedModel.save_adapter, its failure one message on every rank."""
-    err = None
-    try:
-        model.save_adapter(folder)
-    except PipelineError as exc:
-        err = f"{what}: {exc}"
-    agree_error(err, job.world_size)
-
-
-# ---------------------------------------------------------------- training
-
-def train_pipelined(job, engine: PipelinedEngine, counter, primary: bool) -> dict:
-    """train() of python_api/finetune/loop.py for a pipelined engine: the same learning rate,
-    RNG, checkpoints and measurements, one PipelinedModel.train_step per optimizer step."""
-    from tqdm import tqdm
-
-    args, rank, W, device = job.args, job.rank, job.world_size, job.device
-    model = engine.model
-    named = engine.params()
-    names = [n for n, _ in named]
-    opt = torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                            weight_decay=args.weight_decay)
-    start, losses, segments = 0, [], []
-    if primary and job.resume is not None:
-        r = job.resume
-        if r.param_names != model.param_order():
-            raise FinetuneError(f"checkpoint {r.path}: its optimizer state belongs to other parameters than this "
-                                "model's adapters")
-        try:
-            model.load_adapter(r.path)
-            opt.load_state_dict(local_optimizer_state(r.optimizer, r.param_names, names))
-        except (PipelineError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise FinetuneError(f"checkpoint {r.path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
-        start, losses, segments = r.step, list(r.losses), list(r.segments)
-        _restore_rng(r.rng, device)
-        job.checkpoint_step = r.step
-    else:
-        _seed_rng(args.seed, rank, device)
-    mem = job.memory
-    mem.reset_peak()
-    tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
-    times, gathered, counted, h2d, p2p, idle = [], [], [], [], [], []
-
-    def segment(peak) -> dict:
-        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": "pipelined",
-                "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
-                "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
-
-    def checkpoint(step: int, segs: list[dict]) -> None:
-        state = gathered_optimizer_state(model, opt, names)
-        write_checkpoint(job, model, opt, names, step, losses, segs, optimizer_state=state,
-                         save_adapter=lambda folder, what: save_adapter_agreed(job, model, folder, what))
-
-    bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
-               dynamic_ncols=True, leave=True, file=sys.stderr)
-    for step in range(start, args.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(args, step)
-        batch = engine.batch(job, step).to(device)
-        c0 = counter.bytes
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = model.train_step(batch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        st = model.last_step
-        gathered.append(st["allgather_bytes"])
-        counted.append(counter.bytes - c0)
-        h2d.append(st["h2d_bytes"])
-        p2p.append(st["p2p_send_bytes"])
-        idle.append([round(s / st["step_s"], 4) if st["step_s"] > 0 else 0.0 for s in st["idle_s_per_rank"]])
-        if not math.isfinite(loss):
-            raise FinetuneError(nan_message(job, engine, loss, step, start, named))
-        losses.append(loss)
-        steady = _tokens_per_s(times, tokens_per_step)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{steady:.0f}" if steady else "-")
-        bar.update(1)
-        if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            checkpoint(step + 1, segments + [segment(mem.peak_above_baseline())])
-    bar.close()
-    peak = mem.peak_above_baseline()
-    first_step = start + 1
-    if primary and times:
-        segments = segments + [segment(peak)]
-        checkpoint(args.steps, segments)
-    elif primary and segments:  # resumed at the last step: the figures of the process that trained last
-        last = segments[-1]
-        times, gathered, counted = last["step_times_s"], last["allgather_bytes_per_step"], \
-            last["allgather_bytes_counted_per_step"]
-        peak, first_step = last["peak_memory_bytes"], last["first_step"]
-    heldout, logits = model.evaluate(job.windows.probe)
-    every = exchange(None if logits is None or model.groups.dp_rank != 0 else logits.float().cpu(),
-                     what="the probe's logits")
-    probe_logits = next(x for x in every if x is not None)
-
-    def steady_of(xs):
-        return (sum(xs[1:]) / (len(xs) - 1)) if len(xs) > 1 else float(xs[0] if xs else 0)
-
-    result = {
-        "name": engine.name,
-        "kind": engine.kind,
-        "losses": losses,
-        "steps_run": len(times),
-        "first_step": first_step,
-        "step_times_s": times,
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": _tokens_per_s(times, tokens_per_step) or (tokens_per_step / times[0] if times else None),
-        "peak_memory_bytes": peak,
-        "allgather_bytes_per_step": gathered,
-        "allgather_bytes_counted_per_step": counted,
-        "allgather_bytes_first_step": gathered[0] if gathered else 0,
-        "allgather_bytes_steady": steady_of(gathered),
-        "h2d_bytes_per_step": h2d,
-        "h2d_bytes_steady": steady_of(h2d),
-        "p2p_bytes_per_step": p2p,
-        "p2p_bytes_steady": steady_of(p2p),
-        "bubble_per_rank_per_step": idle,
-        "bubble_per_rank": [statistics.median(s[r] for s in idle[1:] or idle) for r in range(W)] if idle else [],
-        "micro_batch_splits": [(engine.micro_batch_size, engine.layout.micro_batches)] * len(times),
-        "final_loss": losses[-1],
-        "heldout_loss": heldout,
-        "pipeline": engine.layout.to_dict(),
-        "pipeline_plan": None if engine.plan is None else engine.plan.to_dict(),
-        "frozen_bytes": engine.frozen_bytes,
-        "frozen_bytes_held": model.frozen_bytes_held(),
-        "runtime_stats": model.stats(),
-    }
-    if primary:
-        result["segments"] = [{k: v for k, v in seg.items() if k in ("first_step", "last_step", "pool_budget")}
-                              for seg in segments]
-        label = _segments_label(segments)
-        if label is not None:
-            result["losses_label"] = label
-        result["probe_logits"] = probe_logits
-    return result
-
-
-# ---------------------------------------------------------------- what runner.run calls
 
 def primary_engine(job):
     """The job's main engine: pipelined with --pp > 1, else the elastic one (planned with --plan
@@ -355,27 +254,3 @@ def planned_engine(job):
     if pp1 is None:
         raise FinetuneError(f"--plan auto: no plan fits {cap} bytes per rank, at pp 1 or pipelined")
     return ElasticEngine(job, args.pool_budget, planned=True)
-
-
-def train_engine(job, engine, counter, primary: bool) -> dict:
-    return (train_pipelined if engine.kind == "pipelined" else train)(job, engine, counter, primary=primary)
-
-
-def engine_adapters(engine) -> dict:
-    """The engine's adapters under PEFT's names, a copy (every stage's: a collective for a pipeline)."""
-    full = engine.model.adapter_state_dict() if engine.kind == "pipelined" else adapter_state_dict(engine.model)
-    return {k: v.clone() for k, v in full.items() if k.startswith(PEFT_PREFIX)}
-
-
-def save_engine_adapter(job, engine, folder: str, what: str) -> None:
-    if engine.kind == "pipelined":
-        save_adapter_agreed(job, engine.model, folder, what)
-    else:
-        save_elastic_adapter_agreed(job, engine.model, folder, what)
-
-
-def close_engine(engine) -> None:
-    """Release what an engine holds beyond its model (a pipeline's groups, DeepSpeed's hooks
-    and buffers); the engines without a close() hold nothing more."""
-    if hasattr(engine, "close"):
-        engine.close()

@@ -36,7 +36,7 @@ from ..planning.measure import ProfileBelowTensorsError, ProfileBoundError, meas
 from .constants import PROG
 from .errors import FinetuneError
 from .files import agreed_write, write_json
-from .options import fmt_bytes
+from .option_values import fmt_bytes
 
 _REPLAN_TOLERANCE = 0.05
 

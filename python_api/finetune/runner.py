@@ -25,17 +25,11 @@ from .files import (
     write_text_atomic,
 )
 from .job import Job
+from .loop import train
 from .measure import AllGatherCounter, PeakMemory, device_name
-from .options import budget_label
-from .pipelined import (
-    PipelinedEngine,
-    close_engine,
-    compare_pp_is_main,
-    engine_adapters,
-    primary_engine,
-    save_engine_adapter,
-    train_engine,
-)
+from .option_values import budget_label
+from .pipeline_layout import compare_pp_is_main
+from .pipelined import PipelinedEngine, primary_engine
 
 
 def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:
@@ -93,12 +87,11 @@ def run(job: Job) -> dict:
             # 1. the elastic run (checkpointed, its adapter exported)
             job.memory.set_baseline()
             engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
-            # A copy: adapter_state_dict's CPU tensors share storage with the parameters.
-            job.initial_adapters = engine_adapters(engine)
-            result = _with_format(job, engine, train_engine(job, engine, counter, primary=True))
+            job.initial_adapters = engine.adapters()  # a copy, what the comparisons start from
+            result = train(job, engine, counter, primary=True)
             probe_logits = result.pop("probe_logits")
             runs.append(result)
-            save_engine_adapter(job, engine, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+            engine.save_adapter(job, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
 
             if args.sample_tokens:
                 agreed_write(job, lambda: _reload_and_sample(job), "the saved adapter could not be reloaded")
@@ -112,15 +105,15 @@ def run(job: Job) -> dict:
                          "logits": probe_logits.contiguous()}, p))
 
             agreed_write(job, probe, "the probe batch was not saved")  # also the barrier after the elastic run
-            close_engine(engine)
+            engine.close()
             del engine
             gc.collect()
             # 2. the comparisons, each from scratch
             for _, build in comparison_builds(job, counter, skipped):
                 job.memory.set_baseline()
                 engine = build()
-                runs.append(_with_format(job, engine, train_engine(job, engine, counter, primary=False)))
-                close_engine(engine)  # DeepSpeed's engine and a pipeline release their hooks and buffers
+                runs.append(train(job, engine, counter, primary=False))
+                engine.close()  # DeepSpeed's engine and a pipeline release their hooks and buffers
                 del engine
                 gc.collect()
                 dist.barrier()
@@ -162,14 +155,6 @@ def _reload_and_sample(job: Job) -> None:
     for smp in s["samples"]:
         print(f"{PROG}: sample ({s['sample_tokens']} greedy tokens) {smp['prompt']!r}\n  before: {smp['before']!r}\n"
               f"  after:  {smp['after']!r}", flush=True)
-
-
-def _with_format(job: Job, engine, result: dict) -> dict:
-    """The run's weight format ("none", "nf4", "int8"): the numerics its losses are compared
-    within ([Note: the loss gap to the baseline] in report.py). A pipelined run has the job's."""
-    default = job.args.weight_format if engine.kind == "pipelined" else "none"
-    result.setdefault("weight_format", getattr(engine, "weight_format", default))
-    return result
 
 
 def _warn(lines: list[str]) -> None:

@@ -443,7 +443,7 @@ def test_no_sync_reduces_once_per_accumulation():
 
 
 def test_pool_budget_option():
-    from elastic_kernels.api.finetune.options import _budget, budget_label
+    from elastic_kernels.api.finetune.option_values import _budget, budget_label
 
     assert _budget("all") is None and _budget("0") == 0 and _budget("64MiB") == 64 << 20
     assert _budget("1.5GiB") == 3 << 29 and _budget("2k") == 2048 and _budget("50%") == ("fraction", 0.5)

@@ -1,6 +1,6 @@
 """The fine-tuning CLI's handling of its inputs, in process (no launch; a few seconds in all):
 option values that start with '-', sizes in decimal units, the default dtype of a model
-directory, options a run ignores ([Note: options a run ignores] in python_api/finetune/options.py),
+directory, options a run ignores ([Note: options a run ignores] in python_api/finetune/option_checks.py),
 and the report's warning for a loss gap to the baseline beyond rounding ([Note: the loss gap to
 the baseline] in python_api/finetune/report.py).
 """
@@ -49,7 +49,7 @@ def test_a_missing_value_is_still_reported(capsys):
 
 
 def test_decimal_and_binary_sizes():
-    from elastic_kernels.api.finetune.options import _size
+    from elastic_kernels.api.finetune.option_values import _size
 
     assert _size("40GB") == 40 * 10**9 and _size("40GiB") == 40 << 30 and _size("40G") == 40 << 30
     assert _size("512MB") == 512 * 10**6 and _size("1TiB") == 1 << 40 and _size("2k") == 2048
@@ -107,7 +107,7 @@ def test_ignored_options_are_named(tmp_path):
 def test_ignored_options_change_nothing_they_should_not(tmp_path):
     """--weights-on host --compare-host trains the main run once (no duplicate comparison); one
     rank with --host-fraction builds no host store and is not labelled as taking from it."""
-    from elastic_kernels.api.finetune.options import policy_of
+    from elastic_kernels.api.finetune.policy import policy_of
     from elastic_kernels.api.finetune.runner import comparison_builds
 
     job = _prepare(TINY + ["--weights-on", "host", "--compare-host", "--baseline", "fsdp2", "--save-dir",

@@ -1,6 +1,6 @@
 """--model resolution, the tokenizer refusal and the learning-rate defaults of the CLI
 ([Note: what --model names], [Note: the tokenizer is never silently replaced] in
-python_api/finetune/models.py; [Note: learning-rate defaults] in options.py). Every case runs
+python_api/finetune/models.py; [Note: learning-rate defaults] in policy.py). Every case runs
 prepare() only (no process group, no step) on tiny configurations, but for the two that use the
 real model (the `real_model` fixture fetches it into the cache where it is absent)."""
 
@@ -118,7 +118,8 @@ def test_a_hub_snapshot_in_the_local_cache_is_used_offline(tmp_path, monkeypatch
 def test_learning_rate_defaults(tmp_path):
     """Pretrained: 2e-4, warm-up a tenth of the steps, cosine to 0; tiny: 2e-3 constant; the
     schedule's values against the closed form."""
-    from elastic_kernels.api.finetune.options import lr_at, parse_args, resolve_training_defaults
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.policy import lr_at, resolve_training_defaults
 
     args = parse_args(["--steps", "20"])
     resolve_training_defaults(args, pretrained=True)

@@ -116,7 +116,7 @@ def test_packed_rows_equal_each_record_alone(tok_dir):
     """Packed records (position ids restarting, no cache) get exactly the logits each record gets
     alone: attention stays in the record; the first token of each record has no label."""
     from elastic_kernels.api.finetune import embedded_config, embedded_model
-    from elastic_kernels.api.finetune.loop import model_inputs
+    from elastic_kernels.api.finetune.engine import model_inputs
     from elastic_kernels.api.finetune.sft import IGNORE, Record, build_rows, tokenize_record
 
     tok = _hf(tok_dir)

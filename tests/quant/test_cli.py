@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from elastic_kernels.api.finetune.options import parse_args, policy_of
+from elastic_kernels.api.finetune.options import parse_args
+from elastic_kernels.api.finetune.policy import policy_of
 
 BASE = ["--model", "tiny", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
         "--num-kv-heads", "2", "--seq-len", "16", "--micro-batch", "2", "--chunk-kib", "1",

@@ -262,7 +262,8 @@ def test_cli_host_weights_nf4(tmp_path):
     """--weights-on host --weight-format nf4 on 2 ranks, 2 steps, the whole pool: the first step
     copies every chunk into each rank's pool once, i.e. exactly the quantized weights' bytes
     (frozen_bytes, as stored), the second nothing; --compare-host with a format is accepted."""
-    from elastic_kernels.api.finetune.options import parse_args, policy_of
+    from elastic_kernels.api.finetune.options import parse_args
+    from elastic_kernels.api.finetune.policy import policy_of
     from tests.finetune.test_finetune import summary_of, torchrun
     from tests.quant.test_cli import BASE
 

@@ -16,11 +16,13 @@ with an elastic nf4 run's within the NF4 tolerance ([Note: the NF4 peer's loss t
 python_api/finetune/report.py).
 
 [Note: engines that own their optimizer step]
-`train()` drives every engine alike: `accumulate(is_last)` around each micro-step's forward
-and `(loss / accum).backward()`, then one optimizer step. An engine whose framework owns the
-step (DeepSpeed: ZeRO-3 steps its own partitions) carries `optimizer`, the torch AdamW it
-handed over (the loop's learning-rate schedule writes its param_groups), and
-`optimizer_step()`, which replaces `opt.step(); opt.zero_grad()`. The others have neither.
+`train()` drives every engine alike (python_api/finetune/engine.py, [Note: the engine
+interface]): `accumulate(is_last)` around each micro-step's forward and
+`(loss / accum).backward()`, then `optimizer_step(opt)`, by default `opt.step();
+opt.zero_grad()`. An engine whose framework owns the step (DeepSpeed: ZeRO-3 steps its own
+partitions) carries `optimizer`, the torch AdamW it handed over (the loop's learning-rate
+schedule writes its param_groups, and the loop steps no other), and overrides
+`optimizer_step`. The others carry None and get the loop's AdamW.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..agreement import agree_error
 from ..engines import FSDP2Engine, fsdp2_reshard_error
 from ..errors import FinetuneError
 from ..job import Job
-from ..options import PEERS
+from ..option_values import PEERS
 from .ddp import DDPEngine
 from .fsdp2_nf4 import FSDP2NF4Engine, import_to_nf4, shape_error
 from .zero3 import ZeRO3Engine, ZeRO3Setting, import_deepspeed, setting_error

@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from ..engine import Engine
 from ..engines import _collective_build, peft_with_initial_adapters
 from ..job import Job
 
 
-class DDPEngine:
+class DDPEngine(Engine):
     """The base model replicated on every rank, PEFT LoRA, DistributedDataParallel."""
 
     kind = "ddp"
@@ -47,17 +48,8 @@ class DDPEngine:
         self.counter = counter
         self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
 
-    def before_step(self, step: int) -> None:
-        pass
-
-    def params(self):
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-
     def accumulate(self, is_last: bool):
         return contextlib.nullcontext() if is_last else self.model.no_sync()
 
     def gathered_bytes(self) -> int:
         return self.counter.bytes
-
-    def h2d_bytes(self) -> int:
-        return 0

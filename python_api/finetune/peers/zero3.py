@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..agreement import agree_error
+from ..engine import Engine
 from ..engines import _check_finite_weights, peft_with_initial_adapters
 from ..errors import FinetuneError
 from ..job import Job
@@ -210,7 +211,7 @@ def _point_backend_at_current_collectives() -> None:
     cdb.reduce_scatter_function = cdb.get_reduce_scatter_function()
 
 
-class ZeRO3Engine:
+class ZeRO3Engine(Engine):
     """DeepSpeed ZeRO-3 + PEFT LoRA (see the module docstring)."""
 
     kind = "deepspeed"
@@ -263,9 +264,6 @@ class ZeRO3Engine:
                     f"weights), the job asked for {want}")
         return None
 
-    def before_step(self, step: int) -> None:
-        pass
-
     def params(self):
         return [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
 
@@ -286,15 +284,13 @@ class ZeRO3Engine:
             block, self._coalescing = self._coalescing, None
             block.__exit__(None, None, None)
 
-    def optimizer_step(self) -> None:
-        """DeepSpeed's step: AdamW on this rank's partitions, gradients cleared."""
+    def optimizer_step(self, opt) -> None:
+        """DeepSpeed's step: AdamW (`opt`, this engine's `optimizer`) on this rank's partitions,
+        gradients cleared."""
         self.model.step()
 
     def gathered_bytes(self) -> int:
         return self.counter.bytes
-
-    def h2d_bytes(self) -> int:
-        return 0
 
     def close(self) -> None:
         self.model.destroy()
