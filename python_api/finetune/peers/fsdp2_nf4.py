@@ -106,14 +106,14 @@ from ..formats import elastic_weights
 from ..job import Job
 
 SCALER_BLOCK = 256  # torchao's scaler_block_size (bitsandbytes' nested block is 256 too)
-# The demo model (python_api/finetune/constants.py EMBEDDED: hidden 256, 8 heads) sized for this
-# peer and for the quantized formats, as `make demo`'s NF4 part, bench_quant --demo and
-# bench_frontier --preset nf4 run it: its intermediate size 688 is no multiple of the nf4 block
-# (64) and its k/v projections (4 KV heads: 128 x 256) hold 32768 weights, which torchao cannot
-# split over 4 ranks. With intermediate 768 and 8 KV heads every quantized weight holds a
-# multiple of 65536 = 64 x 256 x 4 (q/k/v/o 256 x 256, gate/up 768 x 256, down 256 x 768): it
-# qualifies on 2 and 4 ranks (not 3, nor 8; the peer needs 2 at least), and every row length
-# is a multiple of the nf4 and int8 blocks (64, 256).
+# The demo model (python_api/finetune/constants.py EMBEDDED: hidden 256, 8 heads) sized so this
+# peer takes every quantized weight unpadded, as bench_quant --demo and bench_frontier --preset
+# nf4 run it (`make demo` runs QLoRA on the real model, padded: [Note: NF4 weights torchao cannot
+# split]): its intermediate size 688 is no multiple of the nf4 block (64) and its k/v projections
+# (4 KV heads: 128 x 256) hold 32768 weights, which torchao cannot split over 4 ranks. With
+# intermediate 768 and 8 KV heads every quantized weight holds a multiple of 65536 = 64 x 256 x 4
+# (q/k/v/o 256 x 256, gate/up 768 x 256, down 256 x 768): it splits on 2 and 4 ranks (not 3,
+# nor 8), and every row length is a multiple of the nf4 and int8 blocks (64, 256).
 NF4_DEMO_OPTIONS = ("--model", "tiny", "--intermediate-size", "768", "--num-kv-heads", "8")
 DEFAULT_BLOCK = 64  # bitsandbytes' and torchao's NF4 block
 INSTALL_HINT = "pip install torchao (requirements.txt pins 0.18.0)"
