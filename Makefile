@@ -49,14 +49,15 @@ test-noext: setup
 # nested scales, at budget all and 0), beside FSDP2 + PEFT and FSDP2 over torchao NF4 weights
 # (torchtune's QLoRA; its attention weights padded to what torchao splits: [Note: NF4 weights
 # torchao cannot split] in python_api/finetune/peers/fsdp2_nf4.py; it needs 2 ranks, so on one
-# GPU it is left out), 4 steps of 2 sequences x 128 tokens, with the held-out loss before and
-# after and two greedy samples, into out/demo/. The peers' rows that a step of the real model
-# makes too slow for this target on the 2-core VM (DeepSpeed, DDP, the host store, the planner:
-# its profile of 30 layers takes minutes, issue 31; pipelines train text windows only) run on
-# the tiny random model (--model tiny) as before, 4 processes, into out/demo-tiny/; then one
+# GPU it is left out), 3 steps of 2 sequences x 128 tokens (4 until QLoRA joined it), with the
+# held-out loss before and after and two greedy samples, into out/demo/. The peers' rows that a
+# step of the real model makes too slow for this target on the 2-core VM (DeepSpeed, DDP, the
+# host store, the planner: its profile of 30 layers takes minutes, issue 31; pipelines train
+# text windows only) run on the tiny random model (--model tiny) as before, 4 processes, into out/demo-tiny/; then one
 # process streaming the tiny model's weights from the host store through a pool of 25%, 50%
-# and all of the frozen bytes, into out/demo-host/ (each replaced on each run). DEMO_ARGS adds
-# options to all three, e.g. DEMO_ARGS="--steps 10". Measured time: NOTES.md ("The
+# and all of the frozen bytes, into out/demo-host/ (each replaced on each run); both 10 steps
+# (30 until QLoRA on the real model took the time of the tiny nf4 job and more). DEMO_ARGS adds
+# options to all three, e.g. DEMO_ARGS="--steps 5". Measured time: NOTES.md ("The
 # application").
 DEMO_ARGS ?=
 demo: build
@@ -64,17 +65,17 @@ demo: build
 	peers=$$([ $$nreal -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
 	echo "make demo: the real model, $$nreal processes, full precision and nf4 beside $$peers, output in out/demo/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nreal -m elastic_kernels.api.finetune \
-		--steps 4 --micro-batch 1 --grad-accum 1 --compare-budgets 0 --compare-format nf4 --quant-nested \
+		--steps 3 --micro-batch 1 --grad-accum 1 --compare-budgets 0 --compare-format nf4 --quant-nested \
 		--baseline $$peers --save-dir out/demo --overwrite $(DEMO_ARGS)
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	pp=$$([ $$((nproc % 2)) -eq 0 ] && echo "--compare-pp 2"); \
 	echo "make demo: the tiny model, $$nproc processes, output in out/demo-tiny/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nproc -m elastic_kernels.api.finetune --model tiny \
-		--baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
+		--steps 10 --baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
 		--memory-cap 48MiB --save-dir out/demo-tiny --overwrite $(DEMO_ARGS)
 	@echo "make demo: 1 process, weights on host, output in out/demo-host/"
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m elastic_kernels.api.finetune --model tiny \
-		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
+		--steps 10 --weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
 
 # CPU benchmarks, one intra-op thread per process (two threads on these shared cores stall at
 # OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.
