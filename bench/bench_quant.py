@@ -160,6 +160,7 @@ def demo(argv) -> int:
         NF4_DEMO_OPTIONS,
         FSDP2NF4Engine,
         nf4_gathered_bytes,
+        padded_numel,
         shape_error,
     )
     from elastic_kernels.api.finetune.report import nf4_gap_bound
@@ -215,8 +216,9 @@ def demo(argv) -> int:
     def nf4_peer():
         engine = FSDP2NF4Engine(job, counter)
         meta = job.spec.meta_model()
-        stored["fsdp2-nf4"] = sum(nf4_gathered_bytes(meta.get_submodule(n).weight.numel(), engine.block)
-                                  for n in engine.nf4_weights)
+        stored["fsdp2-nf4"] = sum(  # padded where torchao cannot split a weight as it is
+            nf4_gathered_bytes(padded_numel(tuple(meta.get_submodule(n).weight.shape), engine.block, job.world_size),
+                               engine.block) for n in engine.nf4_weights)
         return engine
 
     with AllGatherCounter() as counter:
