@@ -237,7 +237,8 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
                 if diff > bound:
                     warnings.append(report.loss_gap_warning(r["name"], diff, n, bound, dtype))
             else:
-                bound = report.nf4_gap_bound(dtype, base["losses"][:n])
+                fp = next((x for x in runs if x["kind"] == report.REFERENCE_PEERS["none"][0] and x.get("losses")), None)
+                bound = report.nf4_gap_bound(dtype, base["losses"][:n], fp["losses"] if fp else None)
                 r["loss_gap_bound"] = bound
                 r[f"loss_gap_vs_{key}"] = "beyond the NF4 tolerance" if diff > bound else "within the NF4 tolerance"
                 if diff > bound:
