@@ -344,8 +344,13 @@ class BnbNF4Weight(PackedRows):
         cols, rpc = self.cols, qlayout.rows_per_chunk
         self.nonfinite = 0
 
-        def count(scales: torch.Tensor) -> None:
-            self.nonfinite += int((~torch.isfinite(scales)).sum()) * BNB_BLOCK
+        numel = self.rows_ * cols
+
+        def count(scales: torch.Tensor, b0: int) -> None:
+            """Add the weights of blocks b0, b0 + 1, ... whose scale is not finite (the
+            weight's last block may be partial)."""
+            bad = (~torch.isfinite(scales)).nonzero().reshape(-1) + b0
+            self.nonfinite += int(torch.clamp(numel - bad * BNB_BLOCK, max=BNB_BLOCK).sum())
 
         def read(b: int, e: int) -> torch.Tensor:
             c, lo, hi = qlayout.blob_span(b, e)
@@ -366,11 +371,12 @@ class BnbNF4Weight(PackedRows):
             def fp32_scales(a: int, z: int) -> torch.Tensor:
                 k0, k1 = a // 4, -(-z // 4)
                 s = self._scales(first_block + k0, first_block + k1)
-                count(s[(1 if a % 4 else 0):])  # a scale is counted by the slice holding its first byte
+                skip = 1 if a % 4 else 0  # a scale is counted by the slice holding its first byte
+                count(s[skip:], first_block + k0 + skip)
                 return s.contiguous().view(torch.uint8)[a - 4 * k0: z - 4 * k0]
 
             def scale_codes(a: int, z: int) -> torch.Tensor:
-                count(self._scales(first_block + a, first_block + z))
+                count(self._scales(first_block + a, first_block + z), first_block + a)
                 return self._read(f"{self.base}.absmax", first_block + a, first_block + z).to(torch.uint8)
 
             def nested_scales(a: int, z: int) -> torch.Tensor:

@@ -542,6 +542,9 @@ NONFINITE = [
     ("inf-nested-absmax", "llama-nf4-dq", _set("model.layers.1.mlp.up_proj.weight.nested_absmax", 1, float("inf")),
      "model.layers.1.mlp.up_proj.weight", 256 * 64),
     ("nan-before-quantizing", None, None, "model.layers.1.self_attn.q_proj.weight", 64),
+    # issue 28: the last block of a [66, 688] weight is partial: 45408 - 709 x 64 = 32 weights
+    ("nan-partial-block", "llama688-nf4", _set("model.layers.0.mlp.down_proj.weight.absmax", 709, float("nan")),
+     "model.layers.0.mlp.down_proj.weight", 32),
 ]
 
 
@@ -551,7 +554,8 @@ def test_nonfinite_scales_are_refused_or_warned(bnb_checkpoints, tmp_path, case)
     a LoadError naming the weight and its count of non-finite values, unless
     allow_nonfinite=True, which loads it with a NonFiniteWeightsWarning saying the same ([Note:
     non-finite weights on load]). The count is independent of the loader: 64 weights per block
-    of bitsandbytes whose scale was edited (or came out NaN from bitsandbytes' own quantizer)."""
+    of bitsandbytes whose scale was edited (or came out NaN from bitsandbytes' own quantizer),
+    fewer for the weight's partial last block."""
     import warnings
 
     from elastic_kernels.api import load_elastic
