@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <numeric>
 #include <string>
 #include <tuple>
 
@@ -175,15 +176,21 @@ std::string py_dtype(at::ScalarType t) {
   }
 }
 
-// elastic_kernels/quant/_common.py check_block (the format's name prefixes its messages).
-void check_block(const char* op, const char* fmt, int64_t rows, int64_t cols, int64_t block) {
+// elastic_kernels/quant/_common.py check_block and blob.py chunk_formats (the format's name
+// prefixes its messages): any shape (blocks run over the flattened weight), but every chunk
+// but the last holds whole blocks.
+void check_block(const char* op, const char* fmt, int64_t rows, int64_t cols,
+                 int64_t rows_per_chunk, int64_t block) {
   TORCH_CHECK_VALUE(quant::valid_block_size(block), op, ": ", fmt,
                     ": block_size must be a power of two between ", quant::kMinBlock, " and ",
                     quant::kMaxBlock, ", got ", block);
-  TORCH_CHECK_VALUE(cols % block == 0, op, ": ", fmt, ": weight shape (", rows, ", ", cols,
-                    "): the row length ", cols, " is not a multiple of the block size ", block,
-                    "; a chunk holds whole rows and whole quantization blocks, so blocks never "
-                    "straddle chunks");
+  TORCH_CHECK_VALUE(rows_per_chunk >= rows || (rows_per_chunk * cols) % block == 0, op, ": ", fmt,
+                    ": weight shape (", rows, ", ", cols, ") in chunks of ", rows_per_chunk,
+                    " rows: a chunk of ", rows_per_chunk * cols,
+                    " weights is not a whole number of blocks of ", block,
+                    "; a chunk holds whole blocks (only the weight's last may end in a partial "
+                    "one), so rows_per_chunk must be a multiple of ", block / std::gcd(cols, block),
+                    " (block / gcd(row length, block)) or at least ", rows);
 }
 
 }  // namespace
@@ -208,11 +215,11 @@ DequantPlan check_dequant_args(const char* op, at::TensorList blobs, c10::string
                     (n - 1) * rows_per_chunk + 1, " to ", n * rows_per_chunk, " rows, but rows = ",
                     rows, " (every chunk but the last is full)");
   if (plan.format == quant::Format::kNF4) {
-    check_block(op, "nf4", rows, cols, block_size);
+    check_block(op, "nf4", rows, cols, rows_per_chunk, block_size);
   } else {
     TORCH_CHECK_VALUE(!nested, op, ": nested (double quantization of the scales) is an NF4 option; "
                       "int8 has no nested scales");
-    check_block(op, "int8", rows, cols, block_size);
+    check_block(op, "int8", rows, cols, rows_per_chunk, block_size);
   }
   plan.cols = cols;
   plan.block = block_size;

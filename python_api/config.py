@@ -24,6 +24,21 @@ DEFAULT_QUANT_BLOCK = {"nf4": 64, "int8": 256}
 MIN_QUANT_BLOCK, MAX_QUANT_BLOCK = 32, 4096
 
 
+def quant_rows_multiple(cols: int, block: int) -> int:
+    """The fewest rows of `cols` weights that hold whole quantization blocks of `block`:
+    block / gcd(cols, block) (elastic_kernels.quant.rows_multiple, repeated torch-free)."""
+    return block // math.gcd(cols, block)
+
+
+def quant_rows_per_chunk(rows_per_chunk: int, rows: int, cols: int, block: int) -> int:
+    """`rows_per_chunk` rounded so that a chunk holds whole blocks ([Note: quantized chunk
+    blob] in elastic_kernels/quant/blob.py): down to a multiple of `quant_rows_multiple`, or up
+    to one multiple when fewer rows fit (a chunk then exceeds chunk_bytes by under that many
+    rows), at most the weight's rows (one chunk: its last block may be partial)."""
+    m = quant_rows_multiple(cols, block)
+    return min(rows, max(m, rows_per_chunk - rows_per_chunk % m))
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -107,8 +122,9 @@ class ElasticPolicy:
                        each use dequantizes it into the compute dtype right before the GEMM
                        ([Note: quantized frozen weights] in python_api/quant/__init__.py). It
                        changes the model's numerics: the user's choice, never the planner's.
-    quant_block_size   weights per quantization block (a power of two in [32, 4096] that divides
-                       every quantized weight's row length); None: the format's default (nf4 64,
+    quant_block_size   weights per quantization block (a power of two in [32, 4096]; blocks run
+                       over each weight flattened, as bitsandbytes', so any row length is
+                       stored); None: the format's default (nf4 64,
                        as bitsandbytes; int8 256, [Note: int8 block size] in
                        elastic_kernels/quant/int8.py). Only with a weight_format.
     quant_nested       nf4 only: double quantization of the scales (bitsandbytes'
@@ -273,22 +289,27 @@ class ElasticPolicy:
         padded = f".{name}."  # whole components only: "lm_head" is not "lm_head_2"
         return not any(f".{key}." in padded for key in skip)
 
+    def weight_rows_per_chunk(self, name: str, shape, row_bytes: int) -> int:
+        """Whole rows per chunk of weight `name` of `shape` whose rows are `row_bytes` bytes:
+        `rows_per_chunk`, rounded for a weight this policy quantizes so that every chunk but
+        the last holds whole blocks (`quant_rows_per_chunk`: a multiple of block / gcd(row
+        length, block) rows, 4 rows of 688 for block 64; unchanged when the block divides the
+        row)."""
+        rpc = self.rows_per_chunk(row_bytes, name)
+        shape = tuple(int(d) for d in shape)
+        if len(shape) != 2 or not self.quantizes(name):
+            return rpc
+        return quant_rows_per_chunk(rpc, shape[0], shape[1], self.block_size)
+
     def check_quantizable(self, name: str, shape) -> None:
         """Raise, naming the weight and its shape, unless a weight of `shape` can be stored in
-        this policy's weight_format (a 2-D weight whose row length is a multiple of the block:
-        blocks never straddle chunks). Nothing to check for a weight the policy does not
-        quantize (`quantizes`)."""
+        this policy's weight_format: a 2-D weight [out, in], of any row length (blocks run over
+        the flattened weight, as bitsandbytes'). Nothing to check for a weight the policy does
+        not quantize (`quantizes`)."""
         if not self.quantizes(name):
             return
         shape = tuple(int(d) for d in shape)
-        block = self.block_size
         if len(shape) != 2:
             raise ValueError(
                 f"{name}: weight_format={self.weight_format!r} stores 2-D weights [out, in] in blocks of rows; "
                 f"this weight has shape {shape}")
-        if shape[1] % block:
-            raise ValueError(
-                f"{name}: weight shape {shape}: its row length {shape[1]} is not a multiple of the "
-                f"{self.weight_format} block size {block} (ElasticPolicy.quant_block_size); a chunk holds whole "
-                f"rows and whole quantization blocks. Pick a block that divides {shape[1]}, or leave this weight "
-                f"out of the elastic runtime")

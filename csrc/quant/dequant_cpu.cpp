@@ -17,6 +17,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../ops.h"
@@ -30,10 +31,12 @@ inline T cast_out(float v) {
   return static_cast<T>(v);  // float: identity; BFloat16 / Half: round to nearest even
 }
 
+// Blocks run over the chunk's n weights flattened; the last block may be partial (len < block,
+// odd when n is: its last weight is the high nibble of the last code byte).
 template <typename T>
 void dequant_nf4_chunk(const uint8_t* blob, const quant::BlobLayout& l, int64_t n, int64_t block,
                        bool nested, T* out) {
-  const int64_t nb = n / block;
+  const int64_t nb = quant::ceil_div64(n, block);
   const float offset = nested ? quant::load_f32(blob + l.offset) : 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     float s;
@@ -45,13 +48,15 @@ void dequant_nf4_chunk(const uint8_t* blob, const quant::BlobLayout& l, int64_t 
     }
     T lut[16];
     for (int i = 0; i < 16; ++i) lut[i] = cast_out<T>(quant::kNF4Code[i] * s);
+    const int64_t len = std::min(block, n - b * block);
     const uint8_t* codes = blob + l.codes + b * (block / 2);
     T* o = out + b * block;
-    for (int64_t k = 0; k < block / 2; ++k) {
+    for (int64_t k = 0; k < len / 2; ++k) {
       const uint8_t byte = codes[k];
       o[2 * k] = lut[quant::nf4_first(byte)];
       o[2 * k + 1] = lut[quant::nf4_second(byte)];
     }
+    if (len % 2) o[len - 1] = lut[quant::nf4_first(codes[len / 2])];
   }
 }
 
@@ -59,12 +64,13 @@ template <typename T>
 void dequant_int8_chunk(const uint8_t* blob, const quant::BlobLayout& l, int64_t n, int64_t block,
                         T* out) {
   const auto* codes = reinterpret_cast<const int8_t*>(blob + l.codes);
-  const int64_t nb = n / block;
+  const int64_t nb = quant::ceil_div64(n, block);
   for (int64_t b = 0; b < nb; ++b) {
     const float s = quant::load_f32(blob + l.scales + 4 * b);
+    const int64_t len = std::min(block, n - b * block);
     const int8_t* q = codes + b * block;
     T* o = out + b * block;
-    for (int64_t k = 0; k < block; ++k) o[k] = cast_out<T>(static_cast<float>(q[k]) * s);
+    for (int64_t k = 0; k < len; ++k) o[k] = cast_out<T>(static_cast<float>(q[k]) * s);
   }
 }
 

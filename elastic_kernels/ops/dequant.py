@@ -122,17 +122,18 @@ def _launch(blobs: list[torch.Tensor], formats: list[ChunkFormat], rows: int, ro
     extra = {} if INTERPRETED else {"num_warps": _GPU_WARPS}
     aligned = _aligned(blobs, formats)
     base_align = 16 if all(b.data_ptr() % 16 == 0 for b in blobs) else 1
+    partial = formats[-1].numel % full.block_size != 0  # only the last chunk can end mid-block
     if isinstance(full, NF4ChunkFormat):
         wrap_triton(_dequant_nf4_kernel)[grid](
             blobs[0], pages, table("nf4", dest.device), table("dynamic", dest.device), dest,
             rows, full.cols, rows_per_chunk, tiles_per_chunk,
             BLOCK=full.block_size, GROUP=group, NESTED=full.nested, ALIGNED=aligned, BASE_ALIGN=base_align,
-            enable_fp_fusion=False, **extra,
+            PARTIAL=partial, enable_fp_fusion=False, **extra,
         )  # fmt: skip
     else:
         wrap_triton(_dequant_int8_kernel)[grid](
             blobs[0], pages, dest, rows, full.cols, rows_per_chunk, tiles_per_chunk,
-            BLOCK=full.block_size, GROUP=group, ALIGNED=aligned, BASE_ALIGN=base_align, **extra,
+            BLOCK=full.block_size, GROUP=group, ALIGNED=aligned, BASE_ALIGN=base_align, PARTIAL=partial, **extra,
         )  # fmt: skip
 
 

@@ -9,6 +9,11 @@ below, as in csrc/include/elastic/quant_blob.h). Grid: one program per GROUP qua
 blocks of one chunk, (tiles per full chunk) x (chunks) flattened to one axis; the ragged last
 chunk masks its missing blocks. A program's tile is [GROUP, BLOCK] weights, so a block's scale
 is loaded once per block, not per weight, and every weight's block index is the tile row.
+Blocks run over a chunk's n weights flattened; the weight's last chunk may end in a partial
+block (n not a multiple of BLOCK, possibly odd), so loads and stores are masked weight by
+weight (code bytes below ceil(n / 2), weights below n), not only block by block. Those masks
+are compiled in only when the launch says a partial block exists (PARTIAL), so the common
+case keeps its block-uniform masks and its vectorised 16-byte loads.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def _tile(pid, rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK: tl.constexpr,
     chunk_rows = tl.minimum(rows - c * rows_per_chunk, rows_per_chunk)
     n = chunk_rows * cols  # weights of chunk c (the last chunk may be ragged)
     blk = t * GROUP + tl.arange(0, GROUP)  # int64 block index inside the chunk
-    return c, n, blk, blk < n // BLOCK
+    return c, n, blk, blk < (n + BLOCK - 1) // BLOCK  # the last block may be partial
 
 
 @triton.jit
@@ -62,7 +67,7 @@ def _dequant_nf4_kernel(
     dyn_ptr,  # [256] fp32 dynamic map of the nested scale codes (read only when NESTED)
     out_ptr,  # [rows, cols] contiguous, the compute dtype (fp32 for bf16 under the interpreter)
     rows,  # rows of the weight (all chunks)
-    cols,  # row length, a multiple of BLOCK
+    cols,  # row length (any: rows_per_chunk x cols is a multiple of BLOCK unless one chunk)
     rows_per_chunk,  # rows of every chunk but the last
     tiles_per_chunk,  # programs per chunk: cdiv(blocks of a full chunk, GROUP)
     BLOCK: tl.constexpr,  # weights per quantization block (power of two)
@@ -70,12 +75,13 @@ def _dequant_nf4_kernel(
     NESTED: tl.constexpr,  # scales double-quantized (uint8 codes, nested fp32 scales, offset)
     ALIGNED: tl.constexpr,  # every blob's fp32 sections start at a multiple of 4 bytes
     BASE_ALIGN: tl.constexpr,  # every blob starts at a multiple of this many bytes (16 or 1)
+    PARTIAL: tl.constexpr,  # the last chunk ends in a partial block: mask weight by weight
 ):
     c, n, blk, bmask = _tile(tl.program_id(0), rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK, GROUP)
     base = _blob(blob_ptr, page_ptr, c, BASE_ALIGN)
-    scales_at = n // 2  # codes take n / 2 bytes
+    scales_at = (n + 1) // 2  # codes take ceil(n / 2) bytes
     if NESTED:
-        nblocks = n // BLOCK
+        nblocks = (n + BLOCK - 1) // BLOCK
         nested_at = scales_at + nblocks  # one uint8 code per block
         q = tl.load(base + scales_at + blk, mask=bmask, other=0)
         absmax2 = _load_f32(base + nested_at + 4 * (blk // 256), bmask, ALIGNED)
@@ -87,12 +93,20 @@ def _dequant_nf4_kernel(
     else:
         scale = _load_f32(base + scales_at + 4 * blk, bmask, ALIGNED)
     j = tl.arange(0, BLOCK // 2)
-    byte = tl.load(base + blk[:, None] * (BLOCK // 2) + j[None, :], mask=bmask[:, None], other=0)
+    at = blk[:, None] * (BLOCK // 2) + j[None, :]  # code byte index inside the chunk
+    if PARTIAL:
+        byte = tl.load(base + at, mask=bmask[:, None] & (at < (n + 1) // 2), other=0)
+    else:
+        byte = tl.load(base + at, mask=bmask[:, None], other=0)
     first = tl.load(nf4_ptr + (byte >> 4).to(tl.int32)) * scale[:, None]  # element 2k: high nibble
     second = tl.load(nf4_ptr + (byte & 0x0F).to(tl.int32)) * scale[:, None]  # element 2k + 1
     values = tl.interleave(first, second)  # [GROUP, BLOCK]
-    e = c * rows_per_chunk * cols + blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    tl.store(out_ptr + e, values.to(out_ptr.dtype.element_ty), mask=bmask[:, None])
+    k = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # weight index inside the chunk
+    e = c * rows_per_chunk * cols + k
+    if PARTIAL:
+        tl.store(out_ptr + e, values.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & (k < n))
+    else:
+        tl.store(out_ptr + e, values.to(out_ptr.dtype.element_ty), mask=bmask[:, None])
 
 
 @triton.jit
@@ -101,19 +115,24 @@ def _dequant_int8_kernel(
     page_ptr,  # [num_chunks] int64 byte offsets of the blobs from blobs[0]
     out_ptr,  # [rows, cols] contiguous, the compute dtype (fp32 for bf16 under the interpreter)
     rows,  # rows of the weight (all chunks)
-    cols,  # row length, a multiple of BLOCK
+    cols,  # row length (any: rows_per_chunk x cols is a multiple of BLOCK unless one chunk)
     rows_per_chunk,  # rows of every chunk but the last
     tiles_per_chunk,  # programs per chunk: cdiv(blocks of a full chunk, GROUP)
     BLOCK: tl.constexpr,  # weights per quantization block (power of two)
     GROUP: tl.constexpr,  # blocks per program
     ALIGNED: tl.constexpr,  # every blob's step section starts at a multiple of 4 bytes
     BASE_ALIGN: tl.constexpr,  # every blob starts at a multiple of this many bytes (16 or 1)
+    PARTIAL: tl.constexpr,  # the last chunk ends in a partial block: mask weight by weight
 ):
     c, n, blk, bmask = _tile(tl.program_id(0), rows, cols, rows_per_chunk, tiles_per_chunk, BLOCK, GROUP)
     base = _blob(blob_ptr, page_ptr, c, BASE_ALIGN)
     step = _load_f32(base + n + 4 * blk, bmask, ALIGNED)  # codes take n bytes
-    j = tl.arange(0, BLOCK)
-    codes = tl.load(base + blk[:, None] * BLOCK + j[None, :], mask=bmask[:, None], other=0)
+    k = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # weight index inside the chunk
+    if PARTIAL:
+        mask = bmask[:, None] & (k < n)  # the last block is partial
+    else:
+        mask = bmask[:, None]
+    codes = tl.load(base + k, mask=mask, other=0)
     values = codes.to(tl.int8, bitcast=True).to(tl.float32) * step[:, None]
-    e = c * rows_per_chunk * cols + blk[:, None] * BLOCK + j[None, :]
-    tl.store(out_ptr + e, values.to(out_ptr.dtype.element_ty), mask=bmask[:, None])
+    e = c * rows_per_chunk * cols + k
+    tl.store(out_ptr + e, values.to(out_ptr.dtype.element_ty), mask=mask)

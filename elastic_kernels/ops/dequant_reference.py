@@ -19,8 +19,11 @@ from elastic_kernels.quant.nf4 import table
 
 
 def dequant_chunk_fp32(blob: torch.Tensor, fmt: ChunkFormat) -> torch.Tensor:
-    """The fp32 values [fmt.rows, fmt.cols] of one blob, before the cast to the compute dtype."""
+    """The fp32 values [fmt.rows, fmt.cols] of one blob, before the cast to the compute dtype.
+    Blocks run over the chunk's weights flattened (the last one may be partial): each weight
+    is multiplied by its block's scale, ``scales[e // block_size]``."""
     parts = fmt.split(blob)
+    n = fmt.numel
     if isinstance(fmt, NF4ChunkFormat):
         scales = parts["scales"]
         if fmt.nested:
@@ -29,12 +32,13 @@ def dequant_chunk_fp32(blob: torch.Tensor, fmt: ChunkFormat) -> torch.Tensor:
             scales = scales + parts["offset"]  # bitsandbytes' `absmax += offset`: a separate rounding
         codes = parts["codes"]
         nf4 = table("nf4", blob.device)
-        # element 2k is the high nibble of byte k, element 2k + 1 the low one
-        values = torch.stack([nf4[(codes >> 4).long()], nf4[(codes & 0x0F).long()]], dim=1).reshape(-1)
-        values = values.view(fmt.num_blocks, fmt.block_size) * scales[:, None]
+        # element 2k is the high nibble of byte k, element 2k + 1 the low one (an odd count of
+        # weights leaves the last low nibble unused)
+        values = torch.stack([nf4[(codes >> 4).long()], nf4[(codes & 0x0F).long()]], dim=1).reshape(-1)[:n]
     else:
-        codes = parts["codes"].to(torch.float32).view(fmt.num_blocks, fmt.block_size)
-        values = codes * parts["scales"][:, None]
+        values = parts["codes"].to(torch.float32)
+        scales = parts["scales"]
+    values = values * scales.repeat_interleave(fmt.block_size)[:n]
     return values.reshape(fmt.rows, fmt.cols)
 
 

@@ -10,6 +10,7 @@ kernels layer's half, torch only (it imports nothing from elastic_kernels.api, n
 Dequantization is the op family elastic::dequant_chunks* (elastic_kernels/ops/dequant.py).
 """
 
+from elastic_kernels.quant._common import rows_multiple
 from elastic_kernels.quant.blob import (
     FORMATS,
     ChunkFormat,
@@ -46,4 +47,5 @@ __all__ = [
     "quantize_chunk",
     "quantize_int8",
     "quantize_nf4",
+    "rows_multiple",
 ]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MIN_BLOCK, MAX_BLOCK = 32, 4096  # csrc/include/elastic/quant_blob.h kMinBlock / kMaxBlock
 
 
 def check_block(fmt: str, rows: int, cols: int, block_size: int) -> None:
-    """The checks every format shares: positive shape, a supported block, whole blocks per row."""
+    """The checks every format shares: positive shape, a supported block. Any shape is
+    accepted: blocks run over the chunk's weights flattened row-major, the last one partial
+    when the block does not divide rows x cols ([Note: quantized chunk blob])."""
     for name, v in (("rows", rows), ("cols", cols), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{fmt}: {name} must be an int, got {type(v).__name__}")
@@ -18,12 +22,13 @@ def check_block(fmt: str, rows: int, cols: int, block_size: int) -> None:
         raise ValueError(
             f"{fmt}: block_size must be a power of two between {MIN_BLOCK} and {MAX_BLOCK}, got {block_size}"
         )
-    if cols % block_size:
-        raise ValueError(
-            f"{fmt}: weight shape ({rows}, {cols}): the row length {cols} is not a multiple of the block "
-            f"size {block_size}; a chunk holds whole rows and whole quantization blocks, so blocks never "
-            f"straddle chunks"
-        )
+
+
+def rows_multiple(cols: int, block_size: int) -> int:
+    """The fewest rows of ``cols`` weights that hold whole blocks of ``block_size``:
+    block / gcd(cols, block). Every chunk of a weight but its last holds a multiple of it
+    ([Note: quantized chunk blob]); 1 when the block divides the row."""
+    return block_size // math.gcd(cols, block_size)
 
 
 def f32_copy(b: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,20 @@ csrc/include/elastic/quant_blob.h). Why one opaque blob per chunk:
   ``pack_shards`` / ``unpack_gathered``, the all-gather, the host store and the pool pages all
   work unchanged on uint8, and the bytes a gather moves are the analytic quantized size
   (``QuantizedLayout.total_bytes``) plus only the slice padding every weight has.
-- A chunk holds whole rows and whole quantization blocks: the row length must be a multiple of
-  the block size (refused otherwise, naming the weight's shape and the block). A block never
+- Blocks run over the weight flattened row-major, as bitsandbytes blocks it (its
+  ``quantize_4bit`` of a [R, 688] weight has blocks that start mid-row), so every shape is
+  accepted. A chunk holds whole rows AND whole blocks: ``rows_per_chunk`` is a multiple of
+  ``rows_multiple(cols, block) = block / gcd(cols, block)`` (4 rows of 688 for block 64; 1 when
+  the block divides the row), so every full chunk's weights are a whole number of blocks and
+  chunk c's blocks are exactly the weight's blocks [c x rows_per_chunk x cols / block, ...).
+  Only the weight's last chunk may end in a partial block (bitsandbytes' last block: its
+  absmax over its own weights; an odd count of NF4 codes ends in a half byte, low nibble 7).
+  The runtime rounds rows_per_chunk so (``ElasticPolicy.weight_rows_per_chunk``); a layout
+  whose full chunks would end mid-block is refused, naming the multiple. A block thus never
   straddles two chunks, so any chunk dequantizes alone, from its own page, in any order; the
   nested scales and the offset of double quantization are per chunk too (bitsandbytes'
-  ``compress_statistics`` applied to the chunk's rows: the offset is the mean of *this chunk's*
-  absmax), for the same reason.
+  ``compress_statistics`` applied to the chunk's weights: the offset is the mean of *this
+  chunk's* absmax), for the same reason.
 - No padding inside a blob, so nothing is moved that is not data. The fp32 sections may thus
   start at any byte (e.g. after an odd number of nested scale codes); every impl reads them
   without an alignment assumption (the Triton kernels take an aligned fast path when every
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_kernels.layout import ChunkLayout
+from elastic_kernels.quant._common import rows_multiple
 from elastic_kernels.quant.int8 import INT8_DEFAULT_BLOCK, Int8ChunkFormat, quantize_int8
 from elastic_kernels.quant.nf4 import NF4_DEFAULT_BLOCK, NF4ChunkFormat, quantize_nf4
 
@@ -82,6 +91,14 @@ def chunk_formats(
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     chunk_format(fmt, rows, cols, block_size, nested)  # errors name the weight's shape, not a chunk's
     full = chunk_format(fmt, min(rows_per_chunk, rows), cols, block_size, nested)
+    if rows_per_chunk < rows and (rows_per_chunk * cols) % full.block_size:
+        m = rows_multiple(cols, full.block_size)
+        raise ValueError(
+            f"{fmt}: weight shape ({rows}, {cols}) in chunks of {rows_per_chunk} rows: a chunk of "
+            f"{rows_per_chunk * cols} weights is not a whole number of blocks of {full.block_size}; a chunk holds "
+            f"whole blocks (only the weight's last may end in a partial one), so rows_per_chunk must be a multiple "
+            f"of {m} (block / gcd(row length, block)) or at least {rows}"
+        )
     n = -(-rows // rows_per_chunk)
     last_rows = rows - (n - 1) * rows_per_chunk
     if last_rows == full.rows:

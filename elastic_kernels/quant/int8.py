@@ -1,6 +1,8 @@
 """Blockwise symmetric int8, as DeepSpeed ZeRO++'s quantized weights (qwZ).
 
-Blocks of ``block_size`` consecutive weights of a row share one absmax a; weight w becomes
+Blocks of ``block_size`` consecutive weights of the chunk, flattened row-major, share one absmax
+a (the last block partial when the block does not divide the chunk's weights: its absmax over
+its own weights, as bitsandbytes' blockwise quantizers do); weight w becomes
 ``q = round_half_even(fl32(fl32(w / a) * 127))`` in [-127, 127] (0 for a block of zeros), and the
 blob keeps the fp32 *step* ``d = fl32(a / 127)`` per block, so that dequantization is one
 multiply: ``fl32(q * d)``, then rounded to the compute dtype (round to nearest even).
@@ -35,9 +37,10 @@ INT8_LEVELS = 127
 class Int8ChunkFormat:
     """The blob of one int8 chunk of ``rows`` x ``cols`` weights ([Note: quantized chunk blob]).
 
-    ``cols`` must be a multiple of ``block_size`` (a power of two in [32, 4096], default 256,
-    [Note: int8 block size]); ValueError otherwise, naming the shape and block. Byte sections:
-    codes (int8, one per weight), then steps (fp32 absmax / 127 per block).
+    Any shape: blocks of ``block_size`` (a power of two in [32, 4096], default 256, [Note: int8
+    block size]) run over the weights flattened row-major, the last one partial when the block
+    does not divide rows x cols. Byte sections: codes (int8, one per weight), then steps (fp32
+    absmax / 127 per block).
     """
 
     rows: int
@@ -56,7 +59,8 @@ class Int8ChunkFormat:
 
     @property
     def num_blocks(self) -> int:
-        return self.numel // self.block_size
+        """Blocks, the last one partial when block_size does not divide numel."""
+        return -(-self.numel // self.block_size)
 
     @property
     def codes_offset(self) -> int:
@@ -98,9 +102,11 @@ def quantize_int8(w: torch.Tensor, *, block_size: int = INT8_DEFAULT_BLOCK) -> t
     ``w`` [rows, cols] (fp32, bf16 or fp16)."""
     check_weight(w, "int8")
     fmt = Int8ChunkFormat(int(w.shape[0]), int(w.shape[1]), block_size)
-    blocks = w.reshape(-1).float().view(fmt.num_blocks, block_size)
+    flat = w.reshape(-1).float()
+    pad = fmt.num_blocks * block_size - fmt.numel  # the partial last block, padded with zeros:
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(fmt.num_blocks, block_size)  # |0| adds no absmax
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     q = torch.round(blocks / absmax * INT8_LEVELS).clamp(-INT8_LEVELS, INT8_LEVELS)
     q = torch.where(absmax > 0, q, torch.zeros_like(q)).to(torch.int8)  # 0 / 0 of a zero block
     step = (absmax / INT8_LEVELS).reshape(-1)
-    return torch.cat([as_bytes(q), as_bytes(step)])
+    return torch.cat([as_bytes(q.reshape(-1)[: fmt.numel]), as_bytes(step)])

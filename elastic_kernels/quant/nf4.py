@@ -2,10 +2,13 @@
 
 Values: 16 quantiles of N(0, 1) scaled to [-1, 1] (``NF4_CODE``, bitsandbytes'
 ``get_4bit_type("nf4")``); blocks of ``block_size`` consecutive weights (64 by default) share one
-fp32 absmax; weight w of a block with absmax a gets the code of the nearest value to w / a (ties
+fp32 absmax (blocks run over the chunk's weights flattened row-major; the last block is partial
+when the block does not divide the chunk's weights, its absmax over its own weights, as
+bitsandbytes does); weight w of a block with absmax a gets the code of the nearest value to w / a (ties
 by bitsandbytes' midpoint rule) and dequantizes to ``fl32(NF4_CODE[code] * a)``, then rounded
 to the compute dtype (round to nearest even). Two codes per byte, the first element in the HIGH
-nibble (bitsandbytes' order).
+nibble (bitsandbytes' order); an odd number of weights ends in a byte whose low nibble is the
+code of 0.0 (7), bitsandbytes' padding.
 
 Double quantization (bitsandbytes' ``compress_statistics=True``, transformers'
 ``bnb_4bit_use_double_quant``): the chunk's absmax values minus their mean (the *offset*, fp32)
@@ -116,11 +119,11 @@ def table(name: str, device: torch.device | str) -> torch.Tensor:
 class NF4ChunkFormat:
     """The blob of one NF4 chunk of ``rows`` x ``cols`` weights ([Note: quantized chunk blob]).
 
-    ``cols`` must be a multiple of ``block_size`` (a power of two in [32, 4096], default 64):
-    a chunk holds whole rows and whole blocks; ValueError otherwise, naming the shape and block.
-    Byte sections, in order: codes (numel / 2), then scales (fp32 per block; with ``nested``,
-    one uint8 code per block), then with ``nested`` the nested scales (fp32 per 256 scales) and
-    the offset (one fp32).
+    Any shape: blocks of ``block_size`` (a power of two in [32, 4096], default 64) run over the
+    weights flattened row-major, the last one partial when the block does not divide
+    rows x cols. Byte sections, in order: codes (ceil(numel / 2)), then scales (fp32 per
+    block; with ``nested``, one uint8 code per block), then with ``nested`` the nested scales
+    (fp32 per 256 scales) and the offset (one fp32).
     """
 
     rows: int
@@ -141,7 +144,8 @@ class NF4ChunkFormat:
 
     @property
     def num_blocks(self) -> int:
-        return self.numel // self.block_size
+        """Blocks, the last one partial when block_size does not divide numel."""
+        return -(-self.numel // self.block_size)
 
     @property
     def nested_blocks(self) -> int:
@@ -153,7 +157,7 @@ class NF4ChunkFormat:
 
     @property
     def codes_bytes(self) -> int:
-        return self.numel // 2
+        return (self.numel + 1) // 2
 
     @property
     def scales_offset(self) -> int:
@@ -234,9 +238,18 @@ def quantize_nf4(w: torch.Tensor, *, block_size: int = NF4_DEFAULT_BLOCK, nested
     check_weight(w, "nf4")
     fmt = NF4ChunkFormat(int(w.shape[0]), int(w.shape[1]), block_size, nested)
     # bitsandbytes' default (pure torch) quantize_4bit, the kernel its CPU backend runs.
-    blocks = w.reshape(-1).float().view(fmt.num_blocks, block_size)
+    flat = w.reshape(-1).float()
+    rem = fmt.numel % block_size
+    full = fmt.numel - rem
+    blocks = flat[:full].view(full // block_size, block_size)
     absmax = blocks.abs().max(dim=-1)[0]
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
+    if rem:  # the partial last block, as bitsandbytes: its stored absmax clamped, a true division
+        am = flat[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, am.unsqueeze(0)])
+        scaled = torch.cat([scaled, torch.clamp(flat[full:] / am, -1, 1)])
+    if scaled.numel() % 2:  # an odd count: bitsandbytes pads with 0.0 (code 7, the last low nibble)
+        scaled = torch.nn.functional.pad(scaled, (0, 1))
     q = torch.bucketize(scaled, table("nf4_bounds", w.device), out_int32=True).to(torch.uint8)
     codes = (q[::2] << 4) | q[1::2]  # element 2k in the high nibble
     if not nested:

@@ -70,7 +70,7 @@ def prepare(args, rank: int, world_size: int, local_rank: int) -> Job:
             f"records ({'--data ' + args.data if args.data else 'the default instruction set of a model with a chat template'}); "
             "pass --data FILE.txt (or a .jsonl of {\"text\"} lines), or train without --pp / --compare-pp")
     targets, adapter_shapes = resolved_targets(spec, args)
-    check_weight_formats(spec, args)  # [Note: a block that does not fit is an option error]
+    check_weight_formats(spec, args)  # [Note: a weight a format cannot store is an option error]
     config = run_configuration(args, spec, data_info, targets, world_size)
     resume = None
     resume_ckpt = find_checkpoint(args.resume) if args.resume is not None else None

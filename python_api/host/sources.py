@@ -34,8 +34,10 @@ from its file through the loader's reader):
 - a full-precision weight: those rows, cast to the weight's dtype;
 - a quantized weight ([Note: quantized frozen weights] in python_api/quant/__init__.py):
   quantized once, here, by the rank that reads them, and only they are
-  (`elastic_kernels.api.quant.fill_image_share`): without nested scales the codes and scales of exactly
-  its rows (blocks never straddle rows, so the shares' bytes are disjoint); with nested scales
+  (`elastic_kernels.api.quant.fill_image_share`): without nested scales the codes and scales of
+  the blocks whose first weight is in its rows (blocks run over the flattened weight, so a block
+  may run on into the next share's first row, which is then read too; each block belongs to one
+  share, so the shares' bytes are disjoint); with nested scales
   a chunk's statistics need all its rows, so the rank owning a chunk's first row quantizes
   that whole chunk. The store never holds a full-precision copy, and each row of a node's
   store is read and quantized once, by one local rank (a rank with a device shard as well,

@@ -12,10 +12,12 @@ block is bitsandbytes' default, 64, and is in each weight's record); every Linea
 modules it skips (lm_head) becomes, for its weight W [out, in] (a GPT-2 Conv1D is stored as
 the Linear4bit that replaced it, [out, in] too):
 
-    W                                  uint8 [numel / 2, 1] (bytes of the storage dtype when
-                                       bnb_4bit_quant_storage is not uint8): the NF4 codes of
-                                       W flattened row-major, two per byte, first in the high nibble
-    W.absmax                           fp32 [numel / 64]; with double quantization uint8 codes
+    W                                  uint8 [ceil(numel / 2), 1] (bytes of the storage dtype
+                                       when bnb_4bit_quant_storage is not uint8): the NF4 codes
+                                       of W flattened row-major, two per byte, first in the high
+                                       nibble (an odd numel: the last low nibble is padding)
+    W.absmax                           fp32 [ceil(numel / 64)] (the last block partial when 64
+                                       does not divide numel); with double quantization uint8 codes
     W.quant_map                        fp32 [16]: the NF4 codebook
     W.nested_absmax                    (double quantization) fp32 [ceil(numel / 64 / 256)]
     W.nested_quant_map                 (double quantization) fp32 [256]: the signed dynamic map
@@ -24,10 +26,12 @@ the Linear4bit that replaced it, [out, in] too):
                                        "float32", nested_offset: the offset as a float}
 
 How it maps onto the chunk blobs ([Note: quantized chunk blob] in elastic_kernels/quant/blob.py):
-bitsandbytes quantizes the flattened weight in blocks of 64 in row-major order, and a chunk
-holds whole rows whose length is a multiple of 64, so chunk c's codes are bytes
-[r0 x in / 2, r1 x in / 2) of W and its scales are absmax[r0 x in / 64, r1 x in / 64): slices,
-copied as they are. Double quantization is the exception: bitsandbytes quantizes the whole
+bitsandbytes quantizes the flattened weight in blocks of 64 in row-major order, as the blobs
+do, and a chunk holds whole rows and whole blocks (rows_per_chunk x in is a multiple of 64:
+ElasticPolicy.weight_rows_per_chunk; a 688-wide weight has chunks of a multiple of 4 rows), so
+chunk c's codes are bytes [r0 x in / 2, ceil(r1 x in / 2)) of W and its scales are
+absmax[r0 x in / 64, ceil(r1 x in / 64)): slices, copied as they are (the last chunk's last
+block partial, as the file's). Double quantization is the exception: bitsandbytes quantizes the whole
 weight's absmax vector in blocks of 256 with one offset (the mean of all of them), while a
 nested chunk blob holds the nested scales of *its own* blocks of 256 scales and one offset.
 The offset fits (every chunk stores the weight's); the nested scales fit exactly when every
@@ -215,17 +219,13 @@ def check_packed(base: str, record: dict, entries: dict, small, fmt: Bnb4bitForm
         problems.append(f"{where} holds {str(rec_dtype).replace('torch.', '')} weights, the model's are "
                         f"{str(dtype).replace('torch.', '')} (pass dtype= to load_elastic to dequantize them to it)")
     numel = shape[0] * shape[1]
-    if numel % BNB_BLOCK or shape[1] % BNB_BLOCK:
-        problems.append(f"{where}: the row length {shape[1]} is not a multiple of the block {BNB_BLOCK} (a chunk "
-                        "holds whole rows and whole blocks)")
-        return problems
-    nb = numel // BNB_BLOCK
+    nb = -(-numel // BNB_BLOCK)  # the last block partial when 64 does not divide numel, as bitsandbytes
     nested = "nested_offset" in record or f"{base}.nested_absmax" in entries
     if nested != fmt.nested:
         problems.append(f"{where} is packed {'with' if nested else 'without'} double quantization, the config's "
                         f"bnb_4bit_use_double_quant is {fmt.nested}")
         return problems
-    want = {base: (None, numel // 2), f"{base}.absmax": ("U8" if nested else "F32", nb),
+    want = {base: (None, (numel + 1) // 2), f"{base}.absmax": ("U8" if nested else "F32", nb),
             f"{base}.quant_map": ("F32", 16)}
     if nested:
         want[f"{base}.nested_absmax"] = ("F32", -(-nb // NESTED_BLOCK))
@@ -309,13 +309,17 @@ class BnbNF4Weight(PackedRows):
         return self.dequantized(b, e, self.dtype)
 
     def dequantized(self, b: int, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [b, e) dequantized to `dtype` by the kernels' dequant (a blob without nested
-        scales holding the rows' codes and their fp32 scales)."""
-        cols, per_row = self.cols, self.cols // BNB_BLOCK
-        codes = self._code_bytes(b * cols // 2, e * cols // 2)
-        scales = self._scales(b * per_row, e * per_row)
+        """Rows [b, e) dequantized to `dtype` by the kernels' dequant: a one-row blob without
+        nested scales holding the codes and fp32 scales of the blocks those rows touch (blocks
+        run over the flattened weight, so rows may start and end mid-block), then sliced."""
+        cols, numel = self.cols, self.rows_ * self.cols
+        k0, k1 = b * cols // BNB_BLOCK, -(-(e * cols) // BNB_BLOCK)
+        w0, w1 = k0 * BNB_BLOCK, min(k1 * BNB_BLOCK, numel)
+        codes = self._code_bytes(w0 // 2, (w1 + 1) // 2)
+        scales = self._scales(k0, k1)
         blob = torch.cat([codes, scales.contiguous().view(torch.uint8)])
-        return dequantize(blob, NF4ChunkFormat(e - b, cols, BNB_BLOCK, False), e - b, dtype=dtype)
+        flat = dequantize(blob, NF4ChunkFormat(1, w1 - w0, BNB_BLOCK, False), 1, dtype=dtype).reshape(-1)
+        return flat[b * cols - w0: e * cols - w0].reshape(e - b, cols)
 
     def aligned(self, rows_per_chunk: int) -> bool:
         """Whether every chunk starts on one of bitsandbytes' blocks of 256 scales, so that the
@@ -340,8 +344,13 @@ class BnbNF4Weight(PackedRows):
         cols, rpc = self.cols, qlayout.rows_per_chunk
         self.nonfinite = 0
 
-        def count(scales: torch.Tensor) -> None:
-            self.nonfinite += int((~torch.isfinite(scales)).sum()) * BNB_BLOCK
+        numel = self.rows_ * cols
+
+        def count(scales: torch.Tensor, b0: int) -> None:
+            """Add the weights of blocks b0, b0 + 1, ... whose scale is not finite (the
+            weight's last block may be partial)."""
+            bad = (~torch.isfinite(scales)).nonzero().reshape(-1) + b0
+            self.nonfinite += int(torch.clamp(numel - bad * BNB_BLOCK, max=BNB_BLOCK).sum())
 
         def read(b: int, e: int) -> torch.Tensor:
             c, lo, hi = qlayout.blob_span(b, e)
@@ -362,11 +371,12 @@ class BnbNF4Weight(PackedRows):
             def fp32_scales(a: int, z: int) -> torch.Tensor:
                 k0, k1 = a // 4, -(-z // 4)
                 s = self._scales(first_block + k0, first_block + k1)
-                count(s[(1 if a % 4 else 0):])  # a scale is counted by the slice holding its first byte
+                skip = 1 if a % 4 else 0  # a scale is counted by the slice holding its first byte
+                count(s[skip:], first_block + k0 + skip)
                 return s.contiguous().view(torch.uint8)[a - 4 * k0: z - 4 * k0]
 
             def scale_codes(a: int, z: int) -> torch.Tensor:
-                count(self._scales(first_block + a, first_block + z))
+                count(self._scales(first_block + a, first_block + z), first_block + a)
                 return self._read(f"{self.base}.absmax", first_block + a, first_block + z).to(torch.uint8)
 
             def nested_scales(a: int, z: int) -> torch.Tensor:

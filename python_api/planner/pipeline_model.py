@@ -129,7 +129,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..config import PAGE_ALIGN
+from ..config import PAGE_ALIGN, quant_rows_per_chunk
 from .pipeline import (
     BACKWARD,
     FORWARD,
@@ -162,11 +162,14 @@ class PipeWeight:
 
     def layout(self, chunk_bytes: int, dp: int) -> tuple[int, int, int, int]:
         """(chunks, chunk bytes (full), slice bytes per rank, real bytes), as the runtime lays
-        it out: rows per chunk from the weight's own row bytes (ElasticTensor.layout); stored
+        it out: rows per chunk from the weight's own row bytes (ElasticTensor.layout; quantized,
+        rounded to whole blocks as ElasticPolicy.weight_rows_per_chunk rounds them); stored
         as is, ChunkLayout's slices; quantized, the image's (QuantizedLayout.image_layout:
         chunk c is blob c, a full blob's bytes split over dp, the real bytes the blobs' sum)."""
         row = self.cols * self.element_size
         rpc = min(self.rows, max(1, chunk_bytes // row))
+        if self.fmt is not None:  # whole blocks per chunk (ElasticPolicy.weight_rows_per_chunk)
+            rpc = quant_rows_per_chunk(rpc, self.rows, self.cols, self.fmt.block_size)
         chunks = -(-self.rows // rpc)
         if self.fmt is None:
             return chunks, rpc * row, -(-(rpc * self.cols) // dp) * self.element_size, self.rows * row

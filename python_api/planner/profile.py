@@ -167,17 +167,16 @@ class WeightFormat:
 
     def blob_bytes(self, rows: int, cols: int) -> int:
         """Bytes of the blob of a chunk of `rows` x `cols` weights (codes, then scales; nested:
-        scale codes, nested fp32 scales and the offset), as NF4ChunkFormat / Int8ChunkFormat."""
-        if cols % self.block_size:
-            raise ValueError(f"a row of {cols} weights is not a whole number of {self.name} blocks of "
-                             f"{self.block_size}: blocks never straddle rows")
+        scale codes, nested fp32 scales and the offset), as NF4ChunkFormat / Int8ChunkFormat:
+        blocks run over the chunk's weights flattened, the last one partial when the block does
+        not divide them (nf4 codes: ceil(numel / 2) bytes)."""
         numel = rows * cols
-        blocks = numel // self.block_size
+        blocks = -(-numel // self.block_size)
         if self.name == "int8":
             return numel + 4 * blocks
         if self.nested:
-            return numel // 2 + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4
-        return numel // 2 + 4 * blocks
+            return (numel + 1) // 2 + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4
+        return (numel + 1) // 2 + 4 * blocks
 
     def describe(self) -> str:
         return f"{self.name} (block {self.block_size}{', nested scales' if self.nested else ''})"

@@ -45,9 +45,11 @@ PCIe switch or of host memory bandwidth is modelled); the store exists (`host_st
 weights_on="host" no shard is in static_bytes; the host budget is `host_budget_bytes`.
 Quantized weights (`weight_format="nf4" | "int8"`, with `quant_block_size` and `quant_nested`
 as ElasticPolicy has them; the user's choice): each weight is cut into the same chunks of whole
-rows as in bf16 (rows_per_chunk from the bf16 row), and every chunk is its blob
+rows as in bf16 (rows_per_chunk from the bf16 row), rounded as the runtime rounds them so that
+a chunk holds whole blocks (`quant_rows_per_chunk`: a multiple of block / gcd(cols, block)
+rows; unchanged when the block divides the row), and every chunk is its blob
 (WeightFormat.blob_bytes: nf4 0.5 byte per weight + 4 per block of 64; int8 1 byte + 4 per
-block of 256), so chunk, slice, last-chunk and page bytes, the shards in static_bytes and
+block of 256; blocks over the chunk's flattened weights), so chunk, slice, last-chunk and page bytes, the shards in static_bytes and
 every link's bytes follow the format. Each use dequantizes a weight into bf16 (one launch per
 LoRA projection; lm_head, a plain ElasticLinear, one per chunk): dequant_s = launches x
 `DeviceSpec.dequant_latency_s` + (rows x cols x 2 bytes of output) / `dequant_bytes_per_s`.
@@ -71,7 +73,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..config import DEFAULT_QUANT_BLOCK, PAGE_ALIGN, WEIGHT_FORMATS
+from ..config import DEFAULT_QUANT_BLOCK, PAGE_ALIGN, WEIGHT_FORMATS, quant_rows_per_chunk
 from .profile import LayerProfile, Link, OutsideProfile, Profile, WeightFormat, WeightProfile
 
 BF16 = 2  # bytes per element of the frozen weights and activations
@@ -191,6 +193,8 @@ def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backw
     if row_bytes > chunk_bytes:
         raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than one row of {name} ({row_bytes} bytes)")
     rows_per_chunk = min(rows, chunk_bytes // row_bytes)
+    if fmt is not None:  # whole blocks per chunk, as the runtime (ElasticPolicy.weight_rows_per_chunk)
+        rows_per_chunk = quant_rows_per_chunk(rows_per_chunk, rows, cols, fmt.block_size)
     chunk_numel = rows_per_chunk * cols
     chunks = math.ceil(rows / rows_per_chunk)
     last_rows = rows - (chunks - 1) * rows_per_chunk
@@ -199,10 +203,7 @@ def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backw
         return WeightProfile(name=name, chunks=chunks,
                              slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
                              backward=backward, last_chunk_bytes=last)
-    try:
-        blob = fmt.blob_bytes(rows_per_chunk, cols)
-    except ValueError as exc:
-        raise ValueError(f"{name} ({rows} x {cols}): {exc}") from None
+    blob = fmt.blob_bytes(rows_per_chunk, cols)
     launches = chunks if per_chunk else 1
     return WeightProfile(name=name, chunks=chunks, slice_bytes=math.ceil(blob / ranks), chunk_bytes=blob,
                          backward=backward, last_chunk_bytes=None if last is None else fmt.blob_bytes(last_rows, cols),

@@ -14,7 +14,10 @@ stored quantized, and only quantized:
 - Chunks: a weight is cut into chunks of the same whole rows as unquantized (`rows_per_chunk`
   from the weight's own dtype and `chunk_bytes`), so chunk counts, residency, plans and the
   GEMM's chunking do not change with the format; each chunk becomes one blob ([Note: quantized
-  chunk blob] in elastic_kernels/quant/blob.py). A pool page holds one blob: pages are the
+  chunk blob] in elastic_kernels/quant/blob.py). The one exception: a chunk holds whole blocks
+  too, so when the block does not divide the row (688 weights, block 64) rows_per_chunk is
+  rounded to a multiple of block / gcd(row length, block) (`ElasticPolicy.weight_rows_per_chunk`;
+  the row layout and the image's agree, and the planners round alike). A pool page holds one blob: pages are the
   quantized chunk's size, so one budget holds about 3.6x (nf4; 3.9x with nested scales) or 2x
   (int8) the chunks of bf16, 7.1x / 7.8x / 3.9x those of fp32.
 - Storage: the weight's *image* (its blobs concatenated, 1-D uint8) is what the runtime shards
@@ -30,7 +33,8 @@ stored quantized, and only quantized:
   chunk (`quantized_shard`), quantizing the rows of one chunk at a time and keeping only its
   own slice of the blob: no rank ever holds the full-precision weight beyond the chunk being
   quantized, nor any quantized byte it does not own. Without nested scales it quantizes only
-  the rows whose codes or scales fall in its slice (blocks are independent); with nested
+  the blocks whose codes or scales fall in its slice, reading the rows they touch (blocks are
+  independent); with nested
   scales the chunk's statistics (the offset is the mean of the chunk's absmax) need every row
   of the chunk. A checkpoint saved quantized by bitsandbytes (4-bit nf4) is not quantized
   again: its codes and scales are copied into the image as they are (`PackedRows`,

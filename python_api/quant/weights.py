@@ -8,7 +8,7 @@ import abc
 import torch
 
 from elastic_kernels import ChunkLayout
-from elastic_kernels.quant import QuantizedLayout, quantize_chunk
+from elastic_kernels.quant import QuantizedLayout, chunk_format, quantize_chunk
 
 
 class PackedRows(abc.ABC):
@@ -51,40 +51,51 @@ def quantized_layout(policy, name: str, shape, rows_per_chunk: int, packed: Pack
     policy.check_quantizable(name, shape)
     if packed is not None:
         return packed.layout(policy, name, shape, rows_per_chunk)
+    # rows_per_chunk is the runtime's, rounded to whole blocks (ElasticPolicy.weight_rows_per_chunk);
+    # QuantizedLayout refuses one that is not, naming the multiple.
     rows, cols = int(shape[0]), int(shape[1])
     return QuantizedLayout(rows, cols, min(rows_per_chunk, rows), policy.weight_format, policy.block_size,
                            policy.quant_nested)
 
 
-def _rows_of_bytes(fmt, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Row ranges [r0, r1) of a chunk (format `fmt`, without nested scales) whose codes or
+def _blocks_of_bytes(fmt, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Block ranges [k0, k1) of a chunk (format `fmt`, without nested scales) whose codes or
     scales lie in bytes [lo, hi) of its blob: codes of consecutive weights first, then one
-    fp32 scale per block (blob.py's sections)."""
-    cols = fmt.cols
+    fp32 scale per block (blob.py's sections; blocks run over the chunk's weights flattened)."""
     out = []
-    per_code_byte = fmt.numel // fmt.codes_bytes  # weights per code byte: 2 (nf4) or 1 (int8)
+    per_code_byte = 2 if fmt.name == "nf4" else 1  # weights per code byte
     a, b = max(lo, fmt.codes_offset), min(hi, fmt.codes_offset + fmt.codes_bytes)
     if a < b:
-        out.append(((a * per_code_byte) // cols, -(-(b * per_code_byte) // cols)))
-    per_scale = fmt.scales_bytes // fmt.num_blocks
+        out.append(((a - fmt.codes_offset) * per_code_byte // fmt.block_size,
+                    -(-((b - fmt.codes_offset) * per_code_byte) // fmt.block_size)))
     a, b = max(lo, fmt.scales_offset) - fmt.scales_offset, min(hi, fmt.scales_offset + fmt.scales_bytes) - fmt.scales_offset
     if a < b:
-        blk0, blk1 = a // per_scale, -(-b // per_scale)
-        out.append(((blk0 * fmt.block_size) // cols, -(-(blk1 * fmt.block_size) // cols)))
+        out.append((a // 4, -(-b // 4)))
     return out
 
 
-def _sub_blob_bytes(fmt, r0: int, r1: int, sub: torch.Tensor, lo: int, hi: int, dest: torch.Tensor) -> None:
+def _quantize_blocks(fmt, base: int, k0: int, k1: int, rows_as):
+    """(format, blob) of blocks [k0, k1) of the chunk whose first row is weight row `base`
+    (format `fmt`, without nested scales), quantized alone: the weights of those blocks,
+    flattened, as a one-row chunk. Blocks are independent without nested scales, so its codes
+    and scales are the chunk's bytes of those blocks; only the rows they touch are read."""
+    cols, block = fmt.cols, fmt.block_size
+    w0, w1 = k0 * block, min(k1 * block, fmt.numel)
+    r0, r1 = w0 // cols, -(-w1 // cols)
+    flat = rows_as(base + r0, base + r1).reshape(-1)[w0 - r0 * cols: w1 - r0 * cols]
+    sub = chunk_format(fmt.name, 1, w1 - w0, block)
+    return sub, quantize_chunk(flat.reshape(1, -1), sub)
+
+
+def _sub_blob_bytes(fmt, k0: int, sub_fmt, sub: torch.Tensor, lo: int, hi: int, dest: torch.Tensor) -> None:
     """Write into dest (bytes [lo, hi) of the chunk's blob) the bytes that the blob `sub` of
-    the chunk's rows [r0, r1) determines (blocks are independent without nested scales: the
-    codes and scales of those rows are the same bytes in either blob)."""
-    g = fmt.with_rows(r1 - r0)
-    per_code_byte = fmt.numel // fmt.codes_bytes
-    per_scale = fmt.scales_bytes // fmt.num_blocks
+    the chunk's blocks [k0, ...) determines (`_quantize_blocks`: its codes and scales are the
+    same bytes in either blob; block_size is even, so the codes of a block start on a byte)."""
+    per_code_byte = 2 if fmt.name == "nf4" else 1
     sections = (
-        (fmt.codes_offset, fmt.codes_bytes, g.codes_offset, r0 * fmt.cols // per_code_byte, g.codes_bytes),
-        (fmt.scales_offset, fmt.scales_bytes, g.scales_offset, r0 * fmt.cols // fmt.block_size * per_scale,
-         g.scales_bytes),
+        (fmt.codes_offset, fmt.codes_bytes, sub_fmt.codes_offset, k0 * fmt.block_size // per_code_byte,
+         sub_fmt.codes_bytes),
+        (fmt.scales_offset, fmt.scales_bytes, sub_fmt.scales_offset, 4 * k0, sub_fmt.scales_bytes),
     )
     for off, size, sub_off, first, sub_size in sections:
         # Bytes [first, first + sub_size) of this section are the sub-blob's section.
@@ -109,8 +120,8 @@ def _rows_as(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device):
 def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device):
     """`read(b, e)`: bytes [b, e) of the weight's image, within one chunk's blob, quantized
     from the rows `read_rows(r0, r1)` returns (cast to `dtype`, the weight's own dtype, on
-    `device`). Reads and quantizes only the rows those bytes depend on (every row of the chunk
-    with nested scales); nothing is kept between calls."""
+    `device`). Reads and quantizes only the blocks those bytes depend on, and the rows they
+    touch (every row of the chunk with nested scales); nothing is kept between calls."""
     formats = qlayout.formats
     rows_as = _rows_as(qlayout, read_rows, dtype, device)
 
@@ -121,9 +132,9 @@ def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device
         if fmt.nested:
             return quantize_chunk(rows_as(base, base + fmt.rows), fmt)[lo:hi]
         out = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-        for r0, r1 in _rows_of_bytes(fmt, lo, hi):
-            sub = quantize_chunk(rows_as(base + r0, base + r1), fmt.with_rows(r1 - r0))
-            _sub_blob_bytes(fmt, r0, r1, sub, lo, hi, out)
+        for k0, k1 in _blocks_of_bytes(fmt, lo, hi):
+            sub_fmt, sub = _quantize_blocks(fmt, base, k0, k1, rows_as)
+            _sub_blob_bytes(fmt, k0, sub_fmt, sub, lo, hi, out)
         return out
 
     return read
@@ -148,9 +159,10 @@ def fill_image_share(qlayout: QuantizedLayout, read_rows, r0: int, r1: int, dest
     """Write into `dest` (the weight's whole image, 1-D uint8, e.g. its place in the host store)
     the bytes that a local rank whose share is rows [r0, r1) of the weight fills ([Note:
     filling the host store] in python_api/host/sources.py): without nested scales the codes
-    and scales of exactly those rows, quantizing only them (blocks are independent); with
-    nested scales the whole blobs of the chunks whose first row is in [r0, r1) (their statistics
-    need every row of the chunk). Shares that partition the rows write disjoint bytes covering
+    and scales of the blocks whose first weight is in those rows, quantizing only them (blocks
+    are independent; a block that runs on into the next row reads that row too); with nested
+    scales the whole blobs of the chunks whose first row is in [r0, r1) (their statistics need
+    every row of the chunk). Shares that partition the rows write disjoint bytes covering
     the whole image. Quantized on `device`, one chunk's rows at a time, as the shards are
     (`quantized_shard`), so the store holds the same bytes as the shards and the pool."""
     if tuple(dest.shape) != (qlayout.total_bytes,) or dest.dtype != torch.uint8:
@@ -169,6 +181,8 @@ def fill_image_share(qlayout: QuantizedLayout, read_rows, r0: int, r1: int, dest
                 blob.copy_(quantize_chunk(rows_as(base, base + fmt.rows), fmt))
             continue
         a, b = max(r0, base) - base, min(r1, base + fmt.rows) - base
-        if a < b:
-            sub = quantize_chunk(rows_as(base + a, base + b), fmt.with_rows(b - a)).to(blob.device)
-            _sub_blob_bytes(fmt, a, b, sub, 0, fmt.total_bytes, blob)
+        # the blocks whose first weight is in local rows [a, b): [ceil(a cols / B), ceil(b cols / B))
+        k0, k1 = -(-(a * fmt.cols) // fmt.block_size), -(-(b * fmt.cols) // fmt.block_size)
+        if a < b and k0 < k1:
+            sub_fmt, sub = _quantize_blocks(fmt, base, k0, k1, rows_as)
+            _sub_blob_bytes(fmt, k0, sub_fmt, sub.to(blob.device), 0, fmt.total_bytes, blob)

@@ -74,8 +74,10 @@ class ElasticTensor:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype  # the weight's own dtype (a quantized weight dequantizes to it)
         row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
-        # The weight's rows: what the layers compute with (chunk c is rows chunk_rows(c)).
-        self.layout = ChunkLayout.for_weight(weight.shape, policy.rows_per_chunk(row_bytes, name), runtime.world_size)
+        # The weight's rows: what the layers compute with (chunk c is rows chunk_rows(c)); a
+        # quantized weight's chunks hold whole blocks too (ElasticPolicy.weight_rows_per_chunk).
+        self.layout = ChunkLayout.for_weight(weight.shape, policy.weight_rows_per_chunk(name, weight.shape, row_bytes),
+                                             runtime.world_size)
         # [Note: quantized frozen weights] in python_api/quant/__init__.py: a quantized weight
         # stores its image (1-D uint8, chunk c = blob c); `storage` is the layout of what is
         # stored, sharded, gathered and cached, `storage_dtype` its element type.

@@ -74,14 +74,41 @@ def _student_t(rows: int, cols: int, g: torch.Generator, df: float = 5.0) -> tor
 
 
 def bnb_dequant_chunks(w: torch.Tensor, rows_per_chunk: int, nested: bool, dtype, block: int = 64) -> torch.Tensor:
-    """bitsandbytes' quantize_4bit + dequantize_4bit of each chunk's rows, concatenated."""
+    """bitsandbytes' quantize_4bit + dequantize_4bit of each chunk's rows, concatenated.
+
+    dequantize_4bit is given the chunk's shape flattened, (numel,): bitsandbytes blocks the
+    flattened weight, and so do its quantizer and its default (pure torch, CUDA-equivalent)
+    dequantizer, but 0.50.2's CPU C++ dequantizer of a 2-D shape indexes the scales per row
+    (block r x (cols // 64) + c // 64), which differs once 64 does not divide the row
+    (test_bnb_cpu_2d_dequant_blocks_per_row). For rows that are whole blocks both agree."""
     out = []
     for r0 in range(0, w.shape[0], rows_per_chunk):
-        q, state = bnbf.quantize_4bit(w[r0 : r0 + rows_per_chunk], blocksize=block, quant_type="nf4",
-                                      compress_statistics=nested)  # fmt: skip
+        rows = w[r0 : r0 + rows_per_chunk]
+        q, state = bnbf.quantize_4bit(rows, blocksize=block, quant_type="nf4", compress_statistics=nested)
         state.dtype = dtype
-        out.append(bnbf.dequantize_4bit(q, state, quant_type="nf4"))
+        state.shape = torch.Size([rows.numel()])
+        out.append(bnbf.dequantize_4bit(q, state, quant_type="nf4").reshape(rows.shape))
     return torch.cat(out)
+
+
+def test_bnb_cpu_2d_dequant_blocks_per_row():
+    """Why bnb_dequant_chunks dequantizes the flattened shape: bitsandbytes' own default kernel
+    (pure torch, blocks over the flattened weight like its quantizer and its CUDA kernel) equals
+    dequantize_4bit of the flattened shape bit for bit; its CPU C++ kernel of the 2-D shape
+    [5, 688] does not (it indexes the scales per row). If a bitsandbytes release fixes the CPU
+    kernel, the second assertion fails and this helper's workaround can go."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+
+    w = llama_like(5, 688, seed=1)
+    q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    code = bnbf.get_4bit_type("nf4", device="cpu")
+    default = _dequantize_4bit_compute.__wrapped__(q.reshape(-1), state.absmax, code, 64, (5, 688), torch.float32)
+    state.dtype = torch.float32
+    cpu_2d = bnbf.dequantize_4bit(q, state, quant_type="nf4")
+    state.shape = torch.Size([w.numel()])
+    flat = bnbf.dequantize_4bit(q, state, quant_type="nf4").reshape(5, 688)
+    assert bits_equal(flat, default)
+    assert not torch.equal(cpu_2d, default)
 
 
 def make_blobs(lay: QuantizedLayout, w: torch.Tensor, where: str = "separate") -> list[torch.Tensor]:
@@ -134,7 +161,10 @@ def test_codebooks_are_bitsandbytes():
 
 # (rows, cols): tiny, ragged block counts (33 rows: 66 blocks, not a multiple of 256 nested),
 # one 4096-wide row block, Llama-7B q/gate/down shapes at 1/4 scale (1024, 2752 = 43 * 64).
-QUANT_SHAPES = [(1, 64), (33, 128), (7, 4096), (256, 1024), (688, 1024), (256, 2752)]
+# Issue 28: rows bitsandbytes blocks across, the last block partial ([5, 688]: 53.75 blocks of 64),
+# an odd count of weights ([3, 687]: a half code byte), fewer weights than one block.
+QUANT_SHAPES = [(1, 64), (33, 128), (7, 4096), (256, 1024), (688, 1024), (256, 2752), (5, 688), (4, 688),
+                (3, 687), (1, 33)]
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
@@ -182,21 +212,27 @@ def test_nested_scales_quantizer_is_bitsandbytes_on_hard_values():
 
 
 def np_quantize_int8(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """int8 from its definition (int8.py), in numpy float32: q = rint(w / a * 127), step a / 127."""
-    b = w.astype(np.float32).reshape(-1, block)
-    a = np.abs(b).max(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.rint((b / a) * np.float32(127)).astype(np.float32)
-    q = np.where(a > 0, q, np.float32(0)).astype(np.int8)
-    return q.reshape(-1), (a / np.float32(127)).astype(np.float32).reshape(-1)
+    """int8 from its definition (int8.py), in numpy float32: q = rint(w / a * 127), step a / 127,
+    blocks over the flattened weights, the last one partial (its absmax over its own weights)."""
+    flat = w.astype(np.float32).reshape(-1)
+    qs, steps = [], []
+    for k in range(0, flat.size, block):
+        b = flat[k : k + block]
+        a = np.abs(b).max()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q = np.rint((b / a) * np.float32(127)).astype(np.float32)
+        qs.append(np.where(a > 0, q, np.float32(0)).astype(np.int8))
+        steps.append(np.float32(a / np.float32(127)))
+    return np.concatenate(qs), np.array(steps, dtype=np.float32)
 
 
+@pytest.mark.parametrize("shape", [(24, 2048), (37, 688)], ids=str)
 @pytest.mark.parametrize("block", [32, 256, 1024])
 @pytest.mark.parametrize("wdtype", DTYPES, ids=str)
-def test_quantize_int8_matches_numpy(wdtype, block):
-    w = llama_like(24, 2048, seed=block, dtype=wdtype)
-    w[3, :block] = 0  # a zero block: codes 0, step 0
-    parts = Int8ChunkFormat(24, 2048, block).split(quantize_int8(w, block_size=block))
+def test_quantize_int8_matches_numpy(wdtype, block, shape):
+    w = llama_like(*shape, seed=block, dtype=wdtype)
+    w.view(-1)[3 * block : 4 * block] = 0  # a zero block: codes 0, step 0
+    parts = Int8ChunkFormat(*shape, block).split(quantize_int8(w, block_size=block))
     q, step = np_quantize_int8(w.float().numpy(), block)
     assert np.array_equal(parts["codes"].numpy(), q)
     assert np.array_equal(parts["scales"].numpy().view(np.int32), step.view(np.int32))
@@ -205,18 +241,19 @@ def test_quantize_int8_matches_numpy(wdtype, block):
 @pytest.mark.parametrize("fmt", ["nf4", "nf4-nested", "int8"])
 def test_blob_bytes_are_the_analytic_size(fmt):
     """Section sizes from the formats' definitions, independent of the dataclasses' code."""
-    rows, cols, block = 37, 512, 64 if fmt != "int8" else 256
-    n, nb = rows * cols, rows * cols // block
-    want = {
-        "nf4": n // 2 + 4 * nb,
-        "nf4-nested": n // 2 + nb + 4 * math.ceil(nb / 256) + 4,
-        "int8": n + 4 * nb,
-    }[fmt]
-    f = (Int8ChunkFormat(rows, cols, block) if fmt == "int8"
-         else NF4ChunkFormat(rows, cols, block, fmt == "nf4-nested"))  # fmt: skip
-    assert f.total_bytes == want
-    w = torch.randn(rows, cols)
-    assert (quantize_int8(w) if fmt == "int8" else quantize_nf4(w, nested=f.nested)).numel() == want
+    for rows, cols in ((37, 512), (37, 687)):  # 687: a partial last block and an odd count of weights
+        block = 64 if fmt != "int8" else 256
+        n, nb = rows * cols, math.ceil(rows * cols / block)
+        want = {
+            "nf4": math.ceil(n / 2) + 4 * nb,
+            "nf4-nested": math.ceil(n / 2) + nb + 4 * math.ceil(nb / 256) + 4,
+            "int8": n + 4 * nb,
+        }[fmt]
+        f = (Int8ChunkFormat(rows, cols, block) if fmt == "int8"
+             else NF4ChunkFormat(rows, cols, block, fmt == "nf4-nested"))  # fmt: skip
+        assert f.total_bytes == want
+        w = torch.randn(rows, cols)
+        assert (quantize_int8(w) if fmt == "int8" else quantize_nf4(w, nested=f.nested)).numel() == want
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
@@ -254,12 +291,16 @@ def test_image_shards_and_gathers_as_plain_bytes(fmt, nested, world_size):
 
 
 def test_layout_refuses_straddling_blocks():
-    with pytest.raises(ValueError, match=r"weight shape \(10, 100\).*not a multiple of the block size 64"):
-        QuantizedLayout(10, 100, 4, "nf4")
-    with pytest.raises(ValueError, match=r"weight shape \(3, 96\).*block size 64"):
-        NF4ChunkFormat(3, 96)
-    with pytest.raises(ValueError, match=r"int8: weight shape \(3, 300\).*block size 256"):
-        Int8ChunkFormat(3, 300)
+    # Any shape is a format (blocks over the flattened weight, issue 28) ...
+    assert NF4ChunkFormat(3, 96).num_blocks == 5 and Int8ChunkFormat(3, 300).num_blocks == 4
+    assert QuantizedLayout(10, 100, 16, "nf4").num_chunks == 1  # one chunk: its last block partial
+    assert QuantizedLayout(40, 100, 16, "nf4").num_chunks == 3  # 16 rows of 100 = 25 blocks of 64
+    # ... but a chunk that is not the weight's last holds whole blocks: 64 / gcd(100, 64) = 16 rows
+    with pytest.raises(ValueError, match=r"nf4: weight shape \(40, 100\) in chunks of 4 rows: a chunk of 400 weights is "
+                                         r"not a whole number of blocks of 64.*a multiple of 16 .* or at least 40"):
+        QuantizedLayout(40, 100, 4, "nf4")
+    with pytest.raises(ValueError, match=r"int8: weight shape \(40, 688\) in chunks of 8 rows.*a multiple of 16"):
+        QuantizedLayout(40, 688, 8, "int8")
     with pytest.raises(ValueError, match=r"block_size must be a power of two between 32 and 4096, got 48"):
         NF4ChunkFormat(3, 96, 48)
     with pytest.raises(ValueError, match=r"nested .* is an NF4 option"):
@@ -278,7 +319,11 @@ def test_layout_refuses_straddling_blocks():
 
 # (rows, cols, rows_per_chunk): Llama-like ratios at small size (the q/k/v/o square, the MLP's
 # 2.6875:1), ragged last chunks, chunks of one row, one chunk, a 4096-wide row block.
-DEQUANT_SHAPES = [(256, 1024, 96), (688, 1024, 256), (256, 2752, 100), (9, 4096, 4), (5, 64, 1), (3, 192, 8)]
+DEQUANT_SHAPES = [(256, 1024, 96), (688, 1024, 256), (256, 2752, 100), (9, 4096, 4), (5, 64, 1), (3, 192, 8),
+                  # issue 28: rows of 688 in chunks of 4k rows (whole blocks), the last chunk ending in a
+                  # partial block (10 rows: 2 of 688 = 21.5 blocks); an odd count in one chunk; odd rows
+                  # in chunks of 64 (64 / gcd(101, 64)), the last one a single row of 101
+                  (10, 688, 4), (30, 688, 8), (3, 687, 8), (65, 101, 64)]
 
 
 @pytest.mark.parametrize("into", [False, True], ids=["new", "into"])
@@ -297,7 +342,8 @@ def test_dequant_nf4_is_bitsandbytes(impl, shape, nested, dtype, into):
 # The interpreter runs each program in Python: small shapes, but every path (tile boundaries:
 # 4 blocks per program, so chunks of 3 / 5 / 66 blocks end mid-tile; ragged last chunks; a
 # 4096-wide row block; misaligned blobs; the fp32 staging of bf16).
-TRITON_SHAPES = [(5, 64, 1), (3, 192, 8), (11, 384, 4), (33, 128, 16), (4, 4096, 3)]
+TRITON_SHAPES = [(5, 64, 1), (3, 192, 8), (11, 384, 4), (33, 128, 16), (4, 4096, 3),
+                 (6, 688, 4), (3, 687, 8), (65, 101, 64)]  # issue 28: partial last blocks, odd counts
 
 
 @pytest.mark.parametrize("where", ["separate", "misaligned"])
@@ -357,15 +403,21 @@ def test_every_dynamic_code(impl):
 
 def np_dequant_int8(blob: np.ndarray, rows: int, cols: int, block: int) -> np.ndarray:
     n = rows * cols
-    q = blob[:n].view(np.int8).astype(np.float32).reshape(-1, block)
+    q = blob[:n].view(np.int8).astype(np.float32)
     step = blob[n:].copy().view(np.float32)
-    return (q * step[:, None]).reshape(rows, cols)
+    return (q * np.repeat(step, block)[:n]).reshape(rows, cols)
 
 
+@pytest.mark.parametrize("shape", ["whole", "688"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block", [32, 256])
-def test_dequant_int8_matches_numpy(impl, block):
-    rows, cols, rpc = (13, 512, 5) if impl == "triton" else (300, 2048, 128)
+def test_dequant_int8_matches_numpy(impl, block, shape):
+    """"688": rows of 688 in chunks of whole blocks (2 rows for block 32, 16 for 256), the last
+    chunk ending in a partial block (issue 28)."""
+    if shape == "688":
+        rows, cols, rpc = (7, 688, 2) if block == 32 else (17, 688, 16) if impl == "triton" else (37, 688, 16)
+    else:
+        rows, cols, rpc = (13, 512, 5) if impl == "triton" else (300, 2048, 128)
     w = llama_like(rows, cols, seed=block)
     lay = QuantizedLayout(rows, cols, rpc, "int8", block_size=block)
     blobs = make_blobs(lay, w, "misaligned" if block == 32 else "separate")
@@ -520,7 +572,7 @@ BAD = {
     "format": (lambda: _bad(format="fp4"), ValueError, r"format must be one of \('nf4', 'int8'\), got 'fp4'"),
     "block_not_pow2": (lambda: _bad(block_size=48), ValueError, r"nf4: block_size must be a power of two between 32 and 4096, got 48"),
     "block_too_big": (lambda: _bad(block_size=8192), ValueError, r"block_size must be a power of two .* got 8192"),
-    "block_straddles": (lambda: _bad(block_size=256), ValueError, r"weight shape \(5, 128\): the row length 128 is not a multiple of the block size 256"),
+    "block_straddles": (lambda: _bad(block_size=512), ValueError, r"nf4: weight shape \(5, 128\) in chunks of 2 rows: a chunk of 256 weights is not a whole number of blocks of 512; .* must be a multiple of 4 \(block / gcd\(row length, block\)\) or at least 5"),
     "int8_nested": (lambda: _bad(format="int8", block_size=64, nested=True), ValueError, r"nested .* is an NF4 option"),
     "rows_too_many": (lambda: _bad(rows=7), ValueError, r"3 blobs of rows_per_chunk = 2 rows hold 5 to 6 rows, but rows = 7"),
     "rows_too_few": (lambda: _bad(rows=4), ValueError, r"hold 5 to 6 rows, but rows = 4"),
@@ -673,18 +725,20 @@ from elastic_kernels.ops import dequant_kernels as k
 
 rows = []
 ints = {"rows": "i32", "cols": "i32", "rows_per_chunk": "i32", "tiles_per_chunk": "i32"}
-for name, kernel, extra_ptrs, block, group, nested, aligned, out in [
-    ("nf4 bf16 nested aligned", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, True, True, "bf16"),
-    ("nf4 bf16 nested bytes", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, True, False, "bf16"),
-    ("nf4 fp16 plain aligned", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, False, True, "fp16"),
-    ("nf4 fp32 plain bytes", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 4096, 1, False, False, "fp32"),
-    ("int8 bf16 aligned", k._dequant_int8_kernel, [], 256, 16, None, True, "bf16"),
+for name, kernel, extra_ptrs, block, group, nested, aligned, out, partial in [
+    ("nf4 bf16 nested aligned", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, True, True, "bf16", False),
+    ("nf4 bf16 nested bytes", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, True, False, "bf16", False),
+    ("nf4 fp16 plain aligned", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, False, True, "fp16", False),
+    ("nf4 fp32 plain bytes", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 4096, 1, False, False, "fp32", False),
+    ("int8 bf16 aligned", k._dequant_int8_kernel, [], 256, 16, None, True, "bf16", False),
+    ("nf4 bf16 nested aligned partial", k._dequant_nf4_kernel, ["nf4_ptr", "dyn_ptr"], 64, 64, True, True, "bf16", True),
+    ("int8 bf16 aligned partial", k._dequant_int8_kernel, [], 256, 16, None, True, "bf16", True),
 ]:
     types = {"blob_ptr": "*u8", "page_ptr": "*i64"}
     types.update({p: "*fp32" for p in extra_ptrs})
     types["out_ptr"] = "*" + out
     types.update(ints)
-    meta = dict(BLOCK=block, GROUP=group, ALIGNED=aligned, BASE_ALIGN=16 if aligned else 1)
+    meta = dict(BLOCK=block, GROUP=group, ALIGNED=aligned, BASE_ALIGN=16 if aligned else 1, PARTIAL=partial)
     if nested is not None:
         meta["NESTED"] = nested
     sig = dict(types, **{m: "constexpr" for m in meta})
@@ -699,6 +753,7 @@ for name, kernel, extra_ptrs, block, group, nested, aligned, out in [
     row["st_v4"] = ptx.count("st.global.v4")
     row["ld_v4"] = ptx.count("ld.global.v4")
     row["aligned"] = aligned
+    row["partial"] = partial
     rows.append(row)
 print(json.dumps(rows))
 """
@@ -721,11 +776,13 @@ def test_dequant_kernels_compile_for_sm90():
                          timeout=600, cwd=root, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == 5
+    assert len(rows) == 7
     for r in rows:
         print(r)
         assert r["spill_bytes"] == 0, r
         assert r["fma_f32"] == 0, r
+        if r["partial"]:  # a weight's last chunk ending mid-block: per-weight masks, scalar access allowed
+            continue
         assert r["st_v4"] > 0, r
         if r["aligned"]:
             assert r["ld_v4"] > 0, r
@@ -736,7 +793,8 @@ def test_dequant_kernels_compile_for_sm90():
 # ---------------------------------------------------------------------------------------------
 
 GPU_CASES = [(rows, cols, rpc, nested) for rows, cols, rpc in [(256, 1024, 96), (688, 1024, 256), (9, 4096, 4),
-             (5, 64, 1), (3, 192, 8), (1000, 2752, 77)] for nested in (False, True)]  # fmt: skip
+             (5, 64, 1), (3, 192, 8), (1000, 2752, 77), (1001, 688, 96), (65, 101, 64), (3, 687, 8)]
+             for nested in (False, True)]  # fmt: skip  (the last three: issue 28's partial last blocks)
 
 
 @pytest.mark.gpu
@@ -759,9 +817,10 @@ def test_gpu_nf4_is_bitsandbytes(rows, cols, rpc, nested, where, into):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cols", [4096, 688])
 @pytest.mark.parametrize("block", [32, 256, 4096])
-def test_gpu_int8_and_blocks(block):
-    rows, cols, rpc = 300, 4096, 128
+def test_gpu_int8_and_blocks(block, cols):
+    rows, rpc = 300, 128 if cols == 4096 else 256  # 688: 256 rows hold whole blocks of up to 4096
     w = llama_like(rows, cols, seed=block)
     for fmt in ("int8", "nf4"):
         lay = QuantizedLayout(rows, cols, rpc, fmt, block_size=block, nested=fmt == "nf4")

@@ -90,45 +90,50 @@ def test_short_run_on_two_ranks(tmp_path):
     assert q["losses"] != fp["losses"]  # another model: the base weights are the dequantized values
 
 
-# --------------------------------------------------- a block that does not fit (issue 31 item 2)
-# [Note: a block that does not fit is an option error] in python_api/finetune/formats.py.
+# ------------------------------------ every block fits every row (issue 28; issue 31 item 2 before it)
+# [Note: a weight a format cannot store is an option error] in python_api/finetune/formats.py.
 
-@pytest.mark.parametrize("extra,patterns", [
-    # rows of 688 (= 16 x 43): no power of two >= 32 divides them
-    (["--intermediate-size", "688", "--weight-format", "nf4"],
-     [r"^--weight-format nf4 with its default block of 64 weights \(--quant-block\)", r"down_proj of shape \[64, 688\]",
-      r"no --quant-block .* divides every row length of this model \(64, 688\)"]),
-    # int8's default block 256 on rows of 576 (the real model's hidden size): 32 and 64 fit
-    (["--hidden-size", "576", "--intermediate-size", "1536", "--num-heads", "9", "--num-kv-heads", "3",
-      "--weight-format", "int8"],
-     [r"^--weight-format int8 with its default block of 256 weights \(--quant-block\)", r"rows of 576 weights",
-      r"use --quant-block 32 / 64 \(the blocks that divide every row\)$"]),
-    (["--weight-format", "nf4", "--quant-block", "4096"],
-     [r"^--weight-format nf4 with --quant-block 4096: weight model\.layers\.0\.", r"use --quant-block 32 / 64 "]),
-    (["--compare-format", "int8", "--quant-block", "128"],
-     [r"^--compare-format int8 \(the main run is --weight-format none\) with --quant-block 128", r"use --quant-block 32 / 64 "]),
-])
-def test_a_block_that_does_not_fit_names_the_option(extra, patterns, tmp_path):
-    """Refused by prepare(), which every rank runs before the process group exists (its errors
-    reach every rank as one `elastic-finetune: error:` line, tests/finetune/test_finetune.py), as the CLI's own
-    error naming --quant-block, the weight, and the blocks that would fit; not the policy's
-    ValueError from inside convert_to_elastic."""
-    import re
-
-    from elastic_kernels.api.finetune import FinetuneError, prepare
+@pytest.mark.parametrize("extra", [
+    ["--intermediate-size", "688", "--weight-format", "nf4"],  # rows of 688 = 16 x 43: no block divides them
+    ["--hidden-size", "576", "--intermediate-size", "1536", "--num-heads", "9", "--num-kv-heads", "3",
+     "--weight-format", "int8"],  # int8's 256 on rows of 576
+    ["--weight-format", "nf4", "--quant-block", "4096"],
+    ["--intermediate-size", "688", "--compare-format", "int8", "--quant-block", "128"],
+], ids=["nf4-688", "int8-576", "nf4-4096", "compare-int8-688"])
+def test_every_block_fits_every_row(extra, tmp_path):
+    """The options the CLI refused before issue 28 (a block that does not divide a row) pass the
+    check prepare() runs on every rank: blocks run over the flattened weight."""
+    from elastic_kernels.api.finetune.formats import check_weight_formats
+    from elastic_kernels.api.finetune.models import resolve_model
 
     args = parse_args(BASE + ["--save-dir", str(tmp_path / "out")] + extra)
-    with pytest.raises(FinetuneError) as info:
-        prepare(args, 0, 2, 0)
-    for p in patterns:
-        assert re.search(p, str(info.value)), (p, str(info.value))
-    assert "ElasticPolicy" not in str(info.value)
+    check_weight_formats(resolve_model(args), args)
 
 
-def test_fitting_blocks():
-    from elastic_kernels.api.finetune.formats import fitting_blocks
+def test_a_weight_a_format_cannot_store_names_the_option(tmp_path, monkeypatch):
+    """What the policy still refuses (a weight that is not 2-D) is the CLI's error, naming the option."""
+    import torch.nn as nn
 
-    assert fitting_blocks(576) == [32, 64]
-    assert fitting_blocks(688) == []
-    assert fitting_blocks(4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+    from elastic_kernels.api.finetune import FinetuneError, formats as fmts
+    from elastic_kernels.api.finetune.models import resolve_model
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.proj.weight = nn.Parameter(self.proj.weight.detach().reshape(2, 2, 4))
+
+    args = parse_args(BASE + ["--save-dir", str(tmp_path / "out"), "--weight-format", "nf4"])
+    spec = resolve_model(args)
+
+    class Spec:
+        dtype = spec.dtype
+
+        def meta_model(self):
+            return Odd()
+
+    monkeypatch.setattr(fmts, "elastic_weights", lambda meta, a, itemsize: ["proj"])
+    with pytest.raises(FinetuneError, match=r"^--weight-format nf4: proj: weight_format='nf4' stores 2-D weights "
+                                            r".* shape \(2, 2, 4\); run without --weight-format nf4$"):
+        fmts.check_weight_formats(Spec(), args)
 

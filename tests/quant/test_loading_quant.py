@@ -80,6 +80,12 @@ BNB_CASES = [
     ("llama-bf16-dq-bf16storage", 32768, True),
     ("llama-bf16-dq-bf16storage", 5120, False),
     ("gpt2-nf4-dq", 12288, False),
+    # issue 28: hidden 66, intermediate 688: no row (66, 688) is whole blocks of 64 and every
+    # weight ends in a partial block (45408 = 709.5 x 64); down [66, 688] in chunks of 6 rows
+    # rounded to 4 (43 blocks: not aligned to 256, fp32 scales), q [66, 66] in chunks of 32 rows.
+    ("llama688-nf4", 16512, False),
+    ("llama688-nf4-dq", 16512, False),
+    ("llama688-nf4-dq", 200_000, True),  # one chunk per weight: nested scales copied as they are
 ]
 BNB_CHECKPOINTS = {
     # name: (model kind, double quantization, dtype, bnb_4bit_quant_storage)
@@ -87,17 +93,21 @@ BNB_CHECKPOINTS = {
     "llama-nf4-dq": ("llama", True, torch.float32, torch.uint8),
     "llama-bf16-dq-bf16storage": ("llama", True, torch.bfloat16, torch.bfloat16),
     "gpt2-nf4-dq": ("gpt2", True, torch.float32, torch.uint8),
+    "llama688-nf4": ("llama688", False, torch.float32, torch.uint8),
+    "llama688-nf4-dq": ("llama688", True, torch.float32, torch.uint8),
 }
 
 
 def _bnb_base_model(kind: str):
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind in ("llama", "llama688"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=512, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                            tie_word_embeddings=False))
+        hidden, inter, heads = (64, 512, 4) if kind == "llama" else (66, 688, 3)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+                                            num_hidden_layers=2, num_attention_heads=heads,
+                                            num_key_value_heads=2 if kind == "llama" else 3,
+                                            max_position_embeddings=64, tie_word_embeddings=False))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=64,
@@ -210,13 +220,29 @@ def _bnb_file(path):
     return sd, packed
 
 
+def _bnb_dequantize(codes, qs):
+    """bitsandbytes' dequantize_4bit of a packed weight, given its shape flattened: bitsandbytes
+    blocks the flattened weight, but 0.50.2's CPU kernel of a 2-D shape indexes the scales per
+    row, wrong once 64 does not divide the row (tests/kernels/test_quant.py
+    test_bnb_cpu_2d_dequant_blocks_per_row); the same values otherwise."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    shape = qs.shape
+    qs.shape = torch.Size([shape.numel()])
+    try:
+        return dequantize_4bit(codes, qs).reshape(shape)
+    finally:
+        qs.shape = shape
+
+
 def _bnb_reference(path, chunk_bytes):
     """The model whose packed weights are bitsandbytes' dequantize_4bit of the checkpoint, the
-    rest the checkpoint's tensors, converted without a format under the same chunking."""
-    from bitsandbytes.functional import dequantize_4bit
+    rest the checkpoint's tensors, converted without a format under the same chunking (a packed
+    weight's rows_per_chunk rounded to whole blocks of 64, as the loaded run's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.config import quant_rows_per_chunk
     from elastic_kernels.api.nn import convert_to_elastic
     from elastic_kernels.api.nn.lora import is_conv1d
 
@@ -226,18 +252,26 @@ def _bnb_reference(path, chunk_bytes):
     sd, packed = _bnb_file(path)
     state = {k: v for k, v in sd.items() if not any(k.startswith(b + ".") for b in packed) and k not in packed}
     for base, (codes, qs) in packed.items():
-        w = dequantize_4bit(codes, qs)
+        w = _bnb_dequantize(codes, qs)
         state[base] = w.t() if is_conv1d(model.get_submodule(base.rpartition(".")[0])) else w
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # GPT-2's head is its embeddings
     assert not unexpected and all(".attn.bias" in k or k in tied for k in missing), (missing, unexpected)
     model.eval()
     policy = ElasticPolicy(chunk_bytes=chunk_bytes, replicate_below_bytes=BNB_REPLICATE)
+    plain = ElasticPolicy.weight_rows_per_chunk
+
+    def rounded(self, name, shape, row_bytes):
+        rpc = plain(self, name, shape, row_bytes)
+        return quant_rows_per_chunk(rpc, int(shape[0]), int(shape[1]), 64) if f"{name}.weight" in packed else rpc
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run one intra-op thread: the same GEMM reduction order
+    ElasticPolicy.weight_rows_per_chunk = rounded
     try:
         return _two_steps(convert_to_elastic(model, _bnb_lora(path), policy)), packed, sd
     finally:
+        ElasticPolicy.weight_rows_per_chunk = plain
         torch.set_num_threads(threads)
 
 
@@ -252,7 +286,7 @@ def _merged(ranges):
 
 
 def test_bitsandbytes_4bit_checkpoint_loads_and_equals_it(bnb_checkpoints):
-    from bitsandbytes.functional import dequantize_4bit, dequantize_blockwise
+    from bitsandbytes.functional import dequantize_blockwise
 
     from elastic_kernels import dequantize
     from elastic_kernels.quant import QuantizedLayout
@@ -281,7 +315,7 @@ def test_bitsandbytes_4bit_checkpoint_loads_and_equals_it(bnb_checkpoints):
             ql = QuantizedLayout(rows, cols, rpc, "nf4", 64, nested)
             image = ql.image_layout(world).assemble([r[0][n][5] for r in per_rank]).reshape(-1)
             # The loaded weight is the checkpoint's dequantize_4bit, bit for bit.
-            assert torch.equal(dequantize(ql.blobs(image), ql.formats[0], rows, dtype=dtype), dequantize_4bit(codes, qs)), \
+            assert torch.equal(dequantize(ql.blobs(image), ql.formats[0], rows, dtype=dtype), _bnb_dequantize(codes, qs)), \
                 f"{what}: {n}"
             if ql.num_chunks > 1:
                 assert nested == nested_chunks, f"{what}: {n} stored with nested scales {nested}"
@@ -508,6 +542,9 @@ NONFINITE = [
     ("inf-nested-absmax", "llama-nf4-dq", _set("model.layers.1.mlp.up_proj.weight.nested_absmax", 1, float("inf")),
      "model.layers.1.mlp.up_proj.weight", 256 * 64),
     ("nan-before-quantizing", None, None, "model.layers.1.self_attn.q_proj.weight", 64),
+    # issue 28: the last block of a [66, 688] weight is partial: 45408 - 709 x 64 = 32 weights
+    ("nan-partial-block", "llama688-nf4", _set("model.layers.0.mlp.down_proj.weight.absmax", 709, float("nan")),
+     "model.layers.0.mlp.down_proj.weight", 32),
 ]
 
 
@@ -517,7 +554,8 @@ def test_nonfinite_scales_are_refused_or_warned(bnb_checkpoints, tmp_path, case)
     a LoadError naming the weight and its count of non-finite values, unless
     allow_nonfinite=True, which loads it with a NonFiniteWeightsWarning saying the same ([Note:
     non-finite weights on load]). The count is independent of the loader: 64 weights per block
-    of bitsandbytes whose scale was edited (or came out NaN from bitsandbytes' own quantizer)."""
+    of bitsandbytes whose scale was edited (or came out NaN from bitsandbytes' own quantizer),
+    fewer for the weight's partial last block."""
     import warnings
 
     from elastic_kernels.api import load_elastic

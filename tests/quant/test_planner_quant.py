@@ -340,20 +340,50 @@ def test_plans_keep_the_profiles_format(weights_on, kwargs):
 
 @pytest.mark.parametrize("fmt", [("nf4", 64, False), ("nf4", 64, True), ("int8", 64, False), ("int8", 256, False)])
 @pytest.mark.parametrize("rows,cols,elem,chunk_bytes,dp", [(100, 256, 4, 8 * 256 * 4, 2), (96, 512, 2, 4096, 4),
-                                                          (7, 256, 4, 1 << 20, 3)])
+                                                          (7, 256, 4, 1 << 20, 3),
+                                                          # issue 28: rows no block divides (688 = 16 x 43;
+                                                          # 101 odd: 64 rows per chunk for block 64)
+                                                          (70, 688, 2, 688 * 2 * 6, 2), (150, 101, 4, 4096, 3)])
 def test_pipeline_weight_bytes_are_the_runtimes_quantized_layout(fmt, rows, cols, elem, chunk_bytes, dp):
     """The pipeline planner's weight (planner/pipeline_model.py PipeWeight) sizes a quantized
-    weight as the runtime stores it: rows per chunk from the weight's own rows, each chunk a
-    blob, the image sharded by QuantizedLayout.image_layout (ragged last chunk included)."""
+    weight as the runtime stores it: rows per chunk from the weight's own rows (rounded to whole
+    blocks, ElasticPolicy.weight_rows_per_chunk), each chunk a blob, the image sharded by
+    QuantizedLayout.image_layout (ragged last chunk included)."""
+    from elastic_kernels.api import ElasticPolicy
     from elastic_kernels.api.planner.pipeline_model import PipeWeight
     from elastic_kernels.api.planner.profile import WeightFormat
     from elastic_kernels.quant import QuantizedLayout
 
     name, block, nested = fmt
-    rpc = min(rows, chunk_bytes // (cols * elem))
+    policy = ElasticPolicy(chunk_bytes=chunk_bytes, weight_format=name, quant_block_size=block, quant_nested=nested)
+    rpc = min(rows, policy.weight_rows_per_chunk("w", (rows, cols), cols * elem))
     q = QuantizedLayout(rows, cols, rpc, name, block, nested)
     image = q.image_layout(dp)
     got = PipeWeight("w", rows, cols, elem, True, WeightFormat(name, block, nested)).layout(chunk_bytes, dp)
     assert got == (image.num_chunks, q.full_blob_bytes, image.slice_numel, q.total_bytes)
     plain = PipeWeight("w", rows, cols, elem).layout(chunk_bytes, dp)
-    assert plain[0] == got[0] and got[3] < plain[3]  # same chunks, fewer bytes
+    assert got[3] < plain[3]  # fewer bytes
+    if cols % block == 0:
+        assert plain[0] == got[0]  # the same chunks when the block divides the row
+
+
+@pytest.mark.parametrize("fmt", [("nf4", 64, False), ("nf4", 64, True), ("int8", 256, False)])
+def test_synthetic_weight_of_any_row_length_is_the_runtimes_layout(fmt):
+    """planner/shapes.py's weight (issue 28): a row no block divides is chunked as the runtime
+    chunks it (rows_per_chunk rounded to whole blocks) and each chunk is its blob, the last one
+    ending in a partial block."""
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.planner.profile import Link
+    from elastic_kernels.api.planner.shapes import _weight
+    from elastic_kernels.quant import QuantizedLayout
+
+    name, block, nested = fmt
+    rows, cols, ranks, chunk_bytes = 66, 688, 4, 688 * 2 * 6  # 6 bf16 rows fit
+    w = _weight("down", rows, cols, ranks, chunk_bytes, fmt=WeightFormat(name, block, nested),
+                dequant=Link(5e-6, 1e12))
+    rpc = ElasticPolicy(chunk_bytes=chunk_bytes, weight_format=name, quant_block_size=block,
+                        quant_nested=nested).weight_rows_per_chunk("down", (rows, cols), cols * 2)
+    assert rpc == (4 if name == "nf4" else 16)
+    q = QuantizedLayout(rows, cols, rpc, name, block, nested)
+    assert (w.chunks, w.chunk_bytes, w.slice_bytes, w.last_bytes) == (
+        q.num_chunks, q.full_blob_bytes, -(-q.full_blob_bytes // ranks), q.blob_bytes[-1])

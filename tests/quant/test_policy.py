@@ -52,37 +52,54 @@ def test_bad_policy(kwargs, match):
 def test_check_quantizable_names_weight_and_shape():
     p = ElasticPolicy(weight_format="nf4")
     p.check_quantizable("w", (10, 128))
-    with pytest.raises(ValueError, match=r"layers\.0\.up: weight shape \(10, 96\): its row length 96 is not a "
-                                         r"multiple of the nf4 block size 64"):
-        p.check_quantizable("layers.0.up", (10, 96))
+    p.check_quantizable("layers.0.up", (10, 96))  # any row length (issue 28): blocks over the flattened weight
     with pytest.raises(ValueError, match=r"bias: weight_format='nf4' stores 2-D weights .* shape \(10,\)"):
         p.check_quantizable("bias", (10,))
     ElasticPolicy().check_quantizable("anything", (3, 5))  # no format: nothing to check
+
+
+def test_weight_rows_per_chunk_holds_whole_blocks():
+    """A quantized weight's chunks hold whole blocks: rows_per_chunk rounded down to a multiple
+    of block / gcd(row length, block), up to one multiple when fewer rows fit, at most the rows."""
+    from elastic_kernels.api.config import quant_rows_multiple
+    from elastic_kernels.quant import rows_multiple
+
+    p = ElasticPolicy(weight_format="nf4", chunk_bytes=688 * 2 * 6)
+    assert p.weight_rows_per_chunk("down", (2048, 688), 688 * 2) == 4  # 6 fit; 64 / gcd(688, 64) = 4
+    assert p.weight_rows_per_chunk("up", (688, 2048), 2048 * 2) == 2  # 2 fit; 64 divides the row
+    assert p.weight_rows_per_chunk("odd", (100, 687), 687 * 2) == 64  # 64 / gcd(687, 64): more than fit
+    assert p.weight_rows_per_chunk("odd", (10, 687), 687 * 2) == 10  # one chunk, its last block partial
+    assert ElasticPolicy(chunk_bytes=688 * 2 * 6).weight_rows_per_chunk("down", (2048, 688), 688 * 2) == 6
+    i8 = ElasticPolicy(weight_format="int8", chunk_bytes=688 * 2 * 40)
+    assert i8.weight_rows_per_chunk("down", (2048, 688), 688 * 2) == 32  # 256 / gcd(688, 256) = 16
+    for cols in (1, 33, 66, 688, 687, 4096, 4097):
+        for block in (32, 64, 256, 4096):
+            assert quant_rows_multiple(cols, block) == rows_multiple(cols, block)
 
 
 class _Two(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(64, 32)
-        self.b = nn.Linear(32, 48)  # row length 32: not a multiple of 64
+        self.b = nn.Linear(32, 48)  # row length 32: two rows per block of 64
 
 
-def test_convert_refuses_before_reading_anything(monkeypatch):
-    """The error names the weight and shape, and comes before any weight is registered
-    (nothing read, sharded or gathered; the model is left as it was)."""
-    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, elasticize
-    from elastic_kernels.api.runtime import ElasticRuntime
+def test_any_row_length_converts():
+    """Issue 28: a row length the block does not divide converts (before, it was refused by
+    name); its chunks are rounded to whole blocks and it dequantizes to bitsandbytes' values."""
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
+    from tests.kernels.test_quant import bits_equal, bnb_dequant_chunks
 
-    registered = []
-    monkeypatch.setattr(ElasticRuntime, "register", lambda self, *a, **k: registered.append(a[1]))
-    model = _Two()
-    with pytest.raises(ValueError, match=r"^b: weight shape \(48, 32\): its row length 32 is not a multiple"):
-        convert_to_elastic(model, LoRAConfig(r=2, alpha=4, target_modules=("a", "b")),
-                           ElasticPolicy(weight_format="nf4"))
-    with pytest.raises(ValueError, match=r"^b: weight shape \(48, 32\)"):
-        elasticize(_Two().requires_grad_(False), ElasticPolicy(weight_format="nf4", replicate_below_bytes=0))
-    assert registered == []
-    assert isinstance(model.a, nn.Linear) and model.a.weight.requires_grad
+    torch.manual_seed(0)
+    w = _Two().b.weight.detach().clone()
+    for chunk_rows, rpc in ((5, 4), (1, 2)):  # 5 fp32 rows fit: 4; 1 fits: 2 (a chunk holds a whole block)
+        torch.manual_seed(0)
+        model = _Two()
+        model = convert_to_elastic(model, LoRAConfig(r=2, alpha=4, target_modules=("b",)),
+                                   ElasticPolicy(weight_format="nf4", chunk_bytes=32 * 4 * chunk_rows))
+        et = model.b.et
+        assert (et.layout.rows_per_chunk, et.qlayout.rows_per_chunk, et.num_chunks) == (rpc, rpc, 48 // rpc)
+        assert bits_equal(model._elastic_runtime.full_weight(et), bnb_dequant_chunks(w, rpc, False, torch.float32))
 
 
 def test_block_that_divides_every_row_converts():

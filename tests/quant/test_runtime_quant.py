@@ -209,3 +209,105 @@ def test_pool_holds_the_predicted_chunks(fmt, block, nested):
     fp_predicted = min(total, (budget + ws_chunks * fp_page) // fp_page)
     assert fp_res == fp_predicted
     assert q_res > fp_res
+
+
+# --------------------------------------------- any row length (issue 28: blocks over the flattened weight)
+
+# Rows of 688 (down_proj [66, 688]: 43 blocks of 64 per 4 rows) and of 66 (q/k/v/o [66, 66]:
+# 33 blocks per 32 rows): no block divides a row. 6 rows of 688 fit a chunk; the runtime rounds
+# to whole blocks (nf4 64: 4 rows, int8 256: 16 rows; 32 rows of 66 for nf4), and every last
+# chunk ends in a partial block (66 rows: 2 rows left).
+ODD_CHUNK = 688 * 4 * 6
+ODD_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def odd_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=66, intermediate_size=688, num_hidden_layers=1,
+                      num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def _odd_train(model, policy, steps=2):
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
+
+    elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=ODD_TARGETS), policy)
+    gen = torch.Generator().manual_seed(7)
+    for _, layer in lora_layers(elastic):
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen) * 0.1)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    losses, grads = [], []
+    for _ in range(steps):
+        out = elastic(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach().clone())
+        step = {}
+        with torch.no_grad():
+            for name, layer in lora_layers(elastic):
+                for p, which in ((layer.lora_A.weight, "A"), (layer.lora_B.weight, "B")):
+                    step[f"{name}.{which}"] = p.grad.clone()
+                    p -= 0.5 * p.grad
+                    p.grad = None
+        grads.append(step)
+    return losses, grads, elastic
+
+
+def _odd_worker(rank, world_size, policy_kwargs, fmt, block, nested):
+    from elastic_kernels.api import ElasticPolicy
+
+    policy = ElasticPolicy(chunk_bytes=ODD_CHUNK, weight_format=fmt, quant_block_size=block, quant_nested=nested,
+                           **policy_kwargs)
+    losses, grads, elastic = _odd_train(odd_llama(), policy)
+    rpc = {et.name.rpartition(".")[2]: (et.layout.rows_per_chunk, et.qlayout.rows_per_chunk, et.num_chunks)
+           for et in elastic._elastic_runtime.tensors}
+    return losses, grads, rpc
+
+
+@pytest.mark.parametrize("fmt,block,nested", [("nf4", None, False), ("nf4", None, True), ("int8", None, False)],
+                         ids=["nf4", "nf4-nested", "int8-256"])
+@pytest.mark.parametrize("world_size,policy", [(1, {}), (2, dict(keep_ratio=0.5, persist_ratio=0.0,
+                                                                 pool_budget_bytes=0))], ids=["w1", "w2-budget0"])
+def test_parity_any_row_length(world_size, policy, fmt, block, nested, monkeypatch):
+    """A model whose rows no block divides (issue 28) trains quantized, bit for bit as the same
+    model computing with the dequantized values, converted without a format under the same
+    chunking (the reference's rows_per_chunk is made the rounded one the quantized run uses)."""
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.config import quant_rows_per_chunk
+
+    bs = block or (64 if fmt == "nf4" else 256)
+    results = run_distributed(_odd_worker, world_size, policy, fmt, block, nested, timeout=300)
+    rpc = results[0][2]
+    want_down = 4 if fmt == "nf4" else 16  # 64 / gcd(688, 64), 256 / gcd(688, 256): 6 rows fit, rounded
+    assert rpc["down_proj"] == (want_down, want_down, -(-66 // want_down)), rpc
+    assert rpc["q_proj"][:2] == ((32, 32) if fmt == "nf4" else (66, 66)), rpc  # 256 / gcd(66, 256) = 128 > 66
+
+    # The reference: the dequantized values, no format, the quantized run's chunking.
+    model = odd_llama()
+    ref_policy = ElasticPolicy(chunk_bytes=ODD_CHUNK)
+
+    def rounded(self, name, shape, row_bytes):
+        return quant_rows_per_chunk(self.rows_per_chunk(row_bytes, name), int(shape[0]), int(shape[1]), bs)
+    names = [f"model.layers.0.{'self_attn' if t[0] in 'qkvo' else 'mlp'}.{t}" for t in ODD_TARGETS]
+    dequantize_model_(model, names, lambda w: quant_rows_per_chunk(ODD_CHUNK // (w.shape[1] * 4), w.shape[0],
+                                                                    w.shape[1], bs), fmt, block, nested)
+    monkeypatch.setattr(ElasticPolicy, "weight_rows_per_chunk", rounded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref_losses, ref_grads, ref = _odd_train(model, ref_policy)
+    finally:
+        torch.set_num_threads(threads)
+    assert {et.name.rpartition(".")[2]: et.layout.rows_per_chunk for et in ref._elastic_runtime.tensors} == \
+        {k: v[0] for k, v in rpc.items()}
+    for rank, (losses, grads, _) in enumerate(results):
+        for s, (ours, theirs) in enumerate(zip(losses, ref_losses)):
+            assert torch.equal(ours, theirs), f"rank {rank} step {s}: loss {ours.item()!r} != {theirs.item()!r}"
+        for s, (ours, theirs) in enumerate(zip(grads, ref_grads)):
+            for k in ours:
+                assert torch.equal(ours[k], theirs[k]), (rank, s, k, (ours[k] - theirs[k]).abs().max().item())
+    fp_losses, _, _ = _odd_train(odd_llama(), ElasticPolicy(chunk_bytes=ODD_CHUNK))
+    assert not torch.equal(fp_losses[0], ref_losses[0])  # the quantized model is another model

@@ -17,6 +17,13 @@ CASES = [
     (33, 64, 4, "int8", 32, False),
     (9, 512, 2, "int8", 256, False),
     (600, 64, 600, "nf4", 64, True),  # 600 blocks: three groups of nested scales
+    # issue 28: blocks over the flattened weight, starting mid-row; every last chunk ends in a
+    # partial block (5 rows of 688: 53.75 blocks of 64), an odd count of weights (13 x 687)
+    (37, 688, 8, "nf4", 64, False),
+    (37, 688, 8, "nf4", 64, True),
+    (37, 688, 16, "int8", 256, False),
+    (13, 687, 64, "nf4", 64, False),
+    (130, 101, 64, "int8", 64, False),
 ]
 
 
@@ -31,16 +38,15 @@ def _needed_rows(ql: QuantizedLayout, storage, rank: int) -> set[int]:
         if lo >= hi:
             continue
         base = c * ql.rows_per_chunk
-        for i in range(f.rows):
-            if f.nested:
-                need.add(base + i)
-                continue
-            k = f.numel // f.codes_bytes
-            per_row_blocks = f.cols // f.block_size
-            spans = [(i * f.cols // k, (i + 1) * f.cols // k),
-                     (f.scales_offset + 4 * i * per_row_blocks, f.scales_offset + 4 * (i + 1) * per_row_blocks)]
+        if f.nested:
+            need.update(range(base, base + f.rows))
+            continue
+        per = 2 if f.name == "nf4" else 1  # weights per code byte
+        for k in range(f.num_blocks):  # block k: weights [w0, w1) of the chunk, flattened
+            w0, w1 = k * f.block_size, min((k + 1) * f.block_size, f.numel)
+            spans = [(w0 // per, -(-w1 // per)), (f.scales_offset + 4 * k, f.scales_offset + 4 * k + 4)]
             if any(a < hi and lo < b for a, b in spans):
-                need.add(base + i)
+                need.update(range(base + w0 // f.cols, base + -(-w1 // f.cols)))
     return need
 
 
@@ -67,6 +73,33 @@ def test_shard_is_the_slice_of_the_image(case, world_size, dtype):
         assert set(read) == _needed_rows(ql, storage, rank), f"rank {rank} read rows it does not need"
     if world_size >= 4 and not nested and rpc >= 8:  # a middle rank reads about 1/W of each chunk
         assert len(_needed_rows(ql, storage, 1)) < rows
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}/{c[2]}-{c[3]}{c[4]}{'n' if c[5] else ''}" for c in CASES])
+def test_host_store_shares_tile_the_image(case):
+    """fill_image_share ([Note: filling the host store]): shares of rows that partition the
+    weight (cut anywhere, mid-chunk and, for rows no block divides, mid-block) write disjoint
+    bytes that together are the whole image, bit for bit."""
+    from elastic_kernels.api.quant.weights import fill_image_share
+
+    rows, cols, rpc, fmt, block, nested = case
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    ql = QuantizedLayout(rows, cols, rpc, fmt, block, nested)
+    image = ql.quantize(w)
+    cuts = sorted({0, rows, 1, rows // 3, rows // 2 + 1, rows - 1})
+    written = torch.zeros(ql.total_bytes, dtype=torch.int32)
+    store = torch.zeros(ql.total_bytes, dtype=torch.uint8)
+    for r0, r1 in zip(cuts, cuts[1:]):
+        mine = torch.full((ql.total_bytes,), 0xA5, dtype=torch.uint8)
+        fill_image_share(ql, lambda b, e: w[b:e], r0, r1, mine, torch.float32, "cpu")
+        probe = torch.full((ql.total_bytes,), 0x5A, dtype=torch.uint8)
+        fill_image_share(ql, lambda b, e: w[b:e], r0, r1, probe, torch.float32, "cpu")
+        touched = mine != 0xA5
+        touched |= probe != 0x5A  # a byte written with the sentinel's own value shows in the other
+        written += touched.int()
+        store[touched] = mine[touched]  # a byte equal to 0xA5 is that value, written
+    assert bool((written == 1).all()), f"bytes written {int((written == 0).sum())} times 0, {int((written > 1).sum())} twice"
+    assert torch.equal(store, image)
 
 
 def test_nonfinite_rows_are_counted_while_quantizing():

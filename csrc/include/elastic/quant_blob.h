@@ -6,12 +6,15 @@
 //
 // This header includes nothing from torch: .cu files may include it.
 //
-// Blob of a chunk of `rows` x `cols` weights, n = rows * cols, nb = n / block (block | cols):
-//   nf4            codes  [0, n/2)           two 4-bit codes per byte, element 2k in the HIGH
-//                                            nibble, 2k+1 in the low one (bitsandbytes' order)
-//                  scales [n/2, n/2 + 4 nb)  fp32 absmax per block
-//   nf4, nested    codes  [0, n/2)
-//                  scales [n/2, n/2 + nb)    uint8 code of (absmax - offset) per block, 8-bit
+// Blob of a chunk of `rows` x `cols` weights, n = rows * cols, nb = ceil(n / block): blocks run
+// over the chunk's weights flattened row-major, the last one partial when block does not divide
+// n (only the weight's last chunk can have one: every other chunk holds whole blocks).
+//   nf4            codes  [0, ceil(n/2))     two 4-bit codes per byte, element 2k in the HIGH
+//                                            nibble, 2k+1 in the low one (bitsandbytes' order;
+//                                            an odd n leaves the last low nibble unused)
+//                  scales [.., + 4 nb)       fp32 absmax per block
+//   nf4, nested    codes  [0, ceil(n/2))
+//                  scales [.., + nb)         uint8 code of (absmax - offset) per block, 8-bit
 //                                            dynamic map, blocks of 256 scales
 //                  nested [.., + 4 ceil(nb / 256))  fp32 absmax of each block of 256 scales
 //                  offset [.., + 4)          fp32 mean of the chunk's absmax
@@ -57,10 +60,10 @@ struct BlobLayout {
 ELASTIC_HD inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ELASTIC_HD inline BlobLayout nf4_layout(int64_t rows, int64_t cols, int64_t block, bool nested) {
-  const int64_t n = rows * cols, nb = n / block;
+  const int64_t n = rows * cols, nb = ceil_div64(n, block);
   BlobLayout l;
   l.codes = 0;
-  l.scales = n / 2;
+  l.scales = ceil_div64(n, 2);
   if (nested) {
     l.nested_scales = l.scales + nb;
     l.offset = l.nested_scales + 4 * ceil_div64(nb, kNestedBlock);
@@ -76,7 +79,7 @@ ELASTIC_HD inline BlobLayout int8_layout(int64_t rows, int64_t cols, int64_t blo
   BlobLayout l;
   l.codes = 0;
   l.scales = n;
-  l.nested_scales = l.offset = l.total = n + 4 * (n / block);
+  l.nested_scales = l.offset = l.total = n + 4 * ceil_div64(n, block);
   return l;
 }
 
