@@ -77,7 +77,7 @@ def main() -> None:
     from elastic_kernels.api.loading.pretrained import pretrained_dir
     from elastic_kernels.api.planner.search import least_memory, plan_from_profile
 
-    model_arg = known.model or pretrained_dir("smollm2-135m-instruct")
+    model_arg = known.model or str(pretrained_dir("smollm2-135m-instruct"))
     phase_s: dict[str, float] = {}
     for name in PHASES:
         fn = getattr(measure, name)
@@ -93,21 +93,24 @@ def main() -> None:
     calls: list[dict] = []
     original = cli_planning.measure_profile
 
-    def wrapped(model, batches, **kwargs):
+    def wrapped(model, batches, report=None, **kwargs):
         for r in range(known.rounds):
             for all_layers in ((False, True) if r % 2 == 0 else (True, False)):
                 phase_s.clear()
-                report: dict = {}
+                mine: dict = {}
                 t0 = time.perf_counter()
-                profile = original(model, batches, all_layers=all_layers, report=report, **kwargs)
+                profile = original(model, batches, all_layers=all_layers, report=mine, **kwargs)
                 seconds = time.perf_counter() - t0
                 calls.append({"round": r, "all_layers": all_layers, "seconds": seconds, "phases": dict(phase_s),
-                              "profiled": len(report["profiled_units"]), "profile": profile,
-                              "tokens": report["tokens"], "load": os.getloadavg()[0]})
+                              "profiled": len(mine["profiled_units"]), "profile": profile,
+                              "tokens": mine["tokens"], "load": os.getloadavg()[0], "report": mine})
                 print(f"round {r} {'all layers' if all_layers else 'reuse     '}: {seconds:.1f} s, "
-                      f"{len(report['profiled_units'])} units profiled, load {os.getloadavg()[0]:.1f}; phases "
+                      f"{len(mine['profiled_units'])} units profiled, load {os.getloadavg()[0]:.1f}; phases "
                       + ", ".join(f"{k.strip('_')} {v:.1f}" for k, v in phase_s.items()), flush=True)
-        return [c for c in calls if not c["all_layers"]][-1]["profile"]
+        last = [c for c in calls if not c["all_layers"]][-1]
+        if report is not None:
+            report.update(last["report"])
+        return last["profile"]
 
     cli_planning.measure_profile = wrapped
     sys.argv = ["elastic-finetune", "--model", model_arg, "--steps", str(known.steps), "--save-dir",
@@ -116,7 +119,8 @@ def main() -> None:
     if code:
         raise SystemExit(code)
     with open(os.path.join(known.save_dir, "profiles.json"), "w") as f:
-        json.dump([{k: (v.to_dict() if k == "profile" else v) for k, v in c.items()} for c in calls], f)
+        json.dump([{k: (v.to_dict() if k == "profile" else v) for k, v in c.items() if k != "report"} for c in calls],
+                  f)
 
     reuse = [c for c in calls if not c["all_layers"]]
     whole = [c for c in calls if c["all_layers"]]
