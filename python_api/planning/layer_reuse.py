@@ -22,7 +22,9 @@ So, before any step:
  3. the representatives: the first `per_class` children of each class (default 2, whose
     times are averaged); the list keeps only them while profiling (its `_modules` is cut to
     their keys, so `get_submodule` still finds them by their own names and the model's loop
-    over the list runs them alone), and the runtime's learned orders are put back after;
+    over the list runs them alone), and the runtime's learned orders are put back after (the
+    cut steps' orders are not the whole model's: the first step after profiling learns them,
+    without prefetch, as a first step does; whole-model profiling used to leave them learned);
  4. the profile of the truncated model is measured as any other, then rebuilt for the whole
     model (`expand`): the units in forward order with the list's children in its place, each
     child a copy of its class (weights renamed), times the median of the representatives'
