@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..planner.profile import ProfileError
 from ..planner.search import PlanningError
 from ..planning.apply import apply_plan, plan
+from ..planning.layer_reuse import ALL_LAYERS_ENV
 from ..planning.measure import ProfileBelowTensorsError, ProfileBoundError, measure_profile
 from .constants import PROG
 from .errors import FinetuneError
@@ -101,9 +102,11 @@ class JobPlanner:
             # micro-batches the planner tries.
             # The decision comes from the memory model on MAX-reduced counts and the MIN bound:
             # the same on every rank.
+            report: dict = {}
             try:
                 profile = measure_profile(engine.model, [batch],
-                                          capacity_bytes=max(caps) if caps and not self.device_auto else None)
+                                          capacity_bytes=max(caps) if caps and not self.device_auto else None,
+                                          report=report)
                 break
             except ProfileBelowTensorsError as exc:  # See [Note: refusing a cap before profiling] (measure.py)
                 raise FinetuneError(
@@ -128,6 +131,14 @@ class JobPlanner:
             except ProfileError as exc:
                 raise FinetuneError(f"no plan: the memory cap leaves no room for the model ({exc})") from exc
         self.profile_seconds = time.perf_counter() - t0
+        # See [Note: profiling identical layers once] (python_api/planning/layer_reuse.py).
+        classes = [c for lc in report.get("layer_classes", []) for c in lc]
+        reused = ""
+        if classes:
+            layers = sum(len(c) for c in classes)
+            profiled = sum(u in report["profiled_units"] for c in classes for u in c)
+            reused = (f" ({profiled} of {layers} layers run: identical layers take their class's figures; "
+                      f"{ALL_LAYERS_ENV}=1 profiles every layer)")
         if caps and max(caps) > profile.capacity_bytes:
             profile = dataclasses.replace(profile, capacity_bytes=max(caps))
         self.profile = profile
@@ -139,7 +150,7 @@ class JobPlanner:
         engine.micro_batch, engine.grad_accum = self.plan.micro_batch, self.plan.accumulation
         self.events = [self._event(1, None)]
         if job.rank == 0:
-            print(f"{PROG}: profiled in {self.profile_seconds:.1f} s, planned in {self.plan.planning_seconds:.3f} s "
+            print(f"{PROG}: profiled in {self.profile_seconds:.1f} s{reused}, planned in {self.plan.planning_seconds:.3f} s "
                   f"for {fmt_bytes(self.cap)} of tensor memory per rank (the cap bounds the tensors' peak, not the "
                   f"process's resident memory):", flush=True)
             print(self.plan.table(), flush=True)

@@ -139,6 +139,7 @@ from ..planner.profile import LayerProfile, Link, OutsideProfile, Profile, Weigh
 from ..quant import dequantize_use
 from ..runtime import Phase
 from .apply import set_recompute
+from .layer_reuse import ReuseUnsupported, all_layers_requested, expand, full_order, layer_classes, truncated
 
 _PROFILE_MARGIN = 0.05  # the planner's default margin, kept below the bound when choosing a round
 
@@ -397,13 +398,15 @@ def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
     return t1 - t0, t2 - t1, t1, t2, loss
 
 
-def _static_bytes(model: nn.Module, rt) -> int:
+def _static_bytes(parameters, buffers, rt) -> int:
+    """The tensors alive at a step's start: of the runtime `rt`, and `parameters` and `buffers`
+    (the whole model's, also while profiling runs a model cut to a few layers)."""
     shards = sum(et.shard.numel() * et.shard.element_size() for et in rt.tensors if et.shard is not None)
     params = 0
-    for p in model.parameters():
+    for p in parameters:
         b = p.numel() * p.element_size()
         params += b * 4 if p.requires_grad else b  # trainable: value, gradient, AdamW's two states
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    buffers = sum(b.numel() * b.element_size() for b in buffers)
     # The recycled dequant workspace (quantized weights): grown to the largest weight a call
     # dequantized by the step before, and never shrunk ([Note: the dequant workspace]).
     return shards + params + buffers + rt.dequant_workspace.nbytes
@@ -532,13 +535,17 @@ class ProfileBelowTensorsError(ProfileBoundError):
 
 def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_loss=None,
                     capacity_bytes: int | None = None, memory_bytes: int | None = None, steps: int = 2,
-                    host_tier: bool | None = None, report: dict | None = None) -> Profile:
+                    host_tier: bool | None = None, report: dict | None = None,
+                    all_layers: bool | None = None) -> Profile:
     """Measure a `Profile` of `model` (under convert_to_elastic / elasticize) on `batches`
     (at least one micro-batch of input ids [B, T]). A collective: call on every rank alike.
     `memory_bytes`: the bound every profiling step stays within, per rank ([Note: profiling
     within a memory bound]; None: capacity_bytes, on CUDA at most what is free now).
     `host_tier`: measure the host tier's fields (None: when the runtime has a host store or
-    its policy offloads activations). `report`: a dict that receives the rounds."""
+    its policy offloads activations). `report`: a dict that receives the rounds.
+    `all_layers`: profile every layer of a list of identical layers (None: the env
+    ELASTIC_PROFILE_ALL_LAYERS, default no: one class of identical layers is profiled on a
+    few representatives, [Note: profiling identical layers once] in layer_reuse.py)."""
     if not batches:
         raise ValueError("measure_profile: give at least one micro-batch")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -568,13 +575,36 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     bound = -_max_over_ranks(-bound, rt, "measure_profile: the memory bound")  # the MIN over the ranks
     # See [Note: refusing a cap before profiling]: the tensors alive before any step, counted
     # as the memory model counts them, are below every plan's peak.
-    static = _max_over_ranks(_static_bytes(model, rt), rt, "measure_profile: the model's tensors")
+    static = _max_over_ranks(_static_bytes(model.parameters(), model.buffers(), rt), rt,
+                             "measure_profile: the model's tensors")
     if static > bound:
         raise ProfileBelowTensorsError(
             f"measure_profile: the model's own tensors need {static} bytes per rank (the shards of the frozen weights, "
             f"the replicated tensors, the adapters with their gradients and AdamW state), above the bound "
             f"{bound}; no plan fits, whatever is kept or recomputed", static, bound)
 
+    # See [Note: profiling identical layers once] (layer_reuse.py).
+    lists = [] if all_layers_requested(all_layers) else layer_classes(model, rt)
+    if lists:
+        # Every rank cuts the same layers (ranks whose models differ fail here, together).
+        _max_over_ranks([list(lc.profiled) for lc in lists], rt, "measure_profile: the layers profiled")
+        try:
+            return _measure(model, rt, batch, forward_loss, capacity, reserved, bound, steps, host_tier, report,
+                            lists)
+        except ReuseUnsupported as exc:
+            warnings.warn(f"measure_profile: profiling every layer: {exc}", stacklevel=2)
+    return _measure(model, rt, batch, forward_loss, capacity, reserved, bound, steps, host_tier, report, [])
+
+
+def _measure(model, rt, batch, forward_loss, capacity, reserved, bound, steps, host_tier, report, lists) -> Profile:
+    """measure_profile's steps, on the model cut to the representatives of `lists` (none:
+    the whole model), and the whole model's profile."""
+    device = rt.device
+    params = list(model.parameters())  # the whole model's, before any cut
+    buffers = list(model.buffers())
+    adapter_grad = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    cut = truncated(lists, rt) if lists else contextlib.nullcontext()
+    order = None  # the whole model's units in forward order, when cut
     saved = [(et, et.keep_chunks, et.persist_chunks) for et in rt.tensors]
     budget = rt.cache_budget
     depth = rt.policy.prefetch_depth
@@ -593,15 +623,25 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
     # the steps here drop their gradients anyway.
     no_sync = rt.no_sync()
     no_sync.__enter__()
+    cutting = contextlib.ExitStack()  # the cut model, closed before anything is restored
     try:
+        cutting.enter_context(cut)
         if offload_was:
             rt.set_offload_activations(False)  # every step below saves its activations on the device
         rt.set_prefetch_depth(0)  # a streamed unit's gathers stay inside its own timing window
         for et in rt.tensors:
             rt.set_residency(et, 0, 0)
         rt.set_pool_budget(0)
-        _run_step(model, batch, forward_loss, None, device)  # learns the order, streams everything
+        try:
+            _run_step(model, batch, forward_loss, None, device)  # learns the order, streams everything
+        except Exception as exc:
+            if lists:  # the model's own loop does not take the cut list: profile it whole
+                raise ReuseUnsupported(f"the first step of the model cut to {[lc.profiled for lc in lists]} raised "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            raise
         names, modules = _unit_modules(model, rt)
+        if lists:
+            order = full_order(names, lists)
         probe = _StepProbe(model, modules, device)
         try:
             # 1. Byte counts (the same at every residency), read from one step.
@@ -613,7 +653,7 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             measured = {
                 "act": [probe.saved[n] for n in names], "input": [probe.input_bytes[n] for n in names],
                 "outside": probe.saved_outside, "freed": [probe.freed()[n] for n in names],
-                "offload": [list(probe.offl[n]) for n in names], "static": _static_bytes(model, rt),
+                "offload": [list(probe.offl[n]) for n in names], "static": _static_bytes(params, buffers, rt),
                 "reserved": max(0, reserved),
             }
             owners = [list(probe.offl_owner[n]) for n in names]
@@ -626,15 +666,17 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
             weights_of = {u: sorted((et for et in rt.tensors if et.unit == u), key=lambda et: forward_order.get(et.wid, 0))
                           for u in names}
             prelim = _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, batch, model,
-                                 capacity, host_tier)
+                                 capacity, host_tier, adapter_grad)
             prelim = _with_workspace(prelim, dict(zip(names, measured["window0"])),
                                      dict(zip(names, measured["rwindow0"])), B)
             limit = int(bound * (1.0 - _PROFILE_MARGIN))
-            least = _residency_peak(prelim, [], B)
+            # The bound is the whole model's: its streamed step, not the cut one's.
+            whole = expand(prelim, lists, order, prelim.static_bytes, adapter_grad, rt) if lists else prelim
+            least = _residency_peak(whole, [], B)
             if least > bound:
                 # What profiling needs at one sequence (streamed, as here), by the same model: a
                 # caller need not try smaller micro-batches under a bound below it.
-                least_one = _residency_peak(prelim, [], 1)
+                least_one = _residency_peak(whole, [], 1)
                 raise ProfileBoundError(
                     f"measure_profile: streaming every weight at this micro-batch ({B} x {batch.shape[1]} tokens) "
                     f"needs {least} bytes per rank by the memory model, above the profiling bound memory_bytes = "
@@ -655,11 +697,12 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                     warnings.warn(f"measure_profile: unit {names[untimed[0]]} does not fit resident within "
                                   f"memory_bytes = {bound}; its times include its gathers", stacklevel=2)
                 keep_units = set(resident)
+                index = {n: i for i, n in enumerate(names)}  # the layers cut away: -1, streamed (unused)
                 for et in rt.tensors:
-                    n = et.num_chunks if names.index(et.unit) in keep_units else 0
+                    n = et.num_chunks if index.get(et.unit, -1) in keep_units else 0
                     rt.set_residency(et, n, n)
                 rt.set_pool_budget(rt.page_bytes() * sum(et.num_chunks for et in rt.tensors
-                                                         if names.index(et.unit) in keep_units))
+                                                         if index.get(et.unit, -1) in keep_units))
                 _run_step(model, batch, forward_loss, None, device)  # fills the resident units
                 per_size = _timings(model, sizes, forward_loss, probe, names, device, steps)
                 for i in timed:
@@ -684,9 +727,11 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
         # The step that failed may have left the runtime inside a phase, where residency cannot
         # change: restore what can be, and let the original error through.
         with contextlib.suppress(Exception):
+            cutting.close()
             _restore(rt, model, saved, budget, depth, offload_was, was_training)
         raise
     finally:
+        cutting.close()
         no_sync.__exit__(None, None, None)
     _restore(rt, model, saved, budget, depth, offload_was, was_training)
 
@@ -699,7 +744,8 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
                "outside": list(outside),
                "links": _link_measurements(rt, prelim, names, host_tier),
                "peaks": [workspace_peaks.get(n, 0) for n in names], "rpeaks": [recompute_peaks.get(n, 0) for n in names],
-               "dequant": _dequant_times(model, rt, probe.op_dtypes)}
+               "dequant": _dequant_times(model, rt, probe.op_dtypes,
+                                         {w.name for layer in prelim.layers for w in layer.weights})}
     timings = _max_over_ranks(timings, rt, "measure_profile: the timings")
     dequant = timings["dequant"]
     layers = []
@@ -721,9 +767,12 @@ def measure_profile(model: nn.Module, batches: list[torch.Tensor], *, forward_lo
         copy=_fit_link(links["copy"]), h2d=_fit_link(links["h2d"]) if host_tier else None)
     profile = _with_workspace(profile, {n: p for n, p in zip(names, timings["peaks"]) if n in workspace_peaks},
                               {n: p for n, p in zip(names, timings["rpeaks"]) if n in recompute_peaks}, B)
+    if lists:  # See [Note: profiling identical layers once] (layer_reuse.py)
+        profile = expand(profile, lists, order, profile.static_bytes, adapter_grad, rt)
     if report is not None:
         report.update(bound_bytes=bound, rounds=rounds, least_bytes=least, local_bytes=local_bytes,
-                      unit_times=[tuple(u) for u in timings["units"]], tokens=tokens)
+                      unit_times=[tuple(u) for u in timings["units"]], tokens=tokens, profiled_units=list(names),
+                      layer_classes=[[list(c) for c in lc.classes] for lc in lists])
     return profile
 
 
@@ -741,16 +790,16 @@ def _restore(rt, model, saved, budget, depth, offload_was, was_training) -> None
     model.train(was_training)
 
 
-def _dequant_times(model: nn.Module, rt, op_dtypes: dict[str, torch.dtype]) -> dict[str, float]:
-    """Per quantized weight, the seconds one use spends dequantizing it ([Note: timing the
-    dequantization]); {} when no weight is quantized."""
+def _dequant_times(model: nn.Module, rt, op_dtypes: dict[str, torch.dtype], names: set[str]) -> dict[str, float]:
+    """Per quantized weight of `names` (those profiled), the seconds one use spends
+    dequantizing it ([Note: timing the dequantization]); {} when no weight is quantized."""
     per_chunk = {m.et.name for m in model.modules() if isinstance(m, ElasticLinear)}
     device, ws = rt.device, rt.dequant_workspace
     out: dict[str, float] = {}
     timed: dict[tuple, float] = {}
     for et in rt.tensors:
         q = et.qlayout
-        if q is None:
+        if q is None or et.name not in names:
             continue
         dtype = op_dtypes.get(et.name, et.dtype)
         split = et.name in per_chunk
@@ -841,7 +890,7 @@ def _link_measurements(rt, profile: Profile, names, host_tier: bool) -> dict:
 
 
 def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, batch, model, capacity,
-                host_tier) -> Profile:
+                host_tier, adapter_grad: int) -> Profile:
     """The profile's byte fields from the (MAX-reduced) measurements; timings zero, links
     placeholders (filled by measure_profile)."""
     layers = []
@@ -869,7 +918,6 @@ def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, 
             offload_freed_bytes_per_token=measured["freed"][i] / tokens if host_tier else 0.0,
             offload_tensors_weight=tuple(own),
         ))
-    adapter_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     placeholder = Link(0.0, 1e18)
     return Profile(
         source="measured", device=_device_name(rt.device), world_size=rt.world_size, seq_len=int(batch.shape[1]),

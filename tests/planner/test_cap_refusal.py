@@ -59,7 +59,7 @@ def test_a_bound_below_profiling_at_one_sequence_names_it_after_one_step(monkeyp
 
     model, cfg = _model()
     ids = torch.randint(0, cfg.vocab_size, (4, 8))
-    static = measure._static_bytes(model, runtime_of(model))
+    static = measure._static_bytes(model.parameters(), model.buffers(), runtime_of(model))
     with pytest.raises(measure.ProfileBoundError) as info:
         measure.measure_profile(model, [ids], capacity_bytes=static + 1)
     exc = info.value

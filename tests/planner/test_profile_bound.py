@@ -67,14 +67,17 @@ def _worker(rank, world_size):
             p.grad = None
 
     unbounded_report, bounded_report = {}, {}
-    unbounded = measure_profile(model, [ids], capacity_bytes=1 << 30, steps=3, report=unbounded_report)
+    # Every layer profiled: this file checks the rounds of the bound on the whole model (identical
+    # layers profiled once: tests/planner/test_layer_reuse.py).
+    unbounded = measure_profile(model, [ids], capacity_bytes=1 << 30, steps=3, report=unbounded_report,
+                                all_layers=True)
     frozen = sum(et.nbytes for et in rt.tensors)
     keep_all = memory_curve(unbounded, Choices.uniform(unbounded, MB, 1.0, prefetch_depth=0)).peak_bytes
     # A cap with room for about two units beyond streaming every weight: below the frozen bytes.
     unit = max(sum(et.num_chunks for et in rt.tensors if et.unit == u) for u in {et.unit for et in rt.tensors})
     cap = int((unbounded_report["least_bytes"] + 2.2 * unit * rt.page_bytes()) / 0.95)
     rt.pool.reset_peak()
-    bounded = measure_profile(model, [ids], capacity_bytes=cap, steps=3, report=bounded_report)
+    bounded = measure_profile(model, [ids], capacity_bytes=cap, steps=3, report=bounded_report, all_layers=True)
     pool_peak = rt.pool.stats()["peak_in_use_bytes"]
     # A bound below what streaming every weight needs: refused with ProfileBoundError (the CLI
     # then profiles half the micro-batch), and the runtime's residency is as it was.
@@ -84,7 +87,7 @@ def _worker(rank, world_size):
     too_small = None
     too_small_bound = int(bounded_report["least_bytes"] * 0.9)
     try:
-        measure_profile(model, [ids], capacity_bytes=too_small_bound, steps=1)
+        measure_profile(model, [ids], capacity_bytes=too_small_bound, steps=1, all_layers=True)
     except ProfileBoundError as exc:
         too_small = (str(exc), exc.needed_bytes, exc.bound_bytes, too_small_bound, bounded_report["least_bytes"])
     restored = before == [(et.keep_chunks, et.persist_chunks) for et in rt.tensors]
