@@ -31,10 +31,14 @@ def _policy(fmt=None, block=None, nested=False, **kw):
 def _train(model, policy_kwargs, fmt, block, nested, steps=2):
     """Convert `model`, give the adapters fixed non-zero values, run `steps` SGD steps on one
     fixed batch; returns the losses, the adapter gradients of every step and the runtime stats."""
+    return _train_converted(model, _policy(fmt, block, nested, **policy_kwargs), TARGETS, steps)
+
+
+def _train_converted(model, policy, targets, steps):
+    """`_train` for any policy and LoRA targets."""
     from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers, reset_stats, stats
 
-    elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=TARGETS),
-                                 _policy(fmt, block, nested, **policy_kwargs))
+    elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=targets), policy)
     gen = torch.Generator().manual_seed(7)
     for _, layer in lora_layers(elastic):
         with torch.no_grad():
@@ -57,7 +61,6 @@ def _train(model, policy_kwargs, fmt, block, nested, steps=2):
         per_step.append(stats(elastic) | {"per_weight": elastic._elastic_runtime.stats(per_weight=True)
                                           ["allgather_bytes_per_weight"]})
     return losses, grads, per_step, elastic
-
 
 
 def _reference(policy_kwargs, fmt, block, nested):
@@ -232,27 +235,7 @@ def odd_llama(seed: int = 0):
 
 
 def _odd_train(model, policy, steps=2):
-    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
-
-    elastic = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=ODD_TARGETS), policy)
-    gen = torch.Generator().manual_seed(7)
-    for _, layer in lora_layers(elastic):
-        with torch.no_grad():
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen) * 0.1)
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
-    losses, grads = [], []
-    for _ in range(steps):
-        out = elastic(input_ids=ids, labels=ids)
-        out.loss.backward()
-        losses.append(out.loss.detach().clone())
-        step = {}
-        with torch.no_grad():
-            for name, layer in lora_layers(elastic):
-                for p, which in ((layer.lora_A.weight, "A"), (layer.lora_B.weight, "B")):
-                    step[f"{name}.{which}"] = p.grad.clone()
-                    p -= 0.5 * p.grad
-                    p.grad = None
-        grads.append(step)
+    losses, grads, _, elastic = _train_converted(model, policy, ODD_TARGETS, steps)
     return losses, grads, elastic
 
 
