@@ -40,7 +40,7 @@ run's rows) and, per source, the measured tokens/s of the configuration the plan
 pick divided by the best measured, beside the run's own planner_choice.
 
 Simulated (`--no-measure` for this part alone): GPT-2 XL and Llama-2 7B on 4 x 24 GB PCIe GPUs
-(planner/pipeline_model.py PIPE_DEVICES["pcie-24g"], assumptions stated there), pp 4 x dp 1,
+(planner/pipeline_synthetic.py PIPE_DEVICES["pcie-24g"], assumptions stated there), pp 4 x dp 1,
 weights streamed from the host (Tiny-Pipe's setting), sequence 1024, global batch 16 and 128
 (8x the micro-batches), every pack size giving 4 x v packs, looped-bfs and interleaved-1f1b,
 residency phase, window 1: predicted step time, tokens/s, peak memory, bubble and bytes. These
@@ -187,7 +187,8 @@ def _worker(rank, world_size, args, configs):
     from elastic_kernels.api.finetune.models import embedded_config, embedded_model
     from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
     from elastic_kernels.api.pipeline.profile import measure_step_peak_bytes
-    from elastic_kernels.api.planner.pipeline_model import plan_pipeline, simulate
+    from elastic_kernels.api.planner.pipeline_model import simulate
+    from elastic_kernels.api.planner.pipeline_search import plan_pipeline
     from elastic_kernels.api.planning.measure import _live_tensor_bytes
 
     torch.set_num_threads(1)
@@ -461,7 +462,8 @@ def _check_worker(rank, world_size, args):
 def check(args) -> None:
     import csv
 
-    from elastic_kernels.api.planner.pipeline_model import plan_pipeline, simulate
+    from elastic_kernels.api.planner.pipeline_model import simulate
+    from elastic_kernels.api.planner.pipeline_search import plan_pipeline
 
     path = os.path.join(harness.results_dir(args.results), "packs.csv")
     rows = [r for r in csv.DictReader(open(path)) if r["kind"] == "measured"]
@@ -547,7 +549,8 @@ def check(args) -> None:
 
 def simulate_tiny_pipe(args) -> None:
     from elastic_kernels.api.planner.pipeline import PipelineLayout, divisors
-    from elastic_kernels.api.planner.pipeline_model import simulate as sim, synthetic_pipeline_profile
+    from elastic_kernels.api.planner.pipeline_model import simulate as sim
+    from elastic_kernels.api.planner.pipeline_synthetic import synthetic_pipeline_profile
 
     ctx = harness.context("cpu")
     rows = []

@@ -199,7 +199,7 @@ def primary_engine(job):
 # `--plan auto --pp auto`: the pp = 1 model is built and profiled (measure_profile: per-layer
 # compute and saved bytes, the links; timings MAX-reduced over the ranks, so every rank holds
 # the same profile), the plain planner plans it under --memory-cap (its predicted step: pp1),
-# the pipeline planner searches pipelines on the same profile (planner/pipeline_model.py,
+# the pipeline planner searches pipelines on the same profile (planner/pipeline_search.py,
 # [Note: the pipeline search]) and a pipeline is run only if its predicted step is shorter
 # than pp1's; otherwise the planned pp = 1 run of python_api/finetune/planning.py. The decision
 # and every simulated candidate go to pipeline_plan.json. `--plan auto --pp N` (N > 1) searches
@@ -210,7 +210,7 @@ def planned_engine(job):
     import gc
 
     from ..pipeline.profile import pipeline_profile
-    from ..planner.pipeline_model import plan_pipeline
+    from ..planner.pipeline_search import plan_pipeline
     from ..planner.search import PlanningError
     from ..planning.apply import plan as plan_pp1
     from ..planning.measure import measure_profile

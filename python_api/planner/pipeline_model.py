@@ -1,9 +1,10 @@
-"""The cost and memory models of a pipelined run, and the planner's search over pipelines.
-Pure Python. The layout they evaluate is planner/pipeline.py's; the runtime is python_api/pipeline/.
+"""The cost and memory models of a pipelined run. Pure Python. The layout they evaluate is
+planner/pipeline.py's; the runtime is python_api/pipeline/; the planner's search over pipelines
+is pipeline_search.py; synthetic profiles of large models are pipeline_synthetic.py.
 
-    profile = PipelineProfile(...)                      # or synthetic_pipeline_profile("gpt2-xl", ...)
+    profile = PipelineProfile(...)                      # or pipeline_synthetic.synthetic_pipeline_profile(...)
     pred = simulate(profile, layout, micro_batch_size)  # step time, bubble, memory, bytes per rank
-    best = plan_pipeline(profile, memory_bytes, global_batch, pp1=plan_from_profile(...))
+    best = plan_pipeline(profile, memory_bytes, global_batch, pp1_step_s=...)  # pipeline_search.py
 
 [Note: the pipeline cost model]
 One step is simulated action by action on every pp rank, in the order its schedule runs
@@ -106,41 +107,21 @@ chunk's buffers were counted at once) and -6.6% at interleaved-1f1b packs of 1 (
 256 KiB per step on rank 0 not counted); with them -0.6..+3.0% (host) and -2.2..+5.0%
 (peers). Not separated: the +3..+5% left at small packs with looped-bfs (perhaps the receive
 buffers, counted in the static bytes and again as the saved input of the pack's first layer).
-
-[Note: the pipeline search]
-Candidates: every pp dividing the world size (2 and more; pp = 1 is the plain planner's, given
-as `pp1`), every micro-batch count m dividing the dp group's share of the global batch, every
-schedule and pack size (one pack per rank for gpipe/1f1b; every size giving a multiple of pp
-packs for looped-bfs/interleaved-1f1b), every residency and window 0 or 1 (2 and more when
-asked for: they change the estimate nothing, only the simulated step). Each is first
-estimated in closed form (the compute of the slowest rank stretched by the bubble
-(pp - 1) / (m + pp - 1), or (pp - 1) / (v m + pp - 1) with v packs per rank, plus its exposed
-loads; its memory bounded by every local pack resident and the schedule's most micro-batches
-in flight), the estimates are sorted, and the `simulate_top` best that fit the memory bound
-are simulated exactly; the fastest simulated one that fits wins, ties to the earlier candidate
-(pp ascending, then m, schedule, pack size, residency, window: every rank computes the same
-plan). pp = 1 stays the answer unless a pipeline's simulated step is strictly shorter than
-pp1's predicted step (or pp1 does not fit).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import PAGE_ALIGN, quant_rows_per_chunk
 from .pipeline import (
     BACKWARD,
     FORWARD,
     MULTI_STAGE_SCHEDULES,
-    RESIDENCIES,
-    SCHEDULES,
     PipelineError,
     PipelineLayout,
-    divisors,
     load_events,
-    rank_balanced_boundaries,
     residency_trace,
 )
 from .profile import Link, WeightFormat
@@ -596,7 +577,7 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
 
 def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size: int,
              cache: dict | None = None, memory_cutoff: int | None = None) -> PipelinePrediction | None:
-    """[Note: the pipeline search]: a quick estimate (time and a memory upper bound); None
+    """[Note: the pipeline search] in pipeline_search.py: a quick estimate (time and a memory upper bound); None
     when the memory bound of some rank exceeds `memory_cutoff`."""
     pp, n, m, v = layout.pp, layout.n_packs, layout.micro_batches, layout.packs_per_rank
     costs = {k: pack_cost(profile, layout, k, micro_batch_size, cache) for k in range(n)}
@@ -638,229 +619,6 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                               [0] * pp, [0] * pp, tokens, estimate=True)
 
 
-# ---------------------------------------------------------------- the search
-
-@dataclass
-class PipelinePlan:
-    """The planner's choice among pipelines and pp = 1 ([Note: the pipeline search])."""
-
-    pipelined: bool
-    prediction: PipelinePrediction | None  # the chosen pipeline's (None: pp = 1 chosen and no pipeline fits)
-    pp1_step_s: float | None
-    memory_bytes: int
-    global_batch: int
-    candidates: int
-    simulated: int
-    planning_seconds: float
-    ranking: list = field(default_factory=list)  # the simulated candidates: (step_s, peak, layout dict, mbs)
-
-    def to_dict(self) -> dict:
-        return {"pipelined": self.pipelined, "prediction": None if self.prediction is None else self.prediction.to_dict(),
-                "pp1_step_s": self.pp1_step_s, "memory_bytes": self.memory_bytes, "global_batch": self.global_batch,
-                "candidates": self.candidates, "simulated": self.simulated, "planning_seconds": self.planning_seconds,
-                "ranking": self.ranking}
-
-    def describe(self) -> str:
-        if self.prediction is None:
-            return "pp 1 (no pipeline fits)"
-        p = self.prediction
-        what = (f"{p.layout.describe()}, micro-batches of {p.micro_batch_size}: predicted {p.step_s:.4g} s/step, "
-                f"bubble {max(p.bubble):.0%}, peak {p.peak / 2**20:.1f} MiB")
-        pp1 = "no pp 1 plan fits" if self.pp1_step_s is None else f"pp 1 {self.pp1_step_s:.4g} s/step"
-        return f"{'pipeline' if self.pipelined else 'pp 1'} ({what}; {pp1})"
-
-
-def layouts(world_size: int, n_layers: int, global_batch: int, *, pp=None, schedules=SCHEDULES, pack_sizes=None,
-            micro_batches=None, residencies=RESIDENCIES, windows=(0, 1), layer_costs=None, first_cost: float = 0.0,
-            last_cost: float = 0.0, weights_on: str = "device"):
-    """Every candidate layout and its micro-batch size, in the order ties are broken by. With
-    dp = 1 and the weights on the device a rank holds its packs whole (nothing is loaded), so
-    residency and window change nothing there and only (persistent, 0) is listed."""
-    degrees = [d for d in divisors(world_size) if d > 1] if pp is None else [pp] if isinstance(pp, int) else list(pp)
-    out = []
-    bounds_cache: dict = {}
-    for d in degrees:
-        dp = world_size // d
-        if global_batch % dp:
-            continue
-        share = global_batch // dp
-        ms = divisors(share) if micro_batches is None else [x for x in (
-            [micro_batches] if isinstance(micro_batches, int) else micro_batches) if share % x == 0]
-        for m in ms:
-            for schedule in schedules:
-                if schedule in MULTI_STAGE_SCHEDULES:
-                    counts = sorted({-(-n_layers // p) for p in range(1, n_layers + 1)} if pack_sizes is None else
-                                    {-(-n_layers // p) for p in pack_sizes})
-                    counts = [c for c in counts if c >= d and c % d == 0 and c <= n_layers]
-                else:
-                    counts = [d] if d <= n_layers else []
-                for count in counts:
-                    key = (count, d)
-                    if key not in bounds_cache:
-                        bounds_cache[key] = rank_balanced_boundaries(layer_costs or [1.0] * n_layers, count, d,
-                                                                     first_cost, last_cost)
-                    local = dp == 1 and weights_on == "device"
-                    for res in (("persistent",) if local else residencies):
-                        for w in ((0,) if res == "transient" or local else windows):
-                            try:
-                                layout = PipelineLayout(world_size, d, schedule, m, bounds_cache[key],
-                                                        (res,) * count, w)
-                            except PipelineError:
-                                continue
-                            out.append((layout, share // m))
-    return out
-
-
-def plan_pipeline(profile: PipelineProfile, memory_bytes: int, global_batch: int, *, pp1_step_s: float | None = None,
-                  simulate_top: int = 8, margin: float = 0.05, **candidates) -> PipelinePlan:
-    """[Note: the pipeline search]. `pp1_step_s`: the plain planner's predicted step time at
-    pp = 1 (None: no pp = 1 plan fits). `candidates` narrows the search (pp, schedules,
-    pack_sizes, micro_batches, residencies, windows)."""
-    t0 = time.perf_counter()
-    if not isinstance(memory_bytes, int) or memory_bytes < 1:
-        raise PipelineError(f"memory_bytes must be a positive int, got {memory_bytes!r}")
-    limit = int(memory_bytes * (1 - margin))
-    layer_costs = [layer.fwd_s(profile.seq_len) + layer.bwd_s(profile.seq_len) for layer in profile.layers]
-    head = (profile.head_fwd_s_per_token + profile.head_bwd_s_per_token) * profile.seq_len
-    cands = layouts(profile.world_size, len(profile.layers), global_batch, layer_costs=layer_costs,
-                    first_cost=profile.embed_fwd_s_per_token * profile.seq_len, last_cost=head,
-                    weights_on=profile.weights_on, **candidates)
-    screened = []
-    cache: dict = {}
-    for order, (layout, mbs) in enumerate(cands):
-        e = estimate(profile, layout, mbs, cache, memory_cutoff=int(limit * 1.5))
-        if e is not None:  # else beyond the limit even allowing for the bound's slack
-            screened.append((e.step_s, order, layout, mbs, e.peak))
-    screened.sort(key=lambda x: (x[0], x[1]))
-    best, ranking, simulated = None, [], 0
-    for step_est, order, layout, mbs, peak_bound in screened:
-        if simulated >= simulate_top:
-            break
-        pred = simulate(profile, layout, mbs, cache=cache)
-        simulated += 1
-        ranking.append((pred.step_s, pred.peak, layout.to_dict(), mbs))
-        if pred.peak <= limit and (best is None or (pred.step_s, order) < (best[0].step_s, best[1])):
-            best = (pred, order)
-    chosen = best[0] if best is not None else None
-    pipelined = chosen is not None and (pp1_step_s is None or chosen.step_s < pp1_step_s)
-    return PipelinePlan(pipelined, chosen, pp1_step_s, memory_bytes, global_batch, len(cands), simulated,
-                        time.perf_counter() - t0, ranking)
-
-
-# ---------------------------------------------------------------- synthetic profiles
-
-@dataclass(frozen=True)
-class PipeShape:
-    """A decoder-only model's dimensions (Llama or GPT-2 style)."""
-
-    kind: str  # "llama" | "gpt2"
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-    def projections(self) -> list[tuple[str, int, int]]:
-        h, i = self.hidden, self.intermediate
-        kv = h // self.heads * self.kv_heads
-        if self.kind == "gpt2":
-            return [("attn.c_attn", 3 * h, h), ("attn.c_proj", h, h), ("mlp.c_fc", i, h), ("mlp.c_proj", h, i)]
-        return [("self_attn.q_proj", h, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
-                ("self_attn.o_proj", h, h), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)]
-
-
-PIPE_SHAPES = {
-    # GPT-2 XL (the Tiny-Pipe paper's model): 48 layers, 1600 wide, 25 heads, vocab 50257.
-    "gpt2-xl": PipeShape("gpt2", 1600, 6400, 48, 25, 25, 50257),
-    "llama2-7b": PipeShape("llama", 4096, 11008, 32, 32, 32, 32000),
-    "llama2-70b": PipeShape("llama", 8192, 28672, 80, 64, 8, 32000),
-}
-
-
-# [Note: the per-action overhead]: the synthetic profiles' stage overhead per action.
-SYNTHETIC_STAGE_OVERHEAD_S = 100e-6
-
-
-@dataclass(frozen=True)
-class PipeDevice:
-    """A GPU and its links for synthetic pipeline profiles (rates achieved, not peak)."""
-
-    name: str
-    flops: float
-    hbm_bytes_per_s: float
-    capacity_bytes: int
-    reserved_bytes: int
-    allgather: Link
-    allreduce: Link
-    p2p: Link
-    h2d: Link
-
-
-GiB = 1 << 30
-PIPE_DEVICES = {
-    # Tiny-Pipe's setting: 4 x 24 GB GPUs on PCIe (RTX 3090 / A5000 class): ~71 TFLOP/s dense
-    # bf16 peak taken at 50%; 936 GB/s memory; PCIe Gen4 x16 between GPUs through the host,
-    # ~12 GB/s achieved for collectives and P2P (no NVLink), ~20 GB/s host -> device.
-    # Assumptions, not measurements.
-    "pcie-24g": PipeDevice("4 x 24 GB PCIe (synthetic)", 0.5 * 71e12, 936e9, 24 * GiB, 1 * GiB,
-                           allgather=Link(60e-6, 12e9), allreduce=Link(120e-6, 12e9 / 1.5), p2p=Link(30e-6, 12e9),
-                           h2d=Link(10e-6, 20e9)),
-    # The plain planner's A100 40GB PCIe node (planner/shapes.py DEVICES["a100-40g-pcie"]): 8 GPUs,
-    # ~25 GB/s all-gather bus bandwidth, 50% of 312 TFLOP/s, ~25 GB/s host -> device.
-    "a100-40g-pcie": PipeDevice("8 x A100 40GB PCIe (synthetic)", 0.5 * 312e12, 1.555e12, 40 * GiB, 3 * GiB // 2,
-                                allgather=Link(60e-6, 25e9), allreduce=Link(120e-6, 25e9 / 1.75),
-                                p2p=Link(30e-6, 25e9), h2d=Link(10e-6, 25e9)),
-}
-
-
-def synthetic_pipeline_profile(shape: str, ranks: int, seq_len: int, device: str = "pcie-24g", *,
-                               lora_rank: int = 16, chunk_bytes: int = 4 << 20, weights_on: str = "device",
-                               element_size: int = 2) -> PipelineProfile:
-    """The pipeline profile of `shape` on `ranks` GPUs of `device` from its FLOPs and bytes
-    (the assumptions of [Note: synthetic profile assumptions] in planner/shapes.py: forward 2 x
-    weights + attention per token, backward twice the attention and the LoRA terms and dX only,
-    100/200 us fixed per call; saved activations as stated there; bf16; the per-action overhead
-    of [Note: the per-action overhead])."""
-    if shape not in PIPE_SHAPES:
-        raise PipelineError(f"unknown shape {shape!r}; known: {', '.join(PIPE_SHAPES)}")
-    if device not in PIPE_DEVICES:
-        raise PipelineError(f"unknown device {device!r}; known: {', '.join(PIPE_DEVICES)}")
-    s, dev = PIPE_SHAPES[shape], PIPE_DEVICES[device]
-    h, i, r = s.hidden, s.intermediate, lora_rank
-    proj = s.projections()
-    params = sum(a * b for _, a, b in proj)
-    lora = sum(r * (a + b) for _, a, b in proj)
-    attn = 2 * seq_len * h
-    fwd = (2 * params + attn + 2 * lora) / dev.flops
-    bwd = (2 * params + 2 * attn + 4 * lora) / dev.flops
-    kv = h // s.heads * s.kv_heads
-    act = element_size * (6 * h + 2 * kv + 4 * i) + 4 * s.heads + len(proj) * 4 * r
-    layers = []
-    for li in range(s.layers):
-        ws = tuple(PipeWeight(f"layers.{li}.{n}", a, b, element_size,
-                              backward=not (li == 0 and n in ("self_attn.q_proj", "self_attn.k_proj",
-                                                               "self_attn.v_proj", "attn.c_attn")))
-                   for n, a, b in proj)
-        layers.append(PipeLayer(f"layers.{li}", 100e-6, fwd, 200e-6, bwd, float(act), ws, lora))
-    head_flops = 2 * s.vocab * h
-    head_bytes = element_size * s.vocab * h
-    tied = s.kind == "gpt2"
-    embed = element_size * s.vocab * h + (element_size * 1024 * h if s.kind == "gpt2" else 0)
-    return PipelineProfile(
-        source=f"synthetic:{shape}", device=f"{dev.name} x{ranks}", world_size=ranks, seq_len=seq_len,
-        hidden_size=h, act_element_size=element_size, layers=tuple(layers), chunk_bytes=chunk_bytes,
-        allgather=dev.allgather, allreduce=dev.allreduce, p2p=dev.p2p, capacity_bytes=dev.capacity_bytes,
-        reserved_bytes=dev.reserved_bytes, embed_fwd_s_per_token=0.0,
-        head_fwd_s_per_token=head_flops / dev.flops + 10 * s.vocab / dev.hbm_bytes_per_s,
-        head_bwd_s_per_token=head_flops / dev.flops + 10 * s.vocab / dev.hbm_bytes_per_s,
-        head_act_bytes_per_token=float(element_size * h), head_peak_bytes_per_token=float(10 * s.vocab),
-        first_static_bytes=embed, last_static_bytes=(head_bytes if tied else 0) + element_size * 2 * h,
-        head_weights=() if tied else (PipeWeight("lm_head", s.vocab, h, element_size),),
-        h2d=dev.h2d, weights_on=weights_on, stage_overhead_s=SYNTHETIC_STAGE_OVERHEAD_S, schedule_overhead_s=0.0,
-    )
-
-
 def pp1_time_of(profile: PipelineProfile, micro_batch_size: int, accumulation: int, *, keep_all: bool) -> float:
     """A pp = 1 step in this model's terms, for a profile without a plain planner Profile: every
     rank runs every layer on its micro-batches; with `keep_all` the weights stay resident (no
@@ -877,6 +635,5 @@ def pp1_time_of(profile: PipelineProfile, micro_batch_size: int, accumulation: i
     return accumulation * per + (profile.allreduce.time(grads) if dp > 1 else 0.0)
 
 
-__all__ = ["PIPE_DEVICES", "PIPE_SHAPES", "PackCost", "PipeDevice", "PipeLayer", "PipeShape", "PipeWeight",
-           "PipelinePlan", "PipelinePrediction", "PipelineProfile", "estimate", "layouts", "pack_cost",
-           "plan_pipeline", "pp1_time_of", "simulate", "synthetic_pipeline_profile"]
+__all__ = ["PackCost", "PipeLayer", "PipeWeight", "PipelinePrediction", "PipelineProfile", "estimate", "pack_cost",
+           "pp1_time_of", "simulate"]

@@ -1,4 +1,4 @@
-"""The pipeline cost model and search (python_api/planner/pipeline_model.py), pure Python.
+"""The pipeline cost model and search (python_api/planner/pipeline_model.py, pipeline_search.py), pure Python.
 
 The simulation against closed forms it must reproduce: with equal packs, no P2P cost and
 nothing to load, GPipe's and 1F1B's bubble is exactly (p - 1) / (m + p - 1) and interleaving
@@ -19,10 +19,10 @@ from elastic_kernels.api.planner.pipeline_model import (
     PipeLayer,
     PipelineProfile,
     PipeWeight,
-    plan_pipeline,
     simulate,
-    synthetic_pipeline_profile,
 )
+from elastic_kernels.api.planner.pipeline_search import plan_pipeline
+from elastic_kernels.api.planner.pipeline_synthetic import synthetic_pipeline_profile
 from elastic_kernels.api.planner.profile import Link
 
 FREE = Link(0.0, 1e30)

@@ -30,14 +30,13 @@ import pytest
 
 from elastic_kernels.api.planner.pipeline import PipelineError, PipelineLayout
 from elastic_kernels.api.planner.pipeline_model import (
-    SYNTHETIC_STAGE_OVERHEAD_S,
     PipeLayer,
     PipelineProfile,
     PipeWeight,
     estimate,
     simulate,
-    synthetic_pipeline_profile,
 )
+from elastic_kernels.api.planner.pipeline_synthetic import SYNTHETIC_STAGE_OVERHEAD_S, synthetic_pipeline_profile
 from elastic_kernels.api.planner.profile import Link
 
 FREE = Link(0.0, 1e30)
