@@ -327,20 +327,20 @@ def _tensor_bytes_excluding(engine) -> tuple[int, set]:
 
 def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
     from elastic_kernels.api.finetune.loop import train
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes, _profiled_growth
+    from elastic_kernels.api.planning.peaks import live_tensor_bytes, profiled_growth
 
     args = job.args
     saved_steps, args.steps = args.steps, steps
     try:
         gc.collect()
-        before = _live_tensor_bytes() if profile_memory else 0
+        before = live_tensor_bytes() if profile_memory else 0
         job.memory.set_baseline()
         engine = cfg.build()
         t0 = time.perf_counter()
         if profile_memory:
             live, _ = _tensor_bytes_excluding(engine)
             box = {}
-            growth = _profiled_growth(lambda: box.update(result=train(job, engine, counter, primary=False)))
+            growth = profiled_growth(lambda: box.update(result=train(job, engine, counter, primary=False)))
             result = box["result"]
             result["tensor_peak_bytes"] = live + growth - before
         else:
@@ -393,14 +393,14 @@ def measure_memory(job, cfg: Config, counter) -> tuple[int | None, int | None]:
     """(tensor peak, RSS growth) of `cfg` built alone: see [Note: what the frontier's memory
     is]. RSS growth is None on GPU (the tensor peak there is max_memory_allocated)."""
     from elastic_kernels.api.finetune.measure import reset_rss_peak, rss_peak_bytes
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes, _profiled_growth
+    from elastic_kernels.api.planning.peaks import live_tensor_bytes, profiled_growth
 
     gc.collect()
     gpu = job.device.type == "cuda"
     if gpu:
         job.memory.set_baseline()
         job.memory.reset_peak()
-    before = 0 if gpu else _live_tensor_bytes()
+    before = 0 if gpu else live_tensor_bytes()
     rss0 = None if gpu else reset_rss_peak()
     run = Runner(job, cfg, counter)
     try:
@@ -412,7 +412,7 @@ def measure_memory(job, cfg: Config, counter) -> tuple[int | None, int | None]:
         peak = rss_peak_bytes()
         rss = None if peak is None or rss0 is None else peak - rss0
         live, _ = _tensor_bytes_excluding(run.engine)
-        growth = _profiled_growth(lambda: run.step(2))
+        growth = profiled_growth(lambda: run.step(2))
         return live + growth - before, rss
     finally:
         run.close()

@@ -189,7 +189,7 @@ def _worker(rank, world_size, args, configs):
     from elastic_kernels.api.pipeline.profile import measure_step_peak_bytes
     from elastic_kernels.api.planner.pipeline_model import simulate
     from elastic_kernels.api.planner.pipeline_search import plan_pipeline
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes
+    from elastic_kernels.api.planning.peaks import live_tensor_bytes
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, args.layers, 8, 4)
@@ -206,7 +206,7 @@ def _worker(rank, world_size, args, configs):
                                           residency=args.residency, window=args.window)
             policy = ElasticPolicy(chunk_bytes=chunk, weights_on="host" if source == "host" else "device")
             gc.collect()  # the previous configuration's model (its modules and hooks hold cycles)
-            before = _live_tensor_bytes()  # the batches, the profile: not this configuration's
+            before = live_tensor_bytes()  # the batches, the profile: not this configuration's
             pipe = PipelinedModel(embedded_model(cfg, 0), lora, policy, layout, groups, micro_batch_size=MBS,
                                   seq_len=SEQ)
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)

@@ -171,7 +171,7 @@ def mmap_threshold_fixed() -> bool:
 def live_tensor_bytes_of(engine) -> int:
     """Live CPU tensor bytes now, the pool's arena of `engine`'s runtime counted once from its
     snapshot and its host store left out (host memory on a GPU machine)."""
-    from ..planning.measure import _live_tensor_bytes
+    from ..planning.peaks import live_tensor_bytes
 
     exclude, pool_bytes = set(), 0
     runtime = getattr(engine, "runtime", None)
@@ -182,7 +182,7 @@ def live_tensor_bytes_of(engine) -> int:
             pool_bytes = sum(seg["bytes"] for seg in segments)
         if getattr(runtime, "host_store", None) is not None:
             exclude.add(runtime.host_store.tensor().untyped_storage().data_ptr())
-    return _live_tensor_bytes(exclude) + pool_bytes
+    return live_tensor_bytes(exclude) + pool_bytes
 
 
 def rss_peak_bytes() -> int | None:
@@ -203,9 +203,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
         else:
-            from ..planning.measure import _live_tensor_bytes
+            from ..planning.peaks import live_tensor_bytes
 
-            self.live_baseline = _live_tensor_bytes()
+            self.live_baseline = live_tensor_bytes()
             self.baseline = reset_rss_peak()
 
     def describe(self) -> str:
@@ -225,10 +225,10 @@ class PeakMemory:
         if self.live_baseline is None:
             step()
             return None
-        from ..planning.measure import _profiled_growth
+        from ..planning.peaks import profiled_growth
 
         live = live_tensor_bytes_of(engine)
-        return live + _profiled_growth(step) - self.live_baseline
+        return live + profiled_growth(step) - self.live_baseline
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":

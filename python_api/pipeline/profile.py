@@ -177,7 +177,7 @@ def measure_step_peak_bytes(pipe, run) -> int:
     one runtime (python_api/planning/measure.py): CUDA's max_memory_allocated, or on CPU the
     storages alive at the start (each pack's pool segments once) plus the profiler's
     allocation high-water mark during the call."""
-    from ..planning.measure import _live_tensor_bytes, _profiled_growth
+    from ..planning.peaks import live_tensor_bytes, profiled_growth
 
     device = pipe.device
     if device.type == "cuda":
@@ -187,8 +187,8 @@ def measure_step_peak_bytes(pipe, run) -> int:
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
     segments = [s for rt in pipe.runtimes.values() if rt.pool is not None for s in rt.pool.snapshot()]
-    live = _live_tensor_bytes({s["data_ptr"] for s in segments}) + sum(s["bytes"] for s in segments)
-    return live + _profiled_growth(run)
+    live = live_tensor_bytes({s["data_ptr"] for s in segments}) + sum(s["bytes"] for s in segments)
+    return live + profiled_growth(run)
 
 
 class _Busy(torch.autograd.Function):

@@ -427,7 +427,7 @@ def test_host_buffer_pool():
 def test_idle_buffers_include_those_given_back_but_not_filed():
     """What a step's backward gives back waits in the return queue until the next request;
     idle_buffers() is every buffer not in use, those included (the CPU peak measurement
-    excludes them as host memory: python_api/planning/measure.py, _host_tier_storages)."""
+    excludes them as host memory: python_api/planning/peaks.py, host_tier_storages)."""
     from elastic_kernels.api.host.offload import HostBufferPool
 
     pool = HostBufferPool(None, pin=False)

@@ -43,7 +43,8 @@ def _worker(rank, world_size):
     from elastic_kernels.api.pipeline import PipelinedModel, PipelineLayout, pipeline_groups
     from elastic_kernels.api.pipeline.profile import ActionOverhead, measure_step_peak_bytes, pipeline_profile
     from elastic_kernels.api.planner.pipeline_model import simulate
-    from elastic_kernels.api.planning.measure import _live_tensor_bytes, measure_profile
+    from elastic_kernels.api.planning.measure import measure_profile
+    from elastic_kernels.api.planning.peaks import live_tensor_bytes
     from tests.pipeline._common import _solo_group
 
     torch.set_num_threads(1)
@@ -64,7 +65,7 @@ def _worker(rank, world_size):
     for schedule, m, pack_size, residency, window in CONFIGS:
         layout = PipelineLayout.build(world_size, 2, 8, schedule, m, pack_size=pack_size, residency=residency,
                                       window=window)
-        before = _live_tensor_bytes()  # what earlier configurations left (their host stores, on CPU)
+        before = live_tensor_bytes()  # what earlier configurations left (their host stores, on CPU)
         pipe = PipelinedModel(embedded_model(cfg, 0), lora, policy, layout, groups, micro_batch_size=MBS, seq_len=SEQ)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
         batch = torch.randint(0, cfg.vocab_size, (m * MBS, SEQ), generator=torch.Generator().manual_seed(1))

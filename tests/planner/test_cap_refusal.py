@@ -87,13 +87,13 @@ def test_cpu_profiling_prints_no_kineto_lines(capfd):
     what else is written meanwhile still comes out."""
     import sys
 
-    from elastic_kernels.api.planning.measure import _profiled_growth
+    from elastic_kernels.api.planning.peaks import profiled_growth
 
     def run():
         torch.ones(1000).add_(1)
         sys.stderr.write("a line of our own\n")
 
-    assert _profiled_growth(run) >= 4000
+    assert profiled_growth(run) >= 4000
     err = capfd.readouterr().err
     assert "gpuGetDeviceCount" not in err and "profiler_start" not in err, err
     assert "a line of our own" in err

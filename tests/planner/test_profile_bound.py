@@ -43,7 +43,8 @@ def _worker(rank, world_size):
     from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic, runtime_of
     from elastic_kernels.api.finetune.models import embedded_config, embedded_model
     from elastic_kernels.api.planner.memory import Choices, memory_curve
-    from elastic_kernels.api.planning.measure import measure_peak_bytes, measure_profile
+    from elastic_kernels.api.planning.measure import measure_profile
+    from elastic_kernels.api.planning.peaks import measure_peak_bytes
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, LAYERS, 8, 4)
