@@ -174,21 +174,12 @@ def _device_of(name: str) -> torch.device:
 
 def measure_step_peak_bytes(pipe, run) -> int:
     """The tensor peak while `run()` executes on this rank, as measure_peak_bytes counts it for
-    one runtime (python_api/planning/measure.py): CUDA's max_memory_allocated, or on CPU the
-    storages alive at the start (each pack's pool segments once) plus the profiler's
-    allocation high-water mark during the call."""
-    from ..planning.peaks import live_tensor_bytes, profiled_growth
+    one runtime (python_api/planning/peaks.py), over every pack's runtime on this stage, the
+    host store included: on CPU its pages are the packs' memory (the pipeline memory model,
+    python_api/planner/pipeline_model.py, counts them whole)."""
+    from ..planning.peaks import runtimes_peak_bytes
 
-    device = pipe.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    segments = [s for rt in pipe.runtimes.values() if rt.pool is not None for s in rt.pool.snapshot()]
-    live = live_tensor_bytes({s["data_ptr"] for s in segments}) + sum(s["bytes"] for s in segments)
-    return live + profiled_growth(run)
+    return runtimes_peak_bytes(list(pipe.runtimes.values()), run, pipe.device, count_host_tier=True)
 
 
 class _Busy(torch.autograd.Function):

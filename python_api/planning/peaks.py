@@ -211,7 +211,13 @@ def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None
     allocated during it, from the profiler's memory events. Non-tensor memory of the process
     (the interpreter, libraries, thread stacks) is in neither figure."""
     rt = runtime_of(model)
-    device = device or rt.device
+    return runtimes_peak_bytes([rt], run, device or rt.device)
+
+
+def runtimes_peak_bytes(runtimes, run, device: torch.device, count_host_tier: bool = False) -> int:
+    """measure_peak_bytes over several runtimes on one device (a pipeline stage's packs): each
+    runtime's pool segments count once; its host tier's storages only with `count_host_tier`
+    (the pipeline memory model counts a CPU rank's host store: python_api/planner/pipeline_model.py)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -220,7 +226,10 @@ def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None
         return int(torch.cuda.max_memory_allocated(device))
     # The pool's segments count once, as the pool reports them (cached page views that
     # Python can see share those storages).
-    segments = rt.pool.snapshot() if rt.pool is not None else []
-    exclude = {s["data_ptr"] for s in segments} | host_tier_storages(rt)
+    segments = [s for rt in runtimes if rt.pool is not None for s in rt.pool.snapshot()]
+    exclude = {s["data_ptr"] for s in segments}
+    if not count_host_tier:
+        for rt in runtimes:
+            exclude |= host_tier_storages(rt)
     live = live_tensor_bytes(exclude) + sum(s["bytes"] for s in segments)
     return live + profiled_growth(run)
