@@ -11,17 +11,7 @@ import os
 import torch
 
 from tests._dist import run_distributed
-from tests.hf.test_user_script import _RECORDS, _as_torchrun, _free_port, _sft_model
-
-
-def _sft_args(out, per_device, **kw):
-    """tests/hf/test_user_script.py's SFTConfig (2 steps, lr 1e-2, fp32), any field overridden."""
-    from trl import SFTConfig
-
-    fields = dict(output_dir=out, max_steps=2, per_device_train_batch_size=per_device, learning_rate=1e-2,
-                  lr_scheduler_type="constant", warmup_steps=0, max_length=64, save_strategy="no", logging_steps=1,
-                  use_cpu=True, report_to=[], disable_tqdm=True, seed=0, data_seed=0, bf16=False)
-    return SFTConfig(**(fields | kw))
+from tests.hf.test_user_script import _RECORDS, _as_torchrun, _free_port, _peft_sft_run, _sft_args, _sft_model
 
 
 def _training_template() -> str:
@@ -95,26 +85,6 @@ def _worker(rank, world_size, port, tokenizer_dir, tmp, scenario):
     return initial, _adapters(model), losses
 
 
-def _peft_run(tokenizer_dir, initial, out, **kw):
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from trl import SFTTrainer
-
-    tok = _tokenizer(tokenizer_dir)
-    peft = get_peft_model(_sft_model(len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                           lora_dropout=0.0))
-    mods = dict(peft.base_model.model.named_modules())
-    with torch.no_grad():
-        for n, (a, b) in initial.items():
-            mods[n].lora_A["default"].weight.copy_(a)
-            mods[n].lora_B["default"].weight.copy_(b)
-    trainer = SFTTrainer(model=peft, args=_sft_args(out, 4, **kw), train_dataset=Dataset.from_list(_RECORDS),
-                         processing_class=tok)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, {n: (mods[n].lora_A["default"].weight, mods[n].lora_B["default"].weight) for n in initial}
-
-
 def test_assistant_only_loss_on_two_ranks_matches_peft(real_model, tmp_path):
     """TRL masks every token outside the assistant's turns; the elastic run on 2 ranks and PEFT in
     one process train on the same masked batches: losses and adapters within fp32 summation order
@@ -126,12 +96,12 @@ def test_assistant_only_loss_on_two_ranks_matches_peft(real_model, tmp_path):
                               timeout=600)
     initial, final, losses = results[0]
     assert results[1][2] == losses and len(losses) == 2
-    ref_losses, ref_final = _peft_run(real_model, initial, str(tmp_path / "peft"), assistant_only_loss=True)
+    ref_losses, ref_final = _peft_sft_run(_tokenizer(real_model), initial, str(tmp_path / "peft"), assistant_only_loss=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     for n, (a, b) in final.items():
         torch.testing.assert_close(a, ref_final[n][0], **TOL)
         torch.testing.assert_close(b, ref_final[n][1], **TOL)
-    full_losses, _ = _peft_run(real_model, initial, str(tmp_path / "peft-full"))
+    full_losses, _ = _peft_sft_run(_tokenizer(real_model), initial, str(tmp_path / "peft-full"))
     print(f"assistant-only losses: elastic 2 ranks {losses}, PEFT {ref_losses}; whole sequence {full_losses}")
     assert abs(full_losses[0] - losses[0]) > 1e-3, (full_losses, losses)  # the mask was applied
 
@@ -144,7 +114,7 @@ def test_bf16_on_two_ranks_matches_peft_before_any_update(real_model, tmp_path):
     results = run_distributed(_worker, 2, _free_port(), real_model, str(tmp_path / "elastic"), "bf16", timeout=600)
     initial, final, losses = results[0]
     assert results[1][2] == losses and len(losses) == 2
-    ref_losses, _ = _peft_run(real_model, initial, str(tmp_path / "peft"), bf16=True)
+    ref_losses, _ = _peft_sft_run(_tokenizer(real_model), initial, str(tmp_path / "peft"), bf16=True)
     print(f"bf16 losses: elastic 2 ranks {losses}, PEFT {ref_losses}")
     assert abs(losses[0] - ref_losses[0]) <= 2.0**-8 * abs(ref_losses[0]), (losses, ref_losses)
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -288,12 +288,35 @@ _RECORDS = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
 
 
 def _sft_args(out, per_device, **kw):
+    """2 steps at lr 1e-2 in fp32 (TRL's default is bf16 autocast, where PEFT rounds differently:
+    docs/huggingface.md); any field overridden by `kw`."""
     from trl import SFTConfig
 
-    return SFTConfig(**kw, output_dir=out, max_steps=2, per_device_train_batch_size=per_device, learning_rate=1e-2,
-                     lr_scheduler_type="constant", warmup_steps=0, max_length=64, save_strategy="no", logging_steps=1,
-                     use_cpu=True, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
-                     bf16=False)  # TRL's default is bf16 autocast (PEFT rounds differently there: docs/huggingface.md)
+    fields = dict(output_dir=out, max_steps=2, per_device_train_batch_size=per_device, learning_rate=1e-2,
+                  lr_scheduler_type="constant", warmup_steps=0, max_length=64, save_strategy="no", logging_steps=1,
+                  use_cpu=True, report_to=[], disable_tqdm=True, seed=0, data_seed=0, bf16=False)
+    return SFTConfig(**(fields | kw))
+
+
+def _peft_sft_run(tok, initial, out, **kw):
+    """PEFT + SFTTrainer in one process on the 4 records in one batch, from the adapters
+    `initial` ({module: (A, B)}): the logged losses and the adapters after training."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from trl import SFTTrainer
+
+    peft = get_peft_model(_sft_model(len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0))
+    mods = dict(peft.base_model.model.named_modules())
+    with torch.no_grad():
+        for n, (a, b) in initial.items():
+            mods[n].lora_A["default"].weight.copy_(a)
+            mods[n].lora_B["default"].weight.copy_(b)
+    trainer = SFTTrainer(model=peft, args=_sft_args(out, 4, **kw), train_dataset=Dataset.from_list(_RECORDS),
+                         processing_class=tok)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: (mods[n].lora_A["default"].weight, mods[n].lora_B["default"].weight) for n in initial}
 
 
 def _trl_worker(rank, world_size, port, tokenizer_dir, tmp):
@@ -331,10 +354,7 @@ def test_sft_trainer_on_two_ranks_matches_peft_in_one_process(real_model, tmp_pa
     global batches from the same adapters: the logged losses and the adapters after two AdamW
     steps agree within fp32 summation order (TOL: the runtime's chunked GEMMs, the 2-rank
     average of token sums)."""
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
-    from trl import SFTTrainer
 
     from tests.nn.test_lora import TOL
 
@@ -345,24 +365,13 @@ def test_sft_trainer_on_two_ranks_matches_peft_in_one_process(real_model, tmp_pa
         torch.testing.assert_close(final[n], final1[n], rtol=0, atol=0)
     assert losses == losses1 and len(losses) == 2
 
-    tok = AutoTokenizer.from_pretrained(real_model)
-    peft = get_peft_model(_sft_model(len(tok)), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                           lora_dropout=0.0))
-    mods = dict(peft.base_model.model.named_modules())
-    with torch.no_grad():
-        for n, (a, b) in initial.items():
-            mods[n].lora_A["default"].weight.copy_(a)
-            mods[n].lora_B["default"].weight.copy_(b)
-    trainer = SFTTrainer(model=peft, args=_sft_args(str(tmp_path / "peft"), 4), train_dataset=Dataset.from_list(_RECORDS),
-                         processing_class=tok)
-    trainer.train()
-    ref_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    ref_losses, ref_final = _peft_sft_run(AutoTokenizer.from_pretrained(real_model), initial, str(tmp_path / "peft"))
     print(f"losses: elastic on 2 ranks {losses}, PEFT in one process {ref_losses}")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     moved = 0.0
     for n, (a, b) in final.items():
-        torch.testing.assert_close(a, mods[n].lora_A["default"].weight, **TOL)
-        torch.testing.assert_close(b, mods[n].lora_B["default"].weight, **TOL)
+        torch.testing.assert_close(a, ref_final[n][0], **TOL)
+        torch.testing.assert_close(b, ref_final[n][1], **TOL)
         moved = max(moved, (a - initial[n][0]).abs().max().item(), (b - initial[n][1]).abs().max().item())
     assert moved > 1e-3  # the steps moved the adapters (lr 1e-2): the comparison is not of the initial values
 
