@@ -328,3 +328,12 @@ def test_gpu_large(dtypes):
     offs = [0, 700, 700, 2048, 2100, 3000, 3900, 4000, 4096]
     p = make_problem((4096, 2048, 1536, offs, [8, 16, 128, 32, 64, 16, 8, 96]), *DTYPES[dtypes], device="cuda")
     check(p, "auto")
+
+
+def test_benchmark_dry_path(tmp_path):
+    """bench/bench_segmented_lora.py (run on a GPU by `make gpu-check`) imports and runs its CPU path."""
+    from bench import bench_segmented_lora
+
+    bench_segmented_lora.main(["--device", "cpu", "--repeats", "1", "--results", str(tmp_path)])
+    lines = (tmp_path / "segmented_lora.csv").read_text().splitlines()
+    assert len(lines) == 1 + 2 * len(bench_segmented_lora.ADAPTERS["cpu"]) * len(bench_segmented_lora.SHAPES["cpu"])
