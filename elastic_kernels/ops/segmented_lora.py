@@ -26,9 +26,15 @@ B_k [out, r_k] and the extent of every rank mask). The gradients are written the
 into K separate output tensors. Padding the adapters to a power-of-two rank would copy every
 adapter into a stacked buffer at every call and the gradients back out of one; the tables
 read the parameters in place and write each gradient where autograd wants it. Ranks are
-covered in blocks of BLOCK_R (>= 16, the smallest tl.dot; at most 64 on a GPU, 32 under the
-interpreter), so any mix of ranks runs in the same launch; a block past a small adapter's rank
-computes zeros (stored as the padding of xa) or, in the gradients, nothing.
+covered in blocks of BLOCK_R (>= 16, the smallest tl.dot), so any mix of ranks runs in the same
+launch; a block past a small adapter's rank computes zeros (stored as the padding of xa) or, in
+the gradients, nothing. On a GPU BLOCK_R is at most 32, and 16 with fp32 adapters on 16-bit
+activations: compiled for sm_90a at the launch parameters (Triton 3.8,
+`python tests/kernels/_aot_compile_segmented.py`, every dtype pair, ranks 16 and 64) no
+variant spills (largest: the fp32-adapter dA, 255 registers), while 64-rank blocks spilled
+260-1664 bytes per thread in the xa kernel and 32-rank blocks 736 bytes in the fp32-adapter
+dA and 44 in its xa kernel. The price: a rank above the block reads its rows once per rank
+block in the down kernels (rank 64 with fp32 adapters: 4 reads of lora_x / dy).
 All tables (tiles, segment bounds, ranks, offsets; the scales in fp32) are host data: on CUDA
 they travel in two small tensors through pinned memory with non-blocking copies, cached per
 (device, stream, contents) as the page table is, so a steady state with the same segments
@@ -80,8 +86,42 @@ def _block_m() -> int:
     return _INTERP_BLOCK if INTERPRETED else 64
 
 
-def _rank_block(r_max: int) -> int:
-    return min(_INTERP_BLOCK if INTERPRETED else 64, _block_r(r_max))
+def _rank_block(r_max: int, act_dtype: torch.dtype, adapter_dtype: torch.dtype) -> int:
+    """Ranks per block ([Note: segmented LoRA kernel]): 32 at most on a GPU, 16 with fp32
+    adapters on 16-bit activations (their fp32 "ieee" dots hold more in registers)."""
+    if INTERPRETED:
+        return min(_INTERP_BLOCK, _block_r(r_max))
+    return min(16 if adapter_dtype != act_dtype else 32, _block_r(r_max))
+
+
+def down_meta(act_dtype: torch.dtype, adapter_dtype: torch.dtype, r_max: int, length: int, w_is_a: bool) -> dict:
+    """Meta-parameters of `_seg_down_kernel` (xa: w_is_a; dyb: not) as launched."""
+    block_l = _INTERP_BLOCK if INTERPRETED else 2 * _block_k(act_dtype)
+    extra = {} if INTERPRETED else dict(num_warps=4, num_stages=3)
+    return dict(W_IS_A=w_is_a, EVEN_L=length % block_l == 0, DOT_PRECISION=_dot_precision(act_dtype),
+                UPCAST_DOT=_upcast_dot(act_dtype), BLOCK_M=_block_m(), BLOCK_L=block_l,
+                BLOCK_R=_rank_block(r_max, act_dtype, adapter_dtype), **extra)
+
+
+def up_meta(act_dtype: torch.dtype, adapter_dtype: torch.dtype, r_max: int, w_is_a: bool) -> dict:
+    """Meta-parameters of `_seg_up_kernel` (dx: w_is_a; delta: not) as launched."""
+    extra = {} if INTERPRETED else dict(num_warps=4, num_stages=3)
+    return dict(W_IS_A=w_is_a, DOT_PRECISION=_dot_precision(act_dtype), UPCAST_DOT=_upcast_dot(act_dtype),
+                BLOCK_M=_block_m(), BLOCK_N=_INTERP_BLOCK if INTERPRETED else 64,
+                BLOCK_R=_rank_block(r_max, act_dtype, adapter_dtype), **extra)
+
+
+def grad_meta(act_dtype: torch.dtype, adapter_dtype: torch.dtype, r_max: int, rank_is_m: bool) -> dict:
+    """Meta-parameters of `_seg_grad_kernel` (dA: rank_is_m; dB: not) as launched."""
+    if INTERPRETED:
+        block_t, block_big, extra = _INTERP_BLOCK, _INTERP_BLOCK, {}
+    else:
+        block_t, block_big = _lora_grad_block_t(act_dtype, adapter_dtype), 128
+        extra = dict(num_warps=4, num_stages=3)
+    block_rank = _rank_block(r_max, act_dtype, adapter_dtype)
+    return dict(RANK_IS_M=rank_is_m, DOT_PRECISION=_dot_precision(act_dtype), UPCAST_DOT=_upcast_dot(act_dtype),
+                BLOCK_M=block_rank if rank_is_m else block_big, BLOCK_P=block_big if rank_is_m else block_rank,
+                BLOCK_T=block_t, **extra)
 
 
 def tile_table(seg_offsets: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -172,15 +212,10 @@ def _down(a: torch.Tensor, w0: torch.Tensor, w_off, tb: _Tables, r_max: int, w_i
     """[T, R] = a·M_k per row (xa or dyb), rounded to the adapter dtype."""
     t, l_ = a.shape
     out = a.new_empty((t, r_max), dtype=_store_dtype(adapter_dtype))
-    block_l = _INTERP_BLOCK if INTERPRETED else 2 * _block_k(a.dtype)
-    block_r = _rank_block(r_max)
-    extra = {} if INTERPRETED else dict(num_warps=4, num_stages=3)
-    wrap_triton(_seg_down_kernel)[(tb.tiles, triton.cdiv(r_max, block_r))](
+    meta = down_meta(a.dtype, adapter_dtype, r_max, l_, w_is_a)
+    wrap_triton(_seg_down_kernel)[(tb.tiles, triton.cdiv(r_max, meta["BLOCK_R"]))](
         a, w0, w_off, tb.rank, tb.tile_adapter, tb.tile_row, tb.seg_end, out,
-        l_, r_max, a.stride(0), out.stride(0),
-        W_IS_A=w_is_a, EVEN_L=l_ % block_l == 0,
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOT=_upcast_dot(a.dtype),
-        BLOCK_M=_block_m(), BLOCK_L=block_l, BLOCK_R=block_r, **extra,
+        l_, r_max, a.stride(0), out.stride(0), **meta,
     )  # fmt: skip
     return out.to(adapter_dtype)
 
@@ -190,34 +225,24 @@ def _up(x: torch.Tensor, w0: torch.Tensor, w_off, tb: _Tables, n: int, r_max: in
     """[T, N] = s_k·x[:, :r_k]·M_k per row (delta or dx), in x's dtype (the adapter dtype)."""
     t = x.shape[0]
     out = x.new_empty((t, n), dtype=_store_dtype(x.dtype))
-    block_n = _INTERP_BLOCK if INTERPRETED else 64
-    extra = {} if INTERPRETED else dict(num_warps=4, num_stages=3)
-    wrap_triton(_seg_up_kernel)[(tb.tiles, triton.cdiv(n, block_n))](
+    meta = up_meta(act_dtype, x.dtype, r_max, w_is_a)
+    wrap_triton(_seg_up_kernel)[(tb.tiles, triton.cdiv(n, meta["BLOCK_N"]))](
         x, w0, w_off, tb.rank, tb.scale, tb.tile_adapter, tb.tile_row, tb.seg_end, out,
-        n, x.stride(0), out.stride(0),
-        W_IS_A=w_is_a, DOT_PRECISION=_dot_precision(act_dtype), UPCAST_DOT=_upcast_dot(act_dtype),
-        BLOCK_M=_block_m(), BLOCK_N=block_n, BLOCK_R=_rank_block(r_max), **extra,
+        n, x.stride(0), out.stride(0), **meta,
     )  # fmt: skip
     return out.to(x.dtype)
 
 
 def _grads(a: torch.Tensor, b: torch.Tensor, outs: list[torch.Tensor], out_off, tb: _Tables, r_max: int,
-           rank_is_m: bool, act_dtype: torch.dtype) -> None:
+           rank_is_m: bool, act_dtype: torch.dtype, adapter_dtype: torch.dtype) -> None:
     """outs[k] = s_k·a[seg k]ᵀ·b[seg k] (dA_k when rank_is_m, else dB_k), written in place."""
     m, p = a.shape[1], b.shape[1]
-    if INTERPRETED:
-        block_t, block_big, extra = _INTERP_BLOCK, _INTERP_BLOCK, {}
-    else:
-        block_t, block_big, extra = _lora_grad_block_t(a.dtype, b.dtype), 128, dict(num_warps=4, num_stages=3)
-    block_rank = _rank_block(r_max)
-    block_m = block_rank if rank_is_m else block_big
-    block_p = block_big if rank_is_m else block_rank
-    grid = (len(outs), triton.cdiv(r_max if rank_is_m else m, block_m), triton.cdiv(p if rank_is_m else r_max, block_p))
+    meta = grad_meta(act_dtype, adapter_dtype, r_max, rank_is_m)
+    grid = (len(outs), triton.cdiv(r_max if rank_is_m else m, meta["BLOCK_M"]),
+            triton.cdiv(p if rank_is_m else r_max, meta["BLOCK_P"]))
     wrap_triton(_seg_grad_kernel)[grid](
         a, b, outs[0], out_off, tb.rank, tb.scale, tb.seg_start, tb.seg_end,
-        m, p, a.stride(0), b.stride(0),
-        RANK_IS_M=rank_is_m, DOT_PRECISION=_dot_precision(act_dtype), UPCAST_DOT=_upcast_dot(act_dtype),
-        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, **extra,
+        m, p, a.stride(0), b.stride(0), **meta,
     )  # fmt: skip
 
 
@@ -285,8 +310,8 @@ def _segmented_lora_bwd_op(
     dy, lora_x, xa = _rows(dy), _rows(lora_x), _rows(xa)
     dyb = _down(dy, lora_b[0], tb.b_off, tb, r_max, False, adapter)  # rounded to the adapter dtype
     dx = _up(dyb, lora_a[0], tb.a_off, tb, k_in, r_max, True, dy.dtype)
-    _grads(dyb, lora_x, grad_a, ga_off, tb, r_max, True, lora_x.dtype)
-    _grads(dy, xa, grad_b, gb_off, tb, r_max, False, lora_x.dtype)
+    _grads(dyb, lora_x, grad_a, ga_off, tb, r_max, True, lora_x.dtype, adapter)
+    _grads(dy, xa, grad_b, gb_off, tb, r_max, False, lora_x.dtype, adapter)
     return dx, [g.to(adapter) for g in grad_a], [g.to(adapter) for g in grad_b]
 
 

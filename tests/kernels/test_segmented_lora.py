@@ -337,3 +337,26 @@ def test_benchmark_dry_path(tmp_path):
     bench_segmented_lora.main(["--device", "cpu", "--repeats", "1", "--results", str(tmp_path)])
     lines = (tmp_path / "segmented_lora.csv").read_text().splitlines()
     assert len(lines) == 1 + 2 * len(bench_segmented_lora.ADAPTERS["cpu"]) * len(bench_segmented_lora.SHAPES["cpu"])
+
+
+def test_kernels_compile_for_sm90():
+    """The kernels compile for sm_90a without a GPU at the launchers' own parameters, fp32 adapters
+    on bf16 activations (the library's default, the most registers), ranks of two blocks: no
+    spill, shared memory within the 227 KiB of an H100/H200 SM. Every dtype pair:
+    `python tests/kernels/_aot_compile_segmented.py` ([Note: segmented LoRA kernel])."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_aot_compile_segmented.py")
+    out = subprocess.run([sys.executable, script, "--dtypes", "bf16+fp32", "--ranks", "64", "--json"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["shared_bytes"] <= 227 * 1024, r
+        assert r["BLOCK_R" if "BLOCK_R" in r else ("BLOCK_M" if "dA" in r["kernel"] else "BLOCK_P")] == 16, r
