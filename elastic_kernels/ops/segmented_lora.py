@@ -33,8 +33,10 @@ activations: compiled for sm_90a at the launch parameters (Triton 3.8,
 `python tests/kernels/_aot_compile_segmented.py`, every dtype pair, ranks 16 and 64) no
 variant spills (largest: the fp32-adapter dA, 255 registers), while 64-rank blocks spilled
 260-1664 bytes per thread in the xa kernel and 32-rank blocks 736 bytes in the fp32-adapter
-dA and 44 in its xa kernel. The price: a rank above the block reads its rows once per rank
-block in the down kernels (rank 64 with fp32 adapters: 4 reads of lora_x / dy).
+dA and 44 in its xa kernel. Compiled the same way with Triton 3.6.0 (the GPU machine's; the
+kernels module loaded without torch), every variant builds, one spill of 4 bytes (fp32 dA,
+rank 16). The price: a rank above the block reads its rows once per rank block in the down
+kernels (rank 64 with fp32 adapters: 4 reads of lora_x / dy).
 All tables (tiles, segment bounds, ranks, offsets; the scales in fp32) are host data: on CUDA
 they travel in two small tensors through pinned memory with non-blocking copies, cached per
 (device, stream, contents) as the page table is, so a steady state with the same segments
