@@ -360,3 +360,16 @@ def test_kernels_compile_for_sm90():
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= 227 * 1024, r
         assert r["BLOCK_R" if "BLOCK_R" in r else ("BLOCK_M" if "dA" in r["kernel"] else "BLOCK_P")] == 16, r
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    """The compiled ops under opcheck (schema, fake impl, AOT dispatch) with CUDA tensors."""
+
+    def cuda(v):
+        if isinstance(v, list):
+            return [cuda(t) for t in v]
+        return v.cuda() if torch.is_tensor(v) else v
+
+    for op, args in _opcheck_samples().values():
+        torch.library.opcheck(op, tuple(cuda(a) for a in args))
