@@ -48,6 +48,8 @@ GPU_TEST_FILES=(${GPU_TEST_FILES:-
   tests/kernels/test_paged_linear.py
   tests/kernels/test_pool.py
   tests/kernels/test_quant.py
+  tests/kernels/test_segmented_lora.py
+  tests/kernels/test_segmented_lora_peft.py
   tests/runtime/test_runtime_device.py
   tests/runtime/test_stream_order.py
   tests/host/test_host_store.py
@@ -63,6 +65,7 @@ BENCHES=(${GPU_BENCHES:-
   bench/bench_pool.py
   bench/bench_offload.py
   bench/bench_quant.py
+  bench/bench_segmented_lora.py
 })
 
 start=$(date +%s)

@@ -20,6 +20,8 @@ from elastic_kernels.ops import (  # noqa: E402
     pack_shards,
     paged_lora_linear_dgrad,
     paged_lora_linear_fwd,
+    segmented_lora_bwd,
+    segmented_lora_fwd,
     unpack_gathered,
 )
 from elastic_kernels.pool import PagePool, PoolExhausted  # noqa: E402 - after the _C load attempt
@@ -49,5 +51,7 @@ __all__ = [
     "paged_lora_linear_dgrad",
     "paged_lora_linear_fwd",
     "registered_ops",
+    "segmented_lora_bwd",
+    "segmented_lora_fwd",
     "unpack_gathered",
 ]

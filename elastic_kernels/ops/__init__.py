@@ -12,11 +12,16 @@ reference beside it, its Triton kernels and its fake impls:
                              triton_op registration, dispatch, fakes of the C++ schemas
   dequant_kernels.py         its @triton.jit kernels
   dequant_reference.py       its pure-torch reference
+  segmented_lora.py          segmented multi-LoRA (K adapters over row segments): launchers,
+                             triton_op registration, dispatch, [Note: segmented LoRA kernel]
+  segmented_lora_kernels.py  its @triton.jit kernels
+  segmented_lora_reference.py  its pure-torch reference, grouped per adapter
 """
 
 from elastic_kernels.ops.dequant import dequantize
 from elastic_kernels.ops.pack import pack_shards, unpack_gathered
 from elastic_kernels.ops.paged_linear import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
+from elastic_kernels.ops.segmented_lora import segmented_lora_bwd, segmented_lora_fwd
 
 __all__ = [
     "dequantize",
@@ -24,5 +29,7 @@ __all__ = [
     "pack_shards",
     "paged_lora_linear_dgrad",
     "paged_lora_linear_fwd",
+    "segmented_lora_bwd",
+    "segmented_lora_fwd",
     "unpack_gathered",
 ]

@@ -422,3 +422,133 @@ def check_dequant_args(
             if b.data_ptr() < hi and lo < b.data_ptr() + b.numel():
                 raise ValueError(f"{op}: out and blobs[{i}] overlap in memory; out must have memory of its own")
     return formats
+
+
+# ---------------------------------------------------------------------------------------------
+# segmented_lora_fwd / segmented_lora_bwd (segmented_lora_reference.py says what they compute;
+# the dtypes go together as in [Note: numerics of the paged LoRA ops])
+# ---------------------------------------------------------------------------------------------
+
+
+def check_seg_offsets(seg_offsets, t: int, k: int | None = None) -> list[int]:
+    """Validate segment offsets over `t` rows (K + 1 non-decreasing ints from 0 to t); return them."""
+    if isinstance(seg_offsets, torch.Tensor):
+        raise TypeError(
+            "seg_offsets must be a list of ints (host data: the kernels' tile table is built from it), "
+            "got a tensor; pass seg_offsets.tolist()"
+        )
+    if not isinstance(seg_offsets, Sequence):
+        raise TypeError(f"seg_offsets must be a list of ints, got {type(seg_offsets).__name__}")
+    offs = []
+    for i, v in enumerate(seg_offsets):
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+            raise TypeError(f"seg_offsets[{i}] must be an int, got {type(v).__name__}")
+        offs.append(v)
+    if len(offs) < 2:
+        raise ValueError(f"seg_offsets has {len(offs)} entries; it needs K + 1 >= 2 (one segment per adapter)")
+    if k is not None and len(offs) != k + 1:
+        raise ValueError(f"seg_offsets has {len(offs)} entries but there are {k} adapters (lora_a); it needs K + 1 = {k + 1}")
+    if offs[0] != 0:
+        raise ValueError(f"seg_offsets[0] is {offs[0]}; the first segment must start at row 0")
+    for i in range(1, len(offs)):
+        if offs[i] < offs[i - 1]:
+            raise ValueError(
+                f"seg_offsets is not non-decreasing: seg_offsets[{i}] = {offs[i]} < seg_offsets[{i - 1}] = {offs[i - 1]} "
+                f"(rows must be sorted by adapter; an empty segment repeats an offset)"
+            )
+    if offs[-1] != t:
+        raise ValueError(f"seg_offsets ends at {offs[-1]} but there are {t} rows; the last offset must be T = {t}")
+    return offs
+
+
+def check_segmented_adapters(lora_a, lora_b, scales, ref: torch.Tensor, ref_name: str, k_in: int,
+                             n_out: int | None) -> tuple[int, int, list[int]]:
+    """Validate K adapters (lora_a[k] [r_k, in], lora_b[k] [out, r_k], scales[k]) against the
+    activations `ref`; return (K, out_features, ranks)."""
+    for name, v, what in (("lora_a", lora_a, "[r_k, in_features]"), ("lora_b", lora_b, "[out_features, r_k]")):
+        if isinstance(v, torch.Tensor) or not isinstance(v, Sequence):
+            raise TypeError(f"{name} must be a list of K tensors {what} (one per adapter), got {type(v).__name__}")
+        for i, t in enumerate(v):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(scales, torch.Tensor) or not isinstance(scales, Sequence):
+        raise TypeError(f"scales must be a list of K floats, got {type(scales).__name__}")
+    k = len(lora_a)
+    n_name = "dy has" if n_out is not None else ""
+    if k == 0:
+        raise ValueError("lora_a is empty: the segmented LoRA op needs at least one adapter")
+    if len(lora_b) != k:
+        raise ValueError(f"lora_b has {len(lora_b)} adapters but lora_a has {k}; one of each per adapter")
+    if len(scales) != k:
+        raise ValueError(f"scales has {len(scales)} entries but lora_a has {k} adapters; one scale per adapter")
+    ranks = []
+    for i, (a, b, s) in enumerate(zip(lora_a, lora_b, scales)):
+        _check_tensor(a, f"lora_a[{i}]", 2)
+        _check_tensor(b, f"lora_b[{i}]", 2)
+        _check_adapter_dtype(a, f"lora_a[{i}]", ref, ref_name)
+        _check_adapter_dtype(b, f"lora_b[{i}]", ref, ref_name)
+        if a.dtype != lora_a[0].dtype or b.dtype != lora_a[0].dtype:
+            raise TypeError(
+                f"lora_a[{i}] / lora_b[{i}] have dtypes {a.dtype} / {b.dtype}, but lora_a[0] has {lora_a[0].dtype}; "
+                f"every adapter must have one dtype (the adapter dtype)"
+            )
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or s != s or s in (float("inf"), float("-inf")):
+            raise TypeError(f"scales[{i}] must be a finite float, got {s!r}")
+        r = int(a.shape[0])
+        if r < 1:
+            raise ValueError(f"lora_a[{i}] has {r} rows: the LoRA rank r must be positive")
+        if int(a.shape[1]) != k_in:
+            raise ValueError(f"lora_a[{i}] has {int(a.shape[1])} columns but {ref_name} has {k_in} features (in_features)")
+        if int(b.shape[1]) != r:
+            raise ValueError(f"lora_b[{i}] has {int(b.shape[1])} columns but lora_a[{i}] has r = {r} rows (rank mismatch)")
+        if n_out is None:
+            n_out, n_name = int(b.shape[0]), "lora_b[0] has"
+        if int(b.shape[0]) != n_out:
+            raise ValueError(
+                f"lora_b[{i}] has {int(b.shape[0])} rows (out_features) but {n_name} {n_out}; every adapter "
+                f"has the layer's out_features"
+            )
+        ranks.append(r)
+    if n_out < 1:
+        raise ValueError("lora_b[0] has 0 rows (out_features must be positive)")
+    return k, n_out, ranks
+
+
+def check_segmented_fwd_args(x, seg_offsets, lora_a, lora_b, scales, lora_x) -> tuple[int, int, int, list[int], list[int]]:
+    """Validate the segmented forward's arguments; return (T, in, out, seg_offsets, ranks)."""
+    _check_tensor(x, "x", 2)
+    t, k_in = int(x.shape[0]), int(x.shape[1])
+    if k_in < 1:
+        raise ValueError("x has 0 columns (in_features must be positive)")
+    if lora_x is not None:
+        _check_tensor(lora_x, "lora_x", 2)
+        _check_like(lora_x, "lora_x", x, "x")
+        if tuple(lora_x.shape) != tuple(x.shape):
+            raise ValueError(f"lora_x has shape {tuple(lora_x.shape)} but x has shape {tuple(x.shape)}")
+    k, n, ranks = check_segmented_adapters(lora_a, lora_b, scales, x, "x", k_in, None)
+    offs = check_seg_offsets(seg_offsets, t, k)
+    return t, k_in, n, offs, ranks
+
+
+def check_segmented_bwd_args(dy, lora_x, xa, seg_offsets, lora_a, lora_b, scales) -> tuple[int, int, int, list[int], list[int]]:
+    """Validate the segmented backward's arguments; return (T, in, out, seg_offsets, ranks)."""
+    _check_tensor(dy, "dy", 2)
+    _check_tensor(lora_x, "lora_x", 2)
+    _check_tensor(xa, "xa", 2)
+    _check_like(dy, "dy", lora_x, "lora_x")
+    t, k_in, n = int(lora_x.shape[0]), int(lora_x.shape[1]), int(dy.shape[1])
+    if int(dy.shape[0]) != t:
+        raise ValueError(f"dy has {int(dy.shape[0])} rows but lora_x has {t}")
+    if k_in < 1:
+        raise ValueError("lora_x has 0 columns (in_features must be positive)")
+    k, n, ranks = check_segmented_adapters(lora_a, lora_b, scales, lora_x, "lora_x", k_in, n)
+    offs = check_seg_offsets(seg_offsets, t, k)
+    if xa.dtype != lora_a[0].dtype:
+        raise TypeError(f"xa has dtype {xa.dtype}, but the adapters have {lora_a[0].dtype}; xa is in the adapter dtype "
+                        f"(as segmented_lora_fwd returned it)")
+    if xa.device != lora_x.device:
+        raise ValueError(f"xa is on {xa.device}, but lora_x is on {lora_x.device}; they must be on one device")
+    if tuple(xa.shape) != (t, max(ranks)):
+        raise ValueError(f"xa has shape {tuple(xa.shape)} but segmented_lora_fwd returns [T, max rank] = "
+                         f"[{t}, {max(ranks)}]")
+    return t, k_in, n, offs, ranks

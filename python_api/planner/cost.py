@@ -13,7 +13,8 @@ when the pool never evicts a kept chunk (the plan's budget guarantees it).
 [Note: the time model]
 One micro-batch is the forward uses of the units, the outside compute (embeddings, head,
 loss: (outside fwd + bwd per token) x T), then the backward-phase uses ([Note: the timeline of
-an iteration]), with T = micro_batch x seq_len tokens. Each use u has compute c(u)
+an iteration]), with T = micro_batch x seq_len tokens (times num_adapters: [Note: several
+adapters in the models] in memory.py). Each use u has compute c(u)
     forward, recompute   fwd_s_fixed + fwd_s_per_token x T + dequant_fwd_s   (a recompute is the forward again)
     backward             bwd_s_fixed + bwd_s_per_token x T + dequant_bwd_s
 (the dequant terms: quantized weights only, [Note: dequantization in the time model])
@@ -114,7 +115,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import FORWARD, RECOMPUTE, Choices, Use, is_segment, offload_served, timeline
+from .memory import FORWARD, RECOMPUTE, Choices, Use, is_segment, offload_served, rows_per_micro_batch, timeline
 from .profile import Profile
 
 
@@ -142,7 +143,7 @@ def h2d_bytes_per_micro_batch(profile: Profile, choices: Choices) -> int:
     brought back ([Note: chunk sources and the host link])."""
     forward, backward = timeline(profile, choices)
     weights = sum(u.h2d_bytes for u in forward + backward)
-    off = offload_served(profile, choices.micro_batch * profile.seq_len, choices.recompute, choices.offload)
+    off = offload_served(profile, rows_per_micro_batch(profile, choices), choices.recompute, choices.offload)
     return weights + sum(off.moved)
 
 
@@ -326,7 +327,7 @@ def phase_inputs(profile: Profile, choices: Choices):
     """The forward and backward-phase uses of one micro-batch as `simulate_micro_batch` reads
     them, from the memory model's timeline; and the timeline."""
     forward, backward = timeline(profile, choices)
-    T = choices.micro_batch * profile.seq_len
+    T = rows_per_micro_batch(profile, choices)
     gl, h2d = profile.gather_link(), profile.h2d
 
     def row(u: Use):
@@ -354,7 +355,7 @@ def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost
     if not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an int >= 1, got {accumulation!r}")
     fwd, bwd, forward, backward = phase_inputs(profile, choices)
-    T = choices.micro_batch * profile.seq_len
+    T = rows_per_micro_batch(profile, choices)
     outside = (profile.outside.fwd_s_per_token + profile.outside.bwd_s_per_token) * T
     act = activation_events(profile, T, choices.recompute, choices.offload)
     total, fw, bw = simulate_micro_batch(fwd, bwd, choices.prefetch_depth, outside, act)
@@ -363,7 +364,9 @@ def step_cost(profile: Profile, choices: Choices, accumulation: int) -> StepCost
     exposed = sum(fw) + sum(bw)
     per_use = tuple((f"{u.kind} {profile.layers[u.layer].name}", e)
                     for u, e in zip(forward + backward, fw + bw))
-    allreduce = profile.allreduce.time(profile.adapter_grad_bytes) if profile.world_size > 1 else 0.0
+    # every adapter's gradients ([Note: several adapters in the models] in memory.py)
+    allreduce = (profile.allreduce.time(choices.num_adapters * profile.adapter_grad_bytes)
+                 if profile.world_size > 1 else 0.0)
     step = accumulation * total + allreduce
     dequant = sum(use_dequant_s(profile, u) for u in forward + backward)
     return StepCost(accumulation * compute, accumulation * recompute, accumulation * exposed, allreduce, step,

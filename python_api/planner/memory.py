@@ -18,8 +18,10 @@ pool_budget_bytes = page_bytes x sum_w k_w (every kept chunk is alive at the end
 the runtime adding the working set on top ([Note: pool budget and working set]).
 
 [Note: what the memory model counts]
-At each point (a use, and the end of forward), with T = micro_batch x seq_len tokens:
+At each point (a use, and the end of forward), with T = micro_batch x seq_len tokens (times
+num_adapters: [Note: several adapters in the models]):
     reserved + static                      constant (not ours; plan-independent per rank)
+  + (num_adapters - 1) x 4 x adapter_grad_bytes   the other adapters' state (same Note)
   + pool                                   constant: min(all chunks, sum_w k_w + working set)
                                            pages. The PagePool adds segments lazily and gives
                                            none back, so after the first iteration it holds
@@ -51,6 +53,35 @@ peer chunk (+ gloo's scratch). With weights_on="host" static_bytes holds no shar
 profile measures static as it is). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
 The peak is the maximum over the points.
+
+[Note: several adapters in the models]
+A job may train K adapters on one base at once (issue 29: `Choices.num_adapters`, default 1,
+with which every result is what it was). The profile describes ONE adapter: a measured one is
+taken from a one-adapter job, a synthetic one has one adapter per projection, so its
+`static_bytes` holds one adapter's parameters, gradients and AdamW moments (4 x
+adapter_grad_bytes: value, gradient and two moments of the parameter's size, what
+python_api/planning/measure.py and shapes.py count) and `adapter_grad_bytes` one adapter's
+gradients. With K adapters, each adapter gets `micro_batch` sequences per micro-batch (a sweep
+gives every adapter the same batch; a mixed micro-batch is cut the same way), and the base
+product runs once over the rows of all of them ([Note: segmented LoRA kernel] in
+elastic_kernels/ops/segmented_lora.py), so:
+  - rows: T = K x micro_batch x seq_len. Everything the models scale by the tokens of a
+    micro-batch scales with it: saved activations, the layer's own, the backward workspaces,
+    the outside activations and the logits' peak, the offloaded activations (memory), and the
+    per-token compute of every use and of the outside (time). Activations and compute of K
+    adapters on their own rows are those of one adapter on K times the rows: the LoRA terms
+    are per row (each row meets one adapter's A and B), the base terms are per row too.
+  - adapters: static + (K - 1) x 4 x adapter_grad_bytes (every adapter has its own parameters,
+    gradients and optimizer state); the adapter-gradient all-reduce moves K x
+    adapter_grad_bytes once per step.
+  - gathers: unchanged. The frozen weights are gathered per use, whatever the rows (issue
+    29's exactness: the bytes of a K-adapter job equal the one-adapter job's), so the
+    timeline, the gather buffers, the pool and the traffic formula do not depend on K; a
+    use's fixed compute (launches) does not either.
+So a K-adapter plan differs from a one-adapter plan with a K-times micro-batch only by the
+adapters' state and all-reduce (tests/planner/test_planner_adapters.py checks the memory
+curve point by point against that). Ranks that differ between adapters are not modelled: all
+K are the profiled adapter's size.
 
 [Note: activation offload in the memory model]
 With `Choices.offload` the activation offload (python_api/host/offload.py) copies the
@@ -111,10 +142,14 @@ class Choices:
     host_fraction: float = 0.0  # the runtime's host_fraction ([Note: chunk sources]); 1 in effect
     # whatever it says with weights_on="host" (effective_host_fraction)
     offload: bool = False  # activation offload on
+    # Adapters trained together, `micro_batch` sequences each ([Note: several adapters in the models])
+    num_adapters: int = 1
 
     def check(self, profile: Profile) -> None:
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"micro_batch must be an int >= 1, got {self.micro_batch!r}")
+        if isinstance(self.num_adapters, bool) or not isinstance(self.num_adapters, int) or self.num_adapters < 1:
+            raise ValueError(f"num_adapters must be an int >= 1, got {self.num_adapters!r}")
         f = self.host_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise ValueError(f"host_fraction must be a number in [0, 1], got {f!r}")
@@ -141,7 +176,8 @@ class Choices:
 
     @classmethod
     def uniform(cls, profile: Profile, micro_batch: int, keep_fraction: float = 0.0, persist_fraction=None,
-                recompute=None, prefetch_depth: int = 1, host_fraction: float = 0.0, offload: bool = False) -> Choices:
+                recompute=None, prefetch_depth: int = 1, host_fraction: float = 0.0, offload: bool = False,
+                num_adapters: int = 1) -> Choices:
         """Every weight keeps round(keep_fraction x n) chunks, persists round(persist_fraction
         x n) (default: as many as it keeps), rounding half up as the runtime does.
         `recompute`: None (no layer), True (every recomputable layer) or a per-layer sequence."""
@@ -154,9 +190,21 @@ class Choices:
             rec = tuple(layer.recomputable for layer in profile.layers)
         else:
             rec = tuple(bool(r) for r in recompute)
-        choices = cls(micro_batch, keep, persist, rec, prefetch_depth, host_fraction, offload)
+        choices = cls(micro_batch, keep, persist, rec, prefetch_depth, host_fraction, offload, num_adapters)
         choices.check(profile)
         return choices
+
+
+def rows_per_micro_batch(profile: Profile, choices: Choices) -> int:
+    """T, the rows of one micro-batch: micro_batch sequences of seq_len tokens for each of the
+    num_adapters adapters ([Note: several adapters in the models])."""
+    return choices.num_adapters * choices.micro_batch * profile.seq_len
+
+
+def adapter_state_bytes(profile: Profile) -> int:
+    """One adapter's parameters, gradients and AdamW moments: 4 x adapter_grad_bytes (static
+    counts them so: [Note: several adapters in the models])."""
+    return 4 * profile.adapter_grad_bytes
 
 
 class Use(NamedTuple):
@@ -358,9 +406,10 @@ class MemoryCurve:
 def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     """The memory model ([Note: what the memory model counts])."""
     forward, backward = timeline(profile, choices)
-    T = choices.micro_batch * profile.seq_len
+    T = rows_per_micro_batch(profile, choices)
     d = choices.prefetch_depth
-    fixed = profile.reserved_bytes + profile.static_bytes
+    # static holds one adapter's state; each further adapter adds its own
+    fixed = profile.reserved_bytes + profile.static_bytes + (choices.num_adapters - 1) * adapter_state_bytes(profile)
     pool = pool_pages(profile, choices) * profile.page_bytes
     base = fixed + pool + int(profile.outside.act_bytes_per_token * T)
     layers = profile.layers
@@ -417,5 +466,6 @@ def peak_bytes(profile: Profile, choices: Choices) -> int:
 
 
 __all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "Offload", "ProfileError", "RECOMPUTE", "Use",
-           "effective_host_fraction", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
-           "offload_served", "peak_bytes", "per_linear", "restored_bytes", "pool_budget_bytes", "pool_pages", "timeline", "window_buffers"]
+           "adapter_state_bytes", "effective_host_fraction", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
+           "offload_served", "peak_bytes", "per_linear", "restored_bytes", "pool_budget_bytes", "pool_pages", "rows_per_micro_batch", "timeline",
+           "window_buffers"]

@@ -9,13 +9,16 @@ import torch
 
 import elastic_kernels
 from elastic_kernels.ops import paged_linear_reference
-from tests.kernels import test_pack_ops, test_paged_linear, test_quant
+from tests.kernels import test_pack_ops, test_paged_linear, test_quant, test_segmented_lora
 
 
 def _covered() -> dict:
     """op name -> its pure-torch reference, for every op some test module opchecks."""
     covered = {name: entry["reference"] for name, entry in test_pack_ops.OP_TESTS.items()}
     covered.update({name: entry["reference"] for name, entry in test_quant.OP_TESTS.items()})
+    for op, _ in test_segmented_lora._opcheck_samples().values():
+        name = op._schema.name.split("::")[1]
+        covered[name] = test_segmented_lora.OP_REFERENCES[name]
     for op, _ in test_paged_linear._opcheck_samples().values():
         name = op._schema.name.split("::")[1]
         covered[name] = getattr(paged_linear_reference, f"{name}_reference")
