@@ -366,6 +366,10 @@ class ElasticLoRALinear(nn.Module):
 #   dropout mask (its own rate), its optimizer (`adapter_parameters(model, name)`) and its
 #   PEFT folder (`save_adapter(..., adapter=name)`). An adapter initialises as it would
 #   alone ([Note: initialisation and replication]: the seed and the module name only).
+#   A linear that one adapter's solo job would leave plain (below replicate_below_bytes) is
+#   elastic here when another adapter targets it, and so stored in the policy's
+#   weight_format: with nf4 that is another base for the first adapter's rows than its
+#   solo job's (replicate_below_bytes=0 makes both alike).
 # - Rows: `model(..., adapter_names=[...])` names the adapter of each row of the batch; the
 #   root module's pre-hook checks the list (on every rank alike: an agreed error) and sets it
 #   on the model's AdapterSelection for the call (restored on exit, error or not; kept for a

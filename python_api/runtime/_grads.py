@@ -54,7 +54,17 @@ gradient: its zeros plus the others' values, divided by the world size, as an ab
 adapter contributes nothing to the average); one no rank had a gradient for keeps `.grad`
 None, so its optimizer does not step it (AdamW skips a parameter whose grad is None: no
 decay, no moment update). The flags are sums of 0/1 of at most the world size: any float
-dtype tells > 0 exactly. Without named adapters (`absent_grads=False`) nothing changes.
+dtype tells > 0 exactly.
+The buckets are then all launched at the end of backward, none from a hook: the gradient
+hooks fire at points that depend on which adapters have rows on the rank, and a bucket
+all-reduce launched from one on a single rank would sit, on the runtime's group, between
+two weight gathers that the other ranks issue back to back (the gathers' headers share the
+group: [Note: headers off the prefetch path] in python_api/distributed/collectives.py), a
+collective mismatch that hangs (it did, in tests/nn/test_multi_adapter.py, before this
+rule). The end of backward is the same point of the program on every rank. The cost: the
+adapter gradients' all-reduce no longer overlaps backward (adapters are small next to the
+frozen weights). Without named adapters
+(`absent_grads=False`) nothing changes.
 """
 
 from __future__ import annotations
@@ -162,8 +172,8 @@ class _GradReduction:
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         """The post-accumulate-grad hook of a trainable parameter."""
         self._queue_end_of_backward()
-        if not self._reducing():
-            return
+        if not self._reducing() or getattr(self, "_absent_grads", False):
+            return  # [Note: gradients absent on some ranks]: every bucket at the end of backward
         bucket = self._bucket_of.get(id(p))
         if bucket is None:
             return
