@@ -366,3 +366,76 @@ def _bad_input_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bad_input(world_size):
     assert run_distributed(_bad_input_worker, world_size, timeout=240) == [True] * world_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segmented_lora_pair_against_dense_float64(dtype):
+    """segmented_lora_fwd / _bwd (the pair a fused segmented kernel replaces) against float64
+    autograd per segment: ragged segments (an empty one, one row, 7, 127), fp32 adapters with
+    bf16 activations as the layers use them. Tolerance: fp32 accumulation, so fp32 rounding for
+    fp32 inputs; for bf16 the inputs are bf16 values (exact in float64) and xa, dyb are rounded
+    to the fp32 adapters only, so the same fp32 bound holds, relative to the magnitudes."""
+    from elastic_kernels.api.nn import segmented_lora_bwd, segmented_lora_fwd
+
+    g = torch.Generator().manual_seed(0)
+    sizes, ranks, scales = [0, 1, 7, 127], [2, 3, 5, 8], [0.5, 2.0, 1.0, 0.25]
+    n_in, n_out = 33, 17
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    x = torch.randn(offsets[-1], n_in, generator=g).to(dtype)
+    dy = torch.randn(offsets[-1], n_out, generator=g).to(dtype)
+    mask = (torch.rand(offsets[-1], n_in, generator=g) > 0.3).float().div(0.7).to(dtype)
+    a_s = [torch.randn(r, n_in, generator=g) * 0.2 for r in ranks]
+    b_s = [torch.randn(n_out, r, generator=g) * 0.2 for r in ranks]
+    lx = x * mask  # the op's input, rounded to `dtype` as the layer rounds it
+    delta, xas = segmented_lora_fwd(lx, offsets, a_s, b_s, scales)
+    dx, das, dbs = segmented_lora_bwd(dy, lx, xas, offsets, a_s, b_s, scales, mask, need_dx=True)
+    assert delta.dtype == torch.float32 and dx.dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for k, (r0, r1) in enumerate(zip(offsets, offsets[1:])):
+        xk = lx[r0:r1].double().requires_grad_()
+        a = a_s[k].double().requires_grad_()
+        b = b_s[k].double().requires_grad_()
+        ref = scales[k] * (xk @ a.t()) @ b.t()
+        ref.backward(dy[r0:r1].double())
+        torch.testing.assert_close(delta[r0:r1].double(), ref.detach(), **tol)
+        torch.testing.assert_close(dx[r0:r1].double(), xk.grad * mask[r0:r1].double(), **tol)
+        torch.testing.assert_close(das[k].double(), a.grad, **tol)
+        torch.testing.assert_close(dbs[k].double(), b.grad, **tol)
+        assert das[k].dtype == dbs[k].dtype == torch.float32
+
+
+def test_bf16_autocast_and_dropout_per_adapter():
+    """Under bf16 autocast each adapter's rows match its solo run within bf16 rounding (the base
+    and LoRA term are rounded to bf16 separately here: one more bf16 rounding per layer; on
+    logits of magnitude 0.35 the solo run is 1.9e-3 from fp32 and the two runs 2.4e-3 apart,
+    the bound is 8e-3), and dropout is each adapter's own: rows of an adapter without dropout match
+    its solo run in training mode; rows of one with dropout change from call to call."""
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, adapter_parameters, convert_to_elastic
+
+    cfgs = {"a": LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj")),
+            "d": LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj"), dropout=0.5, seed=1)}
+    policy = ElasticPolicy(chunk_bytes=CHUNK)
+    multi = convert_to_elastic(tiny_llama(), cfgs, policy)
+    solo = {n: convert_to_elastic(tiny_llama(), c, policy) for n, c in cfgs.items()}
+    _randomize([(adapter_parameters(multi, n), adapter_parameters(solo[n])) for n in cfgs], seed=3)
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    names = ["d", "a", "a", "d"]
+    for m in (multi, *solo.values()):
+        m.eval()  # the converted layers are new modules, in training mode until told otherwise
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = multi(input_ids=ids, adapter_names=names).logits.float()
+        for n in cfgs:
+            rows = [i for i, m in enumerate(names) if m == n]
+            want = solo[n](input_ids=ids[rows]).logits.float()
+            torch.testing.assert_close(got[rows], want, rtol=2 ** -7, atol=8e-3)
+    multi.train()
+    solo["a"].train()
+    with torch.no_grad():
+        first = multi(input_ids=ids, adapter_names=names).logits
+        second = multi(input_ids=ids, adapter_names=names).logits
+        torch.testing.assert_close(first[[1, 2]], solo["a"](input_ids=ids[[1, 2]]).logits, **TOL)
+        torch.testing.assert_close(first[[1, 2]], second[[1, 2]], rtol=0, atol=0)
+    assert not torch.equal(first[[0, 3]], second[[0, 3]])
