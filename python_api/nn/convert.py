@@ -207,7 +207,6 @@ def _select_adapters(model: nn.Module, args, kwargs):
     call, checks it (an agreed error, on every rank before any compute) and sets it for the
     call ([Note: many adapters on one base] in lora.py)."""
     sel: AdapterSelection = model._elastic_selection
-    sel.stack = getattr(sel, "stack", [])
     sel.stack.append(sel.current)  # _end_selection restores it, also when this raises
     names = kwargs.pop("adapter_names", None)
     if names is None:
@@ -229,9 +228,8 @@ def _select_adapters(model: nn.Module, args, kwargs):
 
 def _end_selection(model: nn.Module, args, output):
     sel: AdapterSelection = model._elastic_selection
-    stack = getattr(sel, "stack", None)
-    if stack:
-        sel.current = stack.pop()
+    if sel.stack:
+        sel.current = sel.stack.pop()
 
 
 def _default_filter(name: str, module: nn.Module) -> bool:

@@ -488,6 +488,7 @@ class AdapterSelection:
         self.index = {n: i for i, n in enumerate(names)}
         self.current: tuple[int, ...] | None = None  # adapter index per batch row, during a call
         self.last: tuple[int, ...] | None = None  # the last call's, for a recompute in backward
+        self.stack: list = []  # the selections of the enclosing calls (the pre-hook pushes, the hook pops)
         self._plans: dict = {}
 
     def check(self, adapter_names, batch: int | None) -> str | None:
