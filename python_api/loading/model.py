@@ -187,8 +187,9 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     a LoadError on every rank naming them; `allow_nonfinite=True` loads them with a
     NonFiniteWeightsWarning instead ([Note: non-finite weights on load])."""
     # Arguments: the same on every rank (a programming error, raised before any collective).
-    if not isinstance(lora, LoRAConfig):
-        raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig, got {type(lora).__name__}")
+    if not isinstance(lora, (LoRAConfig, dict)):  # a dict: named adapters, checked by convert_to_elastic
+        raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig or a dict {{adapter name: "
+                        f"LoRAConfig}}, got {type(lora).__name__}")
     if not isinstance(policy, ElasticPolicy):
         raise TypeError(f"load_elastic: policy must be a elastic_kernels.api.ElasticPolicy, got {type(policy).__name__} "
                         f"(ElasticPolicy() for the defaults)")
