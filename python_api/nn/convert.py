@@ -209,13 +209,18 @@ def _select_adapters(model: nn.Module, args, kwargs):
     sel: AdapterSelection = model._elastic_selection
     sel.stack.append(sel.current)  # _end_selection restores it, also when this raises
     names = kwargs.pop("adapter_names", None)
+    rt = getattr(model, RUNTIME_ATTR, None)
+    if rt is None:  # merge_adapters(model, adapter=name) made it a plain model
+        if names is not None:
+            raise ValueError("adapter_names: the model's adapters were merged (merge_adapters), it has none to "
+                             "select; call it without adapter_names")
+        return args, kwargs
     if names is None:
         err = None if len(sel.names) == 1 else (
             f"the model has {len(sel.names)} adapters {list(sel.names)}: say which one each row of the batch "
             f"uses with model(..., adapter_names=[...]), one name per row (e.g. adapter_names=[{sel.names[0]!r}] * batch)")
     else:
         err = sel.check(names, _batch_rows(args, kwargs))
-    rt = getattr(model, RUNTIME_ATTR)
     if rt.world_size > 1:
         agree(err, rt.group, what="adapter_names", timeout_s=rt.policy.collective_timeout_s, error_type=ValueError)
     elif err is not None:

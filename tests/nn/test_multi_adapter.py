@@ -213,7 +213,13 @@ def _save_worker(rank, world_size, tmp):
     from peft import PeftModel
 
     from elastic_kernels.api import ElasticPolicy
-    from elastic_kernels.api.nn import adapter_parameters, convert_to_elastic, load_adapter, save_adapter
+    from elastic_kernels.api.nn import (
+        adapter_parameters,
+        convert_to_elastic,
+        load_adapter,
+        merge_adapters,
+        save_adapter,
+    )
 
     policy = ElasticPolicy(chunk_bytes=CHUNK)
     cfgs = _configs(3)
@@ -256,6 +262,12 @@ def _save_worker(rank, world_size, tmp):
     other.load_state_dict(state)
     for n in cfgs:
         assert all(torch.equal(p, q) for p, q in zip(adapter_parameters(other, n), adapter_parameters(multi, n))), n
+    # Merging one adapter: a plain model computing what that adapter's rows did.
+    merged = merge_adapters(other, adapter="b")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, one(input_ids=ids).logits, **TOL)
+        with pytest.raises(ValueError, match="the model's adapters were merged"):
+            merged(input_ids=ids, adapter_names=["b"] * 3)
     return True
 
 
