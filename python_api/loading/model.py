@@ -61,6 +61,7 @@ from ..config import ElasticPolicy
 from ..distributed.agree import agree, exchange
 from ..distributed.launch import ensure_default_group
 from ..nn import LoRAConfig, convert_to_elastic, runtime_of
+from ..nn.lora import normalize_adapters
 from .bnb import PackedFormatError, compute_dtype, packed_format
 from .source import LoadError, LoadWarning, SafetensorsSource, check_regular_file, list_directory
 
@@ -187,8 +188,15 @@ def load_elastic(path: str | os.PathLike, lora, policy, group=None, device: torc
     a LoadError on every rank naming them; `allow_nonfinite=True` loads them with a
     NonFiniteWeightsWarning instead ([Note: non-finite weights on load])."""
     # Arguments: the same on every rank (a programming error, raised before any collective).
-    if not isinstance(lora, LoRAConfig):
-        raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig, got {type(lora).__name__}")
+    if not isinstance(lora, (LoRAConfig, dict)):
+        raise TypeError(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig or a dict {{adapter name: "
+                        f"LoRAConfig}}, got {type(lora).__name__}")
+    if isinstance(lora, dict):  # named adapters ([Note: many adapters on one base] in python_api/nn/lora.py)
+        try:
+            normalize_adapters(lora)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"load_elastic: lora must be a elastic_kernels.api.LoRAConfig or a dict {{adapter name: "
+                            f"LoRAConfig}}: {exc}") from None
     if not isinstance(policy, ElasticPolicy):
         raise TypeError(f"load_elastic: policy must be a elastic_kernels.api.ElasticPolicy, got {type(policy).__name__} "
                         f"(ElasticPolicy() for the defaults)")

@@ -2,10 +2,11 @@
 
   linear.py      ElasticLinear (a frozen linear on an elastic tensor) and what every elastic
                  layer shares: the op dtype under autocast, per-use casts, refusing .to()
-  lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets
+  lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets; several
+                 named adapters on one base (ElasticMultiLoRALinear, segmented_lora_fwd/bwd)
   units.py       which frozen weights are gathered together (decoder layers)
   convert.py     convert_to_elastic, elasticize, runtime_of, stats, set_pool_budget, no_sync, close
-  adapters.py    PEFT-format adapters: save_adapter, load_adapter, merge_adapters
+  adapters.py    PEFT-format adapters: save_adapter, load_adapter, merge_adapters, adapter_parameters
   state_dict.py  full state dicts (a collective) and load_state_dict into the shards
   ddp.py         running inside DistributedDataParallel
 """
@@ -14,6 +15,7 @@ from .adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
+    adapter_parameters,
     adapter_state_dict,
     load_adapter,
     lora_layers,
@@ -32,13 +34,23 @@ from .convert import (
     stats,
 )
 from .linear import ElasticLinear, ElasticLinearFunction
-from .lora import ElasticLoRAFunction, ElasticLoRALinear, LoRAConfig, target_names
+from .lora import (
+    ElasticLoRAFunction,
+    ElasticLoRALinear,
+    ElasticMultiLoRAFunction,
+    ElasticMultiLoRALinear,
+    LoRAConfig,
+    segmented_lora_bwd,
+    segmented_lora_fwd,
+    target_names,
+)
 from .state_dict import gather_only, load_full_weight
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticLinear", "ElasticLinearFunction",
-    "ElasticLoRAFunction", "ElasticLoRALinear", "LoRAConfig", "adapter_state_dict", "close", "convert_to_elastic",
+    "ElasticLoRAFunction", "ElasticLoRALinear", "ElasticMultiLoRAFunction", "ElasticMultiLoRALinear", "LoRAConfig",
+    "adapter_parameters", "adapter_state_dict", "close", "convert_to_elastic",
     "elasticize", "gather_only", "load_adapter", "load_full_weight", "lora_layers", "merge_adapters",
     "no_sync", "register_conversion_hook", "reset_stats", "runtime_of", "save_adapter", "set_pool_budget",
-    "stats", "target_names",
+    "segmented_lora_bwd", "segmented_lora_fwd", "stats", "target_names",
 ]

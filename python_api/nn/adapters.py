@@ -17,7 +17,9 @@ from ..distributed.agree import rank0_then_agree
 from .convert import runtime_of
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
+    DEFAULT_ADAPTER,
     ElasticLoRALinear,
+    ElasticMultiLoRALinear,
     LoRAConfig,
     conv1d_class,
     is_positive_finite,
@@ -41,12 +43,56 @@ def lora_layers(model: nn.Module) -> list[tuple[str, ElasticLoRALinear]]:
     return layers
 
 
+def adapters_of(model: nn.Module) -> dict[str, LoRAConfig]:
+    """`{name: LoRAConfig}` of a model converted with convert_to_elastic (one LoRAConfig:
+    {"default": it})."""
+    adapters = getattr(model, "_elastic_adapters", None)
+    if adapters is None:
+        lora = getattr(model, "_elastic_lora", None)
+        if not isinstance(lora, LoRAConfig):
+            raise ValueError("the model was not converted with convert_to_elastic")
+        adapters = {DEFAULT_ADAPTER: lora}
+    return adapters
+
+
+def is_multi_adapter(model: nn.Module) -> bool:
+    """Converted with named adapters ({name: LoRAConfig}), not one LoRAConfig."""
+    return any(isinstance(m, ElasticMultiLoRALinear) for m in model.modules())
+
+
+def _check_adapter(model: nn.Module, adapter: str, what: str) -> None:
+    names = list(adapters_of(model))
+    if not isinstance(adapter, str) or adapter not in names:
+        raise ValueError(f"{what}: adapter {adapter!r} is not an adapter of this model; its adapters are {names}")
+
+
+def adapter_slots(model: nn.Module, adapter: str) -> list[tuple[str, nn.Module, int, float, nn.Parameter, nn.Parameter]]:
+    """(layer name, layer, r, scaling, A, B) of every layer carrying `adapter`, in module order
+    ([Note: many adapters on one base] in lora.py)."""
+    _check_adapter(model, adapter, "adapter")
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, ElasticLoRALinear):
+            out.append((name, m, m.r, m.scaling, m.lora_A.weight, m.lora_B.weight))
+        elif isinstance(m, ElasticMultiLoRALinear) and adapter in m.adapters:
+            out.append((name, m, m.r[adapter], m.scaling[adapter], m.lora_A[adapter].weight, m.lora_B[adapter].weight))
+    return out
+
+
+def adapter_parameters(model: nn.Module, adapter: str = DEFAULT_ADAPTER) -> list[nn.Parameter]:
+    """The trainable parameters of one adapter (A and B of every layer carrying it, in module
+    order): what its own optimizer takes, e.g. `torch.optim.AdamW(adapter_parameters(model,
+    "a"), lr=...)` ([Note: many adapters on one base] in lora.py)."""
+    return [t for _, _, _, _, a, b in adapter_slots(model, adapter) for t in (a, b)]
+
+
 def warn_quantized_merge(model: nn.Module) -> None:
     """Merging into a quantized base ([Note: quantized frozen weights] in python_api/quant/):
     W is the dequantized weight and W + s·B·A is stored in W's dtype, unquantized; PEFT warns
     the same way when merging into bitsandbytes layers."""
     formats = sorted({m.et.weight_format for m in model.modules()
-                      if isinstance(m, (ElasticLoRALinear, ElasticLinear)) and m.et.weight_format is not None})
+                      if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear))
+                      and m.et.weight_format is not None})
     if formats:
         warnings.warn(
             f"Merging LoRA into {'/'.join(formats)}-quantized base weights: the base is dequantized and the "
@@ -55,17 +101,30 @@ def warn_quantized_merge(model: nn.Module) -> None:
             UserWarning, stacklevel=3)
 
 
-def merge_adapters(model: nn.Module) -> nn.Module:
+def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
     """Replace every elastic layer by a plain `nn.Linear` holding W + s·B·A (or W), in place,
     and detach the runtime. A collective: call it on every rank. Returns the model. A
-    quantized base weight is dequantized first (and a warning says the merge rounds)."""
+    quantized base weight is dequantized first (and a warning says the merge rounds). With
+    named adapters, `adapter` names the one merged (the others are dropped)."""
     rt = runtime_of(model)
+    multi = is_multi_adapter(model)
+    if multi and adapter is None:
+        raise ValueError(f"merge_adapters: the model has adapters {list(adapters_of(model))}; name the one to merge "
+                         f"with merge_adapters(model, adapter=name)")
+    if adapter is not None:
+        _check_adapter(model, adapter, "merge_adapters")
+    slots = {n: (m.scaling, m.lora_A.weight, m.lora_B.weight) for n, m in model.named_modules()
+             if isinstance(m, ElasticLoRALinear)}
+    if multi:
+        slots = {n: (sc, a, b) for n, _, _, sc, a, b in adapter_slots(model, adapter)}
     warn_quantized_merge(model)
-    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, (ElasticLoRALinear, ElasticLinear))]:
+    for name, module in [(n, m) for n, m in model.named_modules()
+                         if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear))]:
         weight = rt.full_weight(module.et)
-        if isinstance(module, ElasticLoRALinear):
+        if name in slots:
+            scaling, lora_a, lora_b = slots[name]
             with torch.no_grad():
-                delta = (module.lora_B.weight.double() @ module.lora_A.weight.double()) * module.scaling
+                delta = (lora_b.double() @ lora_a.double()) * scaling
                 weight = (weight.double() + delta).to(weight.dtype)
         if module.fan_in_fan_out:  # [Note: Conv1D]: back to the layout the model came with
             plain = conv1d_class()(module.out_features, module.in_features).to(device=weight.device, dtype=weight.dtype)
@@ -130,12 +189,22 @@ def peft_config(lora: LoRAConfig, targets: list[str], fan_in_fan_out: bool = Fal
     }
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's saved key names."""
+def adapter_state_dict(model: nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's saved key names (one adapter's: with named adapters,
+    `adapter` says which)."""
+    if adapter is None:
+        if is_multi_adapter(model):
+            raise ValueError(f"adapter_state_dict: the model has adapters {list(adapters_of(model))}; "
+                             f"name one with adapter=name")
+        out = {}
+        for name, layer in lora_layers(model):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach().cpu().contiguous()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach().cpu().contiguous()
+        return out
     out = {}
-    for name, layer in lora_layers(model):
-        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach().cpu().contiguous()
-        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach().cpu().contiguous()
+    for name, _, _, _, a, b in adapter_slots(model, adapter):
+        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().cpu().contiguous()
+        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().cpu().contiguous()
     return out
 
 
@@ -157,31 +226,43 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
-def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None) -> None:
+def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None,
+                 adapter: str | None = None) -> None:
     """Write `adapter_model.safetensors` and `adapter_config.json` in PEFT's format under
     `path` (rank 0 writes, each file to a temporary name then renamed; every rank returns
     after the files exist). `base_model_name_or_path` overrides the model's own name in the
-    config ([Note: adapters that load everywhere])."""
+    config ([Note: adapters that load everywhere]). With named adapters ([Note: many adapters
+    on one base] in lora.py): `adapter=name` writes that one under `path`; without it every
+    adapter goes to `path/<name>/`."""
     from safetensors.torch import save_file
 
-    lora = getattr(model, "_elastic_lora", None)
-    if lora is None:
+    if getattr(model, "_elastic_lora", None) is None:
         raise ValueError("save_adapter: the model was not converted with convert_to_elastic")
-    layers = lora_layers(model)
+    adapters = adapters_of(model)
+    if adapter is not None:
+        _check_adapter(model, adapter, "save_adapter")
+    multi = is_multi_adapter(model)
+    if not multi:
+        lora_layers(model)  # raises without LoRA layers
+    jobs = ([(adapter or DEFAULT_ADAPTER, path)] if adapter is not None or not multi
+            else [(a, os.path.join(path, a)) for a in adapters])
     rt = runtime_of(model)
 
     def write():
-        os.makedirs(path, exist_ok=True)
-        state = adapter_state_dict(model)
-        atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(state, p, metadata={"format": "pt"}))
-        meta = adapter_metadata(model)
-        if base_model_name_or_path is not None:
-            meta["base_model_name_or_path"] = str(base_model_name_or_path)
-        config = peft_config(lora, [n for n, _ in layers], any(m.fan_in_fan_out for _, m in layers), **meta)
-        atomic_write(
-            os.path.join(path, ADAPTER_CONFIG),
-            lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
-        )
+        for name, folder in jobs:
+            slots = adapter_slots(model, name)
+            os.makedirs(folder, exist_ok=True)
+            state = adapter_state_dict(model) if not multi else adapter_state_dict(model, name)
+            atomic_write(os.path.join(folder, ADAPTER_WEIGHTS), lambda p: save_file(state, p, metadata={"format": "pt"}))
+            meta = adapter_metadata(model)
+            if base_model_name_or_path is not None:
+                meta["base_model_name_or_path"] = str(base_model_name_or_path)
+            config = peft_config(adapters[name], [n for n, *_ in slots], any(m.fan_in_fan_out for _, m, *_ in slots),
+                                 **meta)
+            atomic_write(
+                os.path.join(folder, ADAPTER_CONFIG),
+                lambda p: open(p, "w").write(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+            )
 
     rank0_then_agree(write, rt.group, what=f"save_adapter({path!r})")  # every rank raises rank 0's error
 
@@ -210,17 +291,33 @@ def _check_adapter_config(config, cfile: str) -> None:
         normalize_pattern(value, f"load_adapter: {cfile}: {key}", check, kind)
 
 
-def load_adapter(model: nn.Module, path: str) -> None:
+def load_adapter(model: nn.Module, path: str, adapter: str | None = None) -> None:
     """Load a PEFT LoRA adapter (these key names, these shapes) into an elastic model. Every
     adapter of the model must be in the file and every tensor of the file must fit one; every
     module's rank and scaling, by the file's r, lora_alpha, use_rslora, rank_pattern and
     alpha_pattern ([Note: per-module rank and alpha]), must be the layer's. Everything is
-    checked before any adapter changes."""
+    checked before any adapter changes. With named adapters, `adapter=name` loads that one
+    from `path`; without it every adapter from `path/<name>/`, as save_adapter writes them."""
+    if getattr(model, "_elastic_lora", None) is None:
+        raise ValueError("load_adapter: the model was not converted with convert_to_elastic")
+    if adapter is not None:
+        _check_adapter(model, adapter, "load_adapter")
+    if adapter is not None or not is_multi_adapter(model):
+        if not is_multi_adapter(model):
+            lora_layers(model)  # raises without LoRA layers
+        _load_checked(model, path, adapter or DEFAULT_ADAPTER)()
+        return
+    # Every adapter checked before any changes.
+    loads = [_load_checked(model, os.path.join(path, a), a) for a in adapters_of(model)]
+    for load in loads:
+        load()
+
+
+def _load_checked(model: nn.Module, path: str, adapter: str):
+    """Check the PEFT adapter under `path` against `adapter`'s layers; returns the function
+    that copies it in."""
     from safetensors.torch import load_file
 
-    lora = getattr(model, "_elastic_lora", None)
-    if lora is None:
-        raise ValueError("load_adapter: the model was not converted with convert_to_elastic")
     wfile, cfile = os.path.join(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_CONFIG)
     for f in (wfile, cfile):
         if not os.path.isfile(f):
@@ -235,21 +332,21 @@ def load_adapter(model: nn.Module, path: str) -> None:
         r=config["r"], alpha=config["lora_alpha"], use_rslora=config.get("use_rslora", False),
         rank_pattern=config.get("rank_pattern") or {}, alpha_pattern=config.get("alpha_pattern") or {},
     )
-    layers = lora_layers(model)
-    for name, layer in layers:
+    slots = adapter_slots(model, adapter)
+    for name, _, layer_r, layer_scaling, _, _ in slots:
         r, scaling = file_cfg.r_of(name), file_cfg.scaling_of(name)
-        if r != layer.r or not math.isclose(scaling, layer.scaling, rel_tol=1e-12):
+        if r != layer_r or not math.isclose(scaling, layer_scaling, rel_tol=1e-12):
             raise ValueError(
                 f"load_adapter: for {name} the adapter in {cfile} has r={r}, scaling={scaling:g} "
                 f"(lora_alpha={file_cfg.alpha_of(name)}, from r, lora_alpha, use_rslora, rank_pattern, "
-                f"alpha_pattern); the model's layer has r={layer.r}, scaling={layer.scaling:g}. Convert the model "
+                f"alpha_pattern); the model's layer has r={layer_r}, scaling={layer_scaling:g}. Convert the model "
                 f"with a LoRAConfig giving the same values (LoRAConfig.rank_pattern / alpha_pattern for per-module ones)"
             )
     state = load_file(wfile)
     expected = {}
-    for name, layer in layers:
-        expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight
-        expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight
+    for name, _, _, _, a, b in slots:
+        expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
+        expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
     for key in state:
         if key not in expected:
             raise KeyError(f"load_adapter: {wfile} has {key!r}, which no adapter of this model matches")
@@ -262,14 +359,22 @@ def load_adapter(model: nn.Module, path: str) -> None:
             )
         if not state[key].is_floating_point() or not torch.isfinite(state[key]).all():
             raise ValueError(f"load_adapter: {key!r} in {wfile} has non-finite values (NaN or inf) or is not floating point")
-    with torch.no_grad():
-        for key, param in expected.items():
-            param.copy_(state[key].to(device=param.device, dtype=param.dtype))
+
+    def copy_in():
+        with torch.no_grad():
+            for key, param in expected.items():
+                param.copy_(state[key].to(device=param.device, dtype=param.dtype))
+
+    return copy_in
 
 
 def split_state_dict(model: nn.Module, state_dict: dict) -> tuple[dict, dict]:
     """(base, adapters): the base weights under their original names, and the LoRA adapters
     under PEFT's saved names (`base_model.model.<layer>.lora_A.weight`)."""
+    if is_multi_adapter(model):
+        raise ValueError(f"this model has named adapters {list(adapters_of(model))}: save them with "
+                         f"save_adapter(model, dir) (one folder each) or save_adapter(model, dir, adapter=name), "
+                         f"or merge one first with merge_adapters(model, adapter=name)")
     lora_names = {n for n, m in model.named_modules() if isinstance(m, ElasticLoRALinear)}
     base, adapters = {}, {}
     for key, value in state_dict.items():
@@ -303,6 +408,9 @@ def write_adapter(model: nn.Module, path: str, adapters: dict) -> None:
     (on the calling process only; each file to a temporary name, then renamed)."""
     from safetensors.torch import save_file
 
+    if is_multi_adapter(model):
+        raise ValueError(f"this model has named adapters {list(adapters_of(model))}: write them with "
+                         f"save_adapter(model, dir) (one folder each) or save_adapter(model, dir, adapter=name)")
     os.makedirs(path, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
     atomic_write(os.path.join(path, ADAPTER_WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))

@@ -43,16 +43,20 @@ import torch
 import torch.nn as nn
 
 from ..config import ElasticPolicy
+from ..distributed.agree import agree
 from ..distributed.launch import ensure_default_group
 from ..runtime import ElasticRuntime
 from . import ddp, state_dict  # submodules (hooks installed by attach)
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
+    AdapterSelection,
     ElasticLoRALinear,
+    ElasticMultiLoRALinear,
     LoRAConfig,
     frozen_weight,
     is_conv1d,
     is_linear,
+    normalize_adapters,
     target_names,
 )
 from .units import assign_units
@@ -104,21 +108,31 @@ def resolve_quant_skip(model: nn.Module, policy: ElasticPolicy, chosen, source=N
     return dataclasses.replace(policy, quant_skip_modules=skip)
 
 
-def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy, group=None,
+def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None,
                        unit_modules=None, source=None) -> nn.Module:
     """Replace the target linears of `model` in place (see [Note: what convert_to_elastic does
-    with each parameter]); call on every rank of `group` with the same model. `unit_modules`
+    with each parameter]); call on every rank of `group` with the same model. `lora`: one
+    `LoRAConfig` (the adapter "default"), or `{name: LoRAConfig}` for several named adapters
+    on one base, each with its own targets ([Note: many adapters on one base] in lora.py;
+    forwards then take `adapter_names=[...]`, one name per batch row). `unit_modules`
     groups the weights gathered in one collective (default: the HF decoder layers,
     `_no_split_modules`; see `elastic_kernels.api.nn.units.assign_units`). `source` (a
     `elastic_kernels.api.loading.SafetensorsSource`): the weights come from its files, not from `model`,
     whose parameters may be on the meta device; each rank reads only its shard of each elastic
     weight and the replicated tensors, on `source.device` ([Note: loading from files] in
     python_api/loading/). Returns `model`."""
-    if not isinstance(lora, LoRAConfig):
-        raise TypeError(f"lora must be a LoRAConfig, got {type(lora).__name__}")
+    single = isinstance(lora, LoRAConfig)
+    adapters = normalize_adapters(lora)  # checks names and configs; see [Note: many adapters on one base]
     if getattr(model, RUNTIME_ATTR, None) is not None:
         raise RuntimeError("convert_to_elastic: this model is already under an elastic runtime")
-    targets = target_names(model, lora)
+    targets_of = {}
+    for adapter, cfg in adapters.items():
+        try:
+            targets_of[adapter] = set(target_names(model, cfg))
+        except ValueError as exc:
+            raise ValueError(f"adapter {adapter!r}: {exc}" if not single else str(exc)) from None
+    union = set().union(*targets_of.values())
+    targets = [n for n, _ in model.named_modules() if n in union]
     shared = _shared_params(model)
     others = [
         n for n, m in model.named_modules()
@@ -143,6 +157,7 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
+    selection = None if single else AdapterSelection(tuple(adapters))
     units = assign_units(model, sorted(chosen), unit_modules)
     if source is not None:
         source.materialize(model, skip_modules=chosen)  # biases and every replicated tensor
@@ -150,17 +165,76 @@ def convert_to_elastic(model: nn.Module, lora: LoRAConfig, policy: ElasticPolicy
         rows = None if source is None else source.rows(f"{name}.weight", transpose=is_conv1d(module))
         et = runtime.register(frozen_weight(module), name, units[name], rows=rows)
         conv = is_conv1d(module)
-        new = (ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv) if name in targets
-               else ElasticLinear(et, module.bias, fan_in_fan_out=conv))
+        if name not in union:
+            new = ElasticLinear(et, module.bias, fan_in_fan_out=conv)
+        elif single:
+            new = ElasticLoRALinear(et, module.bias, lora, name, fan_in_fan_out=conv)
+        else:
+            new = ElasticMultiLoRALinear(et, module.bias, {a: c for a, c in adapters.items() if name in targets_of[a]},
+                                         name, selection, fan_in_fan_out=conv)
         replacements.append((name, new))
     runtime.finish_registration()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    runtime.set_trainable([p for p in model.parameters() if p.requires_grad])
+    # With named adapters a parameter may have no gradient on some ranks: [Note: gradients
+    # absent on some ranks] in python_api/runtime/_grads.py.
+    runtime.set_trainable([p for p in model.parameters() if p.requires_grad], absent_grads=not single)
     object.__setattr__(model, RUNTIME_ATTR, runtime)
-    object.__setattr__(model, "_elastic_lora", lora)
+    object.__setattr__(model, "_elastic_lora", lora if single else adapters)
+    object.__setattr__(model, "_elastic_adapters", adapters)
+    if not single:
+        object.__setattr__(model, "_elastic_selection", selection)
+        model.register_forward_pre_hook(_select_adapters, with_kwargs=True)
+        model.register_forward_hook(_end_selection, always_call=True)
     return attach(model)
+
+
+def _batch_rows(args, kwargs) -> int | None:
+    """The batch size of a model call: the leading dimension of input_ids / inputs_embeds
+    (or the first positional tensor)."""
+    for key in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return t.shape[0]
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:
+        return args[0].shape[0]
+    return None
+
+
+def _select_adapters(model: nn.Module, args, kwargs):
+    """The forward pre-hook of a model with named adapters: takes `adapter_names` out of the
+    call, checks it (an agreed error, on every rank before any compute) and sets it for the
+    call ([Note: many adapters on one base] in lora.py)."""
+    sel: AdapterSelection = model._elastic_selection
+    sel.stack.append(sel.current)  # _end_selection restores it, also when this raises
+    names = kwargs.pop("adapter_names", None)
+    rt = getattr(model, RUNTIME_ATTR, None)
+    if rt is None:  # merge_adapters(model, adapter=name) made it a plain model
+        if names is not None:
+            raise ValueError("adapter_names: the model's adapters were merged (merge_adapters), it has none to "
+                             "select; call it without adapter_names")
+        return args, kwargs
+    if names is None:
+        err = None if len(sel.names) == 1 else (
+            f"the model has {len(sel.names)} adapters {list(sel.names)}: say which one each row of the batch "
+            f"uses with model(..., adapter_names=[...]), one name per row (e.g. adapter_names=[{sel.names[0]!r}] * batch)")
+    else:
+        err = sel.check(names, _batch_rows(args, kwargs))
+    if rt.world_size > 1:
+        agree(err, rt.group, what="adapter_names", timeout_s=rt.policy.collective_timeout_s, error_type=ValueError)
+    elif err is not None:
+        raise ValueError(f"adapter_names: {err}")
+    if names is not None:
+        sel.current = tuple(sel.index[n] for n in names)
+    sel.last = sel.current
+    return args, kwargs
+
+
+def _end_selection(model: nn.Module, args, output):
+    sel: AdapterSelection = model._elastic_selection
+    if sel.stack:
+        sel.current = sel.stack.pop()
 
 
 def _default_filter(name: str, module: nn.Module) -> bool:

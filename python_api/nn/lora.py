@@ -348,3 +348,328 @@ class ElasticLoRALinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"r={self.r}, scaling={self.scaling:g}, chunks={self.et.num_chunks}"
         )
+
+
+# [Note: many adapters on one base]
+# convert_to_elastic(model, {"name": LoRAConfig, ...}, policy) puts K named adapters on one
+# converted model (a single LoRAConfig is the one adapter "default", PEFT's name, and keeps
+# ElasticLoRALinear and its fused path untouched, bit for bit).
+# - Shared: every frozen weight, its shards, pool pages, host-tier copy and quantized blobs,
+#   and each use of it. A layer carrying several adapters makes its weight resident once per
+#   use (one `rt.use` in forward, one in backward for dx), runs the base product once over
+#   all rows of the batch, and adds the LoRA terms per adapter over that adapter's rows. So
+#   the frozen-weight bytes gathered per step are those of the one-adapter job at the same
+#   budget (tests/nn/test_multi_adapter.py asserts equality).
+# - Per adapter: its targets, r, alpha, dropout, rank/alpha patterns and seed (a layer
+#   targeted by only some adapters carries only those: rows of the others get the base
+#   only), its A and B (`lora_A.<name>`, `lora_B.<name>`, PEFT's in-memory names), its
+#   dropout mask (its own rate), its optimizer (`adapter_parameters(model, name)`) and its
+#   PEFT folder (`save_adapter(..., adapter=name)`). An adapter initialises as it would
+#   alone ([Note: initialisation and replication]: the seed and the module name only).
+#   A linear that one adapter's solo job would leave plain (below replicate_below_bytes) is
+#   elastic here when another adapter targets it, and so stored in the policy's
+#   weight_format: with nf4 that is another base for the first adapter's rows than its
+#   solo job's (replicate_below_bytes=0 makes both alike).
+# - Rows: `model(..., adapter_names=[...])` names the adapter of each row of the batch; the
+#   root module's pre-hook checks the list (on every rank alike: an agreed error) and sets it
+#   on the model's AdapterSelection for the call (restored on exit, error or not; kept for a
+#   recompute inside the following backward: gradient checkpointing). A layer's input
+#   [B, ..., in] maps its leading dimension to the batch rows. Its token rows are stably
+#   sorted by adapter (the layer's adapter order); `segmented_lora_fwd` / `_bwd` compute
+#   the LoRA terms over the row segments, one adapter per segment: the pair a fused
+#   segmented kernel replaces on CUDA.
+# - Gradients: an adapter's A and B enter the layer's autograd node only when the adapter
+#   has rows in the batch, so the gradients of an adapter reach only its parameters, and an
+#   adapter absent from a micro-batch adds nothing to its .grad. On several ranks the
+#   runtime's bucketed all-reduce has the rule of [Note: gradients absent on some ranks] in
+#   python_api/runtime/_grads.py: a parameter without a gradient on a rank contributes
+#   zeros when any rank has one, and stays None (its optimizer skips it) when no rank has.
+# - Numerics: fp32 adapters and the products in the accumulation dtype as the fused ops do
+#   ([Note: adapter dtype]); the base product and the LoRA term are rounded to the op dtype
+#   separately and then added (K=1's fused op adds before rounding), so with 16-bit
+#   activations a row's output may differ from the solo run's by one rounding of the op
+#   dtype; in fp32, by fp32 rounding.
+
+DEFAULT_ADAPTER = "default"
+
+
+def normalize_adapters(lora) -> dict[str, LoRAConfig]:
+    """`{name: LoRAConfig}` from what convert_to_elastic takes: one LoRAConfig (the adapter
+    "default"), a dict, or (name, LoRAConfig) pairs. Names: unique non-empty identifiers."""
+    if isinstance(lora, LoRAConfig):
+        return {DEFAULT_ADAPTER: lora}
+    if isinstance(lora, dict):
+        items = list(lora.items())
+    elif isinstance(lora, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in lora):
+        items = [tuple(p) for p in lora]
+    else:
+        raise TypeError(f"lora must be a LoRAConfig or a dict {{adapter name: LoRAConfig}}, got {type(lora).__name__}")
+    if not items:
+        raise ValueError("lora: no adapters given (an empty dict); give at least one {name: LoRAConfig}")
+    out: dict[str, LoRAConfig] = {}
+    for name, cfg in items:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"lora: adapter name {name!r} is not valid; a name must be a non-empty identifier "
+                             f"(letters, digits, underscores, not starting with a digit)")
+        if name in out:
+            raise ValueError(f"lora: adapter name {name!r} is given twice; adapter names must be unique")
+        if not isinstance(cfg, LoRAConfig):
+            raise TypeError(f"lora[{name!r}] must be a LoRAConfig, got {type(cfg).__name__}")
+        out[name] = cfg
+    return out
+
+
+def segmented_lora_fwd(lora_x: torch.Tensor, offsets: list[int], lora_as: list[torch.Tensor],
+                       lora_bs: list[torch.Tensor], scales: list[float]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The LoRA terms of rows grouped by adapter ([Note: many adapters on one base]).
+
+    lora_x   [N, in]  the rows (dropout applied), sorted so that rows offsets[k]:offsets[k+1]
+                      belong to adapter k; in the activation dtype
+    offsets  K+1 ints, non-decreasing, offsets[0] = 0, offsets[K] = N
+    lora_as  K tensors [r_k, in], lora_bs K tensors [out, r_k], in the adapter dtype (the
+             activation dtype, or fp32 with 16-bit activations)
+    scales   K floats
+    Returns (delta [N, out] in the accumulation dtype, fp32 for 16-bit activations; xa: K
+    tensors [n_k, r_k] in the adapter dtype), with delta_k = s_k·(x_k·A_kᵀ)·B_kᵀ and xa_k
+    rounded to the adapter dtype as the fused op rounds it (paged_lora_linear_fwd).
+    """
+    if not lora_as:
+        raise ValueError("segmented_lora_fwd: no adapters (K = 0)")
+    acc = _acc_dtype(lora_x.dtype)
+    delta = lora_x.new_empty((lora_x.shape[0], lora_bs[0].shape[0]), dtype=acc)
+    xas = []
+    for k, (a, b, s) in enumerate(zip(lora_as, lora_bs, scales)):
+        r0, r1 = offsets[k], offsets[k + 1]
+        xa = (lora_x[r0:r1].to(acc) @ a.to(acc).t()).to(a.dtype)
+        torch.mm(xa.to(acc), b.to(acc).t(), out=delta[r0:r1])
+        delta[r0:r1].mul_(float(s))
+        xas.append(xa)
+    return delta, xas
+
+
+def segmented_lora_bwd(dy: torch.Tensor, lora_x: torch.Tensor, xas: list[torch.Tensor], offsets: list[int],
+                       lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor], scales: list[float],
+                       mask: torch.Tensor | None, need_dx: bool
+                       ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+    """Backward of `segmented_lora_fwd`: dy [N, out] (rows as lora_x, activation dtype), the
+    forward's lora_x and xa, `mask` [N, in] (the dropout scaling applied to x, None: none).
+    Returns (dx share of the LoRA path [N, in] in the accumulation dtype, masked, or None
+    without need_dx; dA_k [r_k, in]; dB_k [out, r_k]) with dA_k = s_k·(dy_k·B_k)ᵀ·x_k and
+    dB_k = s_k·dy_kᵀ·xa_k in the adapter dtype, as lora_adapter_grads computes them."""
+    acc = _acc_dtype(dy.dtype)
+    dx = None if not need_dx else dy.new_empty((dy.shape[0], lora_x.shape[1]), dtype=acc)
+    das, dbs = [], []
+    for k, (a, b, s) in enumerate(zip(lora_as, lora_bs, scales)):
+        r0, r1 = offsets[k], offsets[k + 1]
+        dy_k = dy[r0:r1]
+        dyb = (dy_k.to(acc) @ b.to(acc)).to(b.dtype)  # rounded to the adapter dtype, as the fused dgrad
+        if dx is not None:
+            torch.mm(dyb.to(acc), a.to(acc), out=dx[r0:r1])
+            dx[r0:r1].mul_(float(s))
+        da, db = lora_adapter_grads(lora_x[r0:r1], xas[k], dy_k, dyb, s)
+        das.append(da)
+        dbs.append(db)
+    if dx is not None and mask is not None:
+        dx.mul_(mask.to(acc))
+    return dx, das, dbs
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+class AdapterSelection:
+    """Which adapter each row of the current batch uses ([Note: many adapters on one base]):
+    shared by the root module's pre-hook (which sets it for a call) and every layer of a
+    model with named adapters (which read it)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.index = {n: i for i, n in enumerate(names)}
+        self.current: tuple[int, ...] | None = None  # adapter index per batch row, during a call
+        self.last: tuple[int, ...] | None = None  # the last call's, for a recompute in backward
+        self.stack: list = []  # the selections of the enclosing calls (the pre-hook pushes, the hook pops)
+        self._plans: dict = {}
+
+    def check(self, adapter_names, batch: int | None) -> str | None:
+        """The error text for a bad `adapter_names`, or None."""
+        if not isinstance(adapter_names, (list, tuple)) or not all(isinstance(n, str) for n in adapter_names):
+            return (f"adapter_names must be a list of adapter names (str), one per row of the batch, got "
+                    f"{type(adapter_names).__name__}" + ("" if not isinstance(adapter_names, (list, tuple))
+                                                         else f" holding {sorted({type(n).__name__ for n in adapter_names})}"))
+        unknown = sorted({n for n in adapter_names if n not in self.index})
+        if unknown:
+            return f"adapter_names: {unknown} {'is not an adapter' if len(unknown) == 1 else 'are not adapters'} of this model; its adapters are {list(self.names)}"
+        if batch is not None and len(adapter_names) != batch:
+            return (f"adapter_names has {len(adapter_names)} names but the batch has {batch} rows; "
+                    f"give one adapter name per row")
+        return None
+
+    def rows(self, in_backward: bool) -> tuple[int, ...] | None:
+        if self.current is not None:
+            return self.current
+        return self.last if in_backward else None
+
+    def plan(self, rows: tuple[int, ...], layer_names: tuple[str, ...], tokens_per_row: int, device):
+        """(perm, offsets, present): the token rows of this layer's adapters sorted stably by
+        adapter (the layer's order), the segment offsets, and the layer's adapters present."""
+        key = (rows, layer_names, tokens_per_row, str(device))
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            order = {self.index[n]: k for k, n in enumerate(layer_names)}
+            per_row = [order.get(i, -1) for i in rows]
+            present = sorted({k for k in per_row if k >= 0})
+            perm, offsets = [], [0]
+            for k in present:
+                for b, kk in enumerate(per_row):
+                    if kk == k:
+                        perm.extend(range(b * tokens_per_row, (b + 1) * tokens_per_row))
+                offsets.append(len(perm))
+            got = (torch.tensor(perm, dtype=torch.long, device=device), offsets, tuple(present))
+            self._plans[key] = got
+        return got
+
+
+class ElasticMultiLoRAFunction(torch.autograd.Function):
+    """y = x·Wᵀ + b, plus s_k·(dropout_k(x)·A_kᵀ)·B_kᵀ on the rows of each adapter k present
+    ([Note: many adapters on one base]); W made resident once per use; `ab` = A_1, B_1, A_2,
+    B_2, ... of the adapters present, in segment order."""
+
+    @staticmethod
+    def forward(ctx, x, bias, et: ElasticTensor, dtype: torch.dtype, keep_for_backward: bool,
+                perm: torch.Tensor, offsets: list[int], scales: list[float], dropouts: list[float],
+                training: bool, *ab):
+        rt = et.runtime
+        offload = activation_offload_of(rt)
+        with no_autocast(x.device.type):
+            xc = x if x.dtype == dtype else x.to(dtype)
+            x2 = xc.reshape(-1, x.shape[-1])
+            bias_c = None if bias is None else bias.to(dtype)
+            with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
+                y, _ = paged_lora_linear_fwd(x2, weight_chunks(et, resident.chunks(), dtype), bias_c)
+            lora_x = x2.index_select(0, perm)  # a fresh tensor ([Note: torch.compile])
+            mask, xas = None, []
+            if ab and training and any(p > 0.0 for p in dropouts):
+                mask = torch.ones_like(lora_x)
+                for k, p in enumerate(dropouts):
+                    if p > 0.0:
+                        mask[offsets[k]:offsets[k + 1]].bernoulli_(1.0 - p).div_(1.0 - p)
+                lora_x = lora_x * mask
+            lora_as = [_adapter_operand(t, dtype) for t in ab[0::2]]
+            lora_bs = [_adapter_operand(t, dtype) for t in ab[1::2]]
+            if ab:  # else no row of the batch uses an adapter of this layer: the base only
+                delta, xas = segmented_lora_fwd(lora_x, offsets, lora_as, lora_bs, scales)
+                y.index_add_(0, perm, delta.to(y.dtype))
+        xa_flat = torch.cat([xa.reshape(-1) for xa in xas]) if xas else lora_x.new_empty(0)
+        save_for_backward(ctx, offload, (lora_x, xa_flat, mask, perm, *ab), activations=(0, 1, 2),
+                          recompute=in_backward())
+        ctx.et, ctx.dtype, ctx.offsets, ctx.scales = et, dtype, offsets, scales
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        lora_x, xa_flat, mask, perm, *ab = saved_for_backward(ctx)
+        et, dtype, offsets, scales = ctx.et, ctx.dtype, ctx.offsets, ctx.scales
+        dx = db = None
+        with no_autocast(dy.device.type):
+            lora_as = [_adapter_operand(t, dtype) for t in ab[0::2]]
+            lora_bs = [_adapter_operand(t, dtype) for t in ab[1::2]]
+            xas, at = [], 0
+            for k, a in enumerate(lora_as):
+                n = (offsets[k + 1] - offsets[k]) * a.shape[0]
+                xas.append(xa_flat[at:at + n].view(offsets[k + 1] - offsets[k], a.shape[0]))
+                at += n
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype).contiguous()
+            need_dx = ctx.needs_input_grad[0]
+            if need_dx:
+                with et.runtime.use(et, Phase.BACKWARD) as resident:
+                    dx, _ = paged_lora_linear_dgrad(dy2, weight_chunks(et, resident.chunks(), dtype))
+            das = dbs = []
+            if ab:
+                dys = dy2.index_select(0, perm)
+                lora_dx, das, dbs = segmented_lora_bwd(dys, lora_x, xas, offsets, lora_as, lora_bs, scales, mask, need_dx)
+            if need_dx and ab:
+                if dx.dtype == lora_dx.dtype:
+                    dx.index_add_(0, perm, lora_dx)
+                else:  # 16-bit: the sum rounds once to the op dtype
+                    dx = dx.to(lora_dx.dtype).index_add_(0, perm, lora_dx).to(dtype)
+            if need_dx:
+                dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                db = dy2.sum(0).to(ctx.bias_dtype)
+        grads = []
+        for k in range(len(lora_as)):
+            a, b = ab[2 * k], ab[2 * k + 1]
+            grads.append(das[k].to(a.dtype) if ctx.needs_input_grad[10 + 2 * k] else None)
+            grads.append(dbs[k].to(b.dtype) if ctx.needs_input_grad[11 + 2 * k] else None)
+        return (dx, db, None, None, None, None, None, None, None, None, *grads)
+
+
+class ElasticMultiLoRALinear(nn.Module):
+    """Drop-in for `nn.Linear` with a frozen elastic weight and several named LoRA adapters
+    (`lora_A[name]` [r, in], `lora_B[name]` [out, r], PEFT's layout); each row of the batch
+    uses the adapter the model's `adapter_names` gives it ([Note: many adapters on one base])."""
+
+    def __init__(self, et: ElasticTensor, bias: nn.Parameter | None, adapters: dict[str, LoRAConfig], name: str,
+                 selection: AdapterSelection, *, fan_in_fan_out: bool = False):
+        super().__init__()
+        if not adapters:
+            raise ValueError(f"{name}: an ElasticMultiLoRALinear needs at least one adapter")
+        self.et = et
+        self.out_features, self.in_features = et.shape
+        self.bias = bias
+        if bias is not None:
+            bias.requires_grad_(False)
+        self.fan_in_fan_out = fan_in_fan_out  # [Note: Conv1D]
+        self.adapters = dict(adapters)  # name -> LoRAConfig, in the model's adapter order
+        self.r = {n: cfg.r_of(name) for n, cfg in adapters.items()}
+        self.scaling = {n: cfg.scaling_of(name) for n, cfg in adapters.items()}
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        for n, cfg in adapters.items():
+            # The same module as the adapter alone: same shapes, dtype and initial values.
+            solo = ElasticLoRALinear(et, None, cfg, name, fan_in_fan_out=fan_in_fan_out)
+            self.lora_A[n], self.lora_B[n] = solo.lora_A, solo.lora_B
+        object.__setattr__(self, "_selection", selection)  # shared, not a submodule
+
+    @torch.compiler.disable  # [Note: torch.compile] in linear.py
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = op_dtype(x, self.et.dtype, self.et.name)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.et.name}: input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        sel = self._selection
+        rows = sel.rows(in_backward())
+        if rows is None:
+            if len(sel.names) != 1:
+                raise ValueError(
+                    f"{self.et.name}: the model has {len(sel.names)} adapters {list(sel.names)}; say which one "
+                    f"each row of the batch uses: model(input_ids, ..., adapter_names=[...]) (one name per row)")
+            rows = (0,) * (x.shape[0] if x.dim() > 1 else 1)
+        if x.dim() < 2 or x.shape[0] != len(rows):
+            raise ValueError(
+                f"{self.et.name}: the input's leading dimension ({tuple(x.shape)}) must be the batch, whose "
+                f"adapter_names has {len(rows)} names")
+        tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
+        names = tuple(self.adapters)
+        perm, offsets, present = sel.plan(rows, names, tokens, x.device)
+        ab = []
+        for k in present:
+            ab += [self.lora_A[names[k]].weight, self.lora_B[names[k]].weight]
+        return ElasticMultiLoRAFunction.apply(
+            x, self.bias, self.et, dtype, keeps_for_backward(x), perm, offsets,
+            [self.scaling[names[k]] for k in present], [self.adapters[names[k]].dropout for k in present],
+            self.training, *ab,
+        )
+
+    def _apply(self, fn, recurse=True):
+        refuse_conversion(self, fn)  # [Note: mixed precision] in linear.py
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        ads = ", ".join(f"{n}: r={self.r[n]}, scaling={self.scaling[n]:g}" for n in self.adapters)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"adapters={{{ads}}}, chunks={self.et.num_chunks}")

@@ -37,6 +37,34 @@ size and copied back into `.grad`: one all-reduce per bucket per step.
   and discards them (`_reset_grad_round`), as every rank launched the same ones.
 - Gradient accumulation: inside `no_sync()` no hook launches anything; the last
   micro-batch's backward reduces the accumulated sums as above.
+
+[Note: gradients absent on some ranks]
+Above, a bucket reduces the gradients that exist on the launching rank. That is
+collective-consistent only when every rank has the same parameters with a gradient. With
+several named adapters on one model ([Note: many adapters on one base] in
+python_api/nn/lora.py) an adapter may have rows in one rank's batch and none in another's:
+its parameters have a gradient on the first rank only, the buffers would differ in size and
+the all-reduce would fail or mix elements. So a model converted with named adapters sets
+`set_trainable(..., absent_grads=True)`, and then every bucket reduces all of its parameters
+in its fixed order, a parameter without a gradient contributing zeros, followed by one
+presence flag per parameter (1 where this rank has a gradient, else 0) in the same buffer:
+one all-reduce per bucket, as before, with the same size on every rank. After it, a
+parameter whose flags sum to more than 0 gets the average (created when this rank had no
+gradient: its zeros plus the others' values, divided by the world size, as an absent
+adapter contributes nothing to the average); one no rank had a gradient for keeps `.grad`
+None, so its optimizer does not step it (AdamW skips a parameter whose grad is None: no
+decay, no moment update). The flags are sums of 0/1 of at most the world size: any float
+dtype tells > 0 exactly.
+The buckets are then all launched at the end of backward, none from a hook: the gradient
+hooks fire at points that depend on which adapters have rows on the rank, and a bucket
+all-reduce launched from one on a single rank would sit, on the runtime's group, between
+two weight gathers that the other ranks issue back to back (the gathers' headers share the
+group: [Note: headers off the prefetch path] in python_api/distributed/collectives.py), a
+collective mismatch that hangs (it did, in tests/nn/test_multi_adapter.py, before this
+rule). The end of backward is the same point of the program on every rank. The cost: the
+adapter gradients' all-reduce no longer overlaps backward (adapters are small next to the
+frozen weights). Without named adapters
+(`absent_grads=False`) nothing changes.
 """
 
 from __future__ import annotations
@@ -95,10 +123,12 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int | None) -> list[list
 class _GradReduction:
     """set_trainable, no_sync, the gradient buckets, the end-of-backward callback, set_grad_reduction."""
 
-    def set_trainable(self, params: list[torch.nn.Parameter]) -> None:
+    def set_trainable(self, params: list[torch.nn.Parameter], absent_grads: bool = False) -> None:
         """Replicated trainable parameters whose gradients are averaged once per backward
-        ([Note: gradient buckets])."""
+        ([Note: gradient buckets]). `absent_grads`: some may have no gradient on some ranks
+        ([Note: gradients absent on some ranks])."""
         self._reset_grad_round()
+        self._absent_grads = absent_grads
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -142,8 +172,8 @@ class _GradReduction:
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         """The post-accumulate-grad hook of a trainable parameter."""
         self._queue_end_of_backward()
-        if not self._reducing():
-            return
+        if not self._reducing() or getattr(self, "_absent_grads", False):
+            return  # [Note: gradients absent on some ranks]: every bucket at the end of backward
         bucket = self._bucket_of.get(id(p))
         if bucket is None:
             return
@@ -163,6 +193,15 @@ class _GradReduction:
             self._next_bucket += 1
 
     def _launch_bucket(self, bucket: _Bucket) -> None:
+        if getattr(self, "_absent_grads", False):  # [Note: gradients absent on some ranks]
+            bucket.members = list(bucket.params)
+            with record_function("elastic::all_reduce_grads"):
+                p0 = bucket.params[0]
+                parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params]
+                flags = torch.tensor([float(p.grad is not None) for p in bucket.params], dtype=p0.dtype)
+                bucket.flat = torch.cat(parts + [flags.to(p0.device)])
+                bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            return
         bucket.members = [p for p in bucket.params if p.grad is not None]
         if not bucket.members:
             bucket.flat = torch.empty(0)  # launched, nothing to reduce (no gradient on any rank)
@@ -216,12 +255,31 @@ class _GradReduction:
                 offset = 0
                 with record_function("elastic::all_reduce_grads_apply"):
                     b.flat.div_(self.world_size)
+                    if getattr(self, "_absent_grads", False):
+                        self._apply_with_flags(b)
+                        continue
                     for p in b.members:
                         n = p.grad.numel()
                         p.grad.copy_(b.flat[offset: offset + n].view_as(p.grad))
                         offset += n
         finally:
             self._reset_grad_round()
+
+    def _apply_with_flags(self, b: _Bucket) -> None:
+        """[Note: gradients absent on some ranks]: the averages of the parameters some rank
+        had a gradient for; the others keep .grad None."""
+        flags = b.flat[b.flat.numel() - len(b.members):]
+        present = (flags > 0).tolist()
+        offset = 0
+        for p, here in zip(b.members, present):
+            n = p.numel()
+            if here:
+                avg = b.flat[offset: offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+            offset += n
 
     def _queue_end_of_backward(self) -> None:
         if self._end_of_backward_queued:
