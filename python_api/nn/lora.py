@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+import elastic_kernels
 from elastic_kernels import lora_adapter_grads, paged_lora_linear_dgrad, paged_lora_linear_fwd
 
 from ..config import ElasticPolicy
@@ -419,6 +420,21 @@ def normalize_adapters(lora) -> dict[str, LoRAConfig]:
     return out
 
 
+# Which implementation segmented_lora_fwd / _bwd use: "auto" (the segmented Triton kernels of
+# elastic_kernels/ops/segmented_lora.py for CUDA tensors, one launch over every adapter; the
+# per-adapter loop below otherwise), "triton" (the kernels for any tensors: the tests run them
+# under the Triton interpreter on CPU) or "loop".
+SEGMENTED_IMPL = "auto"
+
+
+def _segmented_kernel(t: torch.Tensor) -> bool:
+    if SEGMENTED_IMPL not in ("auto", "triton", "loop"):
+        raise ValueError(f"SEGMENTED_IMPL must be 'auto', 'triton' or 'loop', got {SEGMENTED_IMPL!r}")
+    if SEGMENTED_IMPL == "auto":
+        return t.device.type == "cuda" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return SEGMENTED_IMPL == "triton"
+
+
 def segmented_lora_fwd(lora_x: torch.Tensor, offsets: list[int], lora_as: list[torch.Tensor],
                        lora_bs: list[torch.Tensor], scales: list[float]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The LoRA terms of rows grouped by adapter ([Note: many adapters on one base]).
@@ -436,6 +452,9 @@ def segmented_lora_fwd(lora_x: torch.Tensor, offsets: list[int], lora_as: list[t
     if not lora_as:
         raise ValueError("segmented_lora_fwd: no adapters (K = 0)")
     acc = _acc_dtype(lora_x.dtype)
+    if _segmented_kernel(lora_x):
+        delta, xa = elastic_kernels.segmented_lora_fwd(lora_x, offsets, lora_as, lora_bs, scales, impl="triton")
+        return delta.to(acc), [xa[r0:r1, :a.shape[0]] for r0, r1, a in zip(offsets, offsets[1:], lora_as)]
     delta = lora_x.new_empty((lora_x.shape[0], lora_bs[0].shape[0]), dtype=acc)
     xas = []
     for k, (a, b, s) in enumerate(zip(lora_as, lora_bs, scales)):
@@ -457,6 +476,17 @@ def segmented_lora_bwd(dy: torch.Tensor, lora_x: torch.Tensor, xas: list[torch.T
     without need_dx; dA_k [r_k, in]; dB_k [out, r_k]) with dA_k = s_k·(dy_k·B_k)ᵀ·x_k and
     dB_k = s_k·dy_kᵀ·xa_k in the adapter dtype, as lora_adapter_grads computes them."""
     acc = _acc_dtype(dy.dtype)
+    if _segmented_kernel(dy):
+        # The kernels take xa as one [N, max r_k] tensor, columns past an adapter's rank zero.
+        xa = lora_x.new_zeros((lora_x.shape[0], max(a.shape[0] for a in lora_as)), dtype=xas[0].dtype)
+        for r0, r1, t in zip(offsets, offsets[1:], xas):
+            xa[r0:r1, :t.shape[1]] = t
+        dx, das, dbs = elastic_kernels.segmented_lora_bwd(dy, lora_x, xa, offsets, lora_as, lora_bs, scales,
+                                                          impl="triton")
+        dx = None if not need_dx else dx.to(acc)
+        if dx is not None and mask is not None:
+            dx.mul_(mask.to(acc))
+        return dx, list(das), list(dbs)
     dx = None if not need_dx else dy.new_empty((dy.shape[0], lora_x.shape[1]), dtype=acc)
     das, dbs = [], []
     for k, (a, b, s) in enumerate(zip(lora_as, lora_bs, scales)):

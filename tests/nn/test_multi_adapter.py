@@ -380,14 +380,19 @@ def test_bad_input(world_size):
     assert run_distributed(_bad_input_worker, world_size, timeout=240) == [True] * world_size
 
 
+@pytest.mark.parametrize("impl", ["loop", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segmented_lora_pair_against_dense_float64(dtype):
-    """segmented_lora_fwd / _bwd (the pair a fused segmented kernel replaces) against float64
-    autograd per segment: ragged segments (an empty one, one row, 7, 127), fp32 adapters with
-    bf16 activations as the layers use them. Tolerance: fp32 accumulation, so fp32 rounding for
-    fp32 inputs; for bf16 the inputs are bf16 values (exact in float64) and xa, dyb are rounded
-    to the fp32 adapters only, so the same fp32 bound holds, relative to the magnitudes."""
-    from elastic_kernels.api.nn import segmented_lora_bwd, segmented_lora_fwd
+def test_segmented_lora_pair_against_dense_float64(dtype, impl, monkeypatch):
+    """segmented_lora_fwd / _bwd (the pair the layers call) against float64 autograd per
+    segment, through the per-adapter loop (CPU) and through the segmented Triton kernels (what
+    CUDA tensors take; here under the Triton interpreter): ragged segments (an empty one, one
+    row, 7, 127), fp32 adapters with bf16 activations as the layers use them. Tolerance: fp32
+    accumulation, so fp32 rounding for fp32 inputs; for bf16 the inputs are bf16 values (exact
+    in float64) and xa, dyb are rounded to the fp32 adapters only, so the same fp32 bound
+    holds, relative to the magnitudes."""
+    from elastic_kernels.api.nn import lora, segmented_lora_bwd, segmented_lora_fwd
+
+    monkeypatch.setattr(lora, "SEGMENTED_IMPL", impl)
 
     g = torch.Generator().manual_seed(0)
     sizes, ranks, scales = [0, 1, 7, 127], [2, 3, 5, 8], [0.5, 2.0, 1.0, 0.25]
@@ -451,3 +456,29 @@ def test_bf16_autocast_and_dropout_per_adapter():
         torch.testing.assert_close(first[[1, 2]], solo["a"](input_ids=ids[[1, 2]]).logits, **TOL)
         torch.testing.assert_close(first[[1, 2]], second[[1, 2]], rtol=0, atol=0)
     assert not torch.equal(first[[0, 3]], second[[0, 3]])
+
+
+def test_layers_through_the_segmented_kernels_match_the_loop(monkeypatch):
+    """The multi-adapter layers with the segmented Triton kernels (CUDA's path; here under the
+    Triton interpreter) against the per-adapter loop: logits and every adapter gradient of a
+    mixed batch within fp32 rounding (TOL), with an adapter of another rank on other targets."""
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, adapter_parameters, convert_to_elastic, lora
+
+    cfgs = {"a": LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj")),
+            "b": LoRAConfig(r=2, alpha=4, target_modules=("v_proj", "o_proj"), seed=1)}
+    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(2))
+    names = ["b", "a", "b"]
+    out = {}
+    for impl in ("loop", "triton"):
+        monkeypatch.setattr(lora, "SEGMENTED_IMPL", impl)
+        model = convert_to_elastic(tiny_llama(), cfgs, ElasticPolicy(chunk_bytes=CHUNK))
+        _randomize([(adapter_parameters(model, n), adapter_parameters(model, n)) for n in cfgs], seed=4)
+        logits = model(input_ids=ids, adapter_names=names).logits
+        logits.square().mean().backward()
+        out[impl] = (logits.detach(), [p.grad.clone() for n in cfgs for p in adapter_parameters(model, n)])
+    torch.testing.assert_close(out["triton"][0], out["loop"][0], **TOL)
+    assert len(out["triton"][1]) == len(out["loop"][1]) > 0
+    for got, want in zip(out["triton"][1], out["loop"][1]):
+        assert want.abs().max() > 0  # every adapter has rows in the batch: a real gradient
+        torch.testing.assert_close(got, want, **TOL)
