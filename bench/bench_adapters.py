@@ -4,7 +4,8 @@ PEFT, in one process group.
 
     torchrun --standalone --nproc-per-node 2 bench/bench_adapters.py [--model smollm2-135m-instruct |
         --preset tiny|demo|large] [--adapters 1,2,4,8] [--budgets 0,all] [--rounds 3]
-        [--fsdp2-adapters 1,2,4,8] [--memory-budgets 0,all] [--profile-adapters 4,8]
+        [--k-budgets '8=0'] [--fsdp2-adapters 1,2,4,8] [--memory-budgets 0,all] [--memory-adapters 1,2,4,8]
+        [--profile-adapters 4,8]
         [--results DIR] [finetune options ...]
 
 The model, the job and the launcher are bench/bench_frontier.py's (the real model by default:
@@ -40,16 +41,17 @@ odd k and reversed for even k; a unit's time is the slowest rank's (its K steps 
 each rank first). Aggregate tokens/s = K x ranks x seq tokens over the unit's time; the
 ratios are time(K sequential steps) / time(one multi step) and time(K FSDP2 steps) /
 time(one multi step) per round: their median with [min, max], beside the ratio of medians.
-The configurations are interleaved in one block per K (the K-adapter models of every budget,
+The configurations are interleaved in one block per K, in the order of --adapters, at the
+budgets of --budgets or of --k-budgets for that K (the K-adapter models of every budget,
 built for the block and closed after it; the 1-adapter models and FSDP2 live across
 blocks), not all K at once: on the real model at budget all every elastic model keeps the
 whole base in its pool (about 0.9 GiB per rank), and eight such models did not fit the
 shared VM. Every ratio is taken within one round of one block.
 
-Memory (the multi job's tensor peak, each configuration built alone before the blocks,
-bench_frontier.measure_memory: 3 steps, the third profiled): at each budget of
---memory-budgets, the multi job at K = 1, 2 and every K of --adapters, and the 1-adapter
-elastic job. The per-adapter growth is MEASURED as peak(K=2) - peak(K=1) (activations of one
+Memory (the multi job's tensor peak, each configuration built alone after the blocks, when
+everything else is closed; bench_frontier.measure_memory: 3 steps, the third profiled): at
+each budget of --memory-budgets, the multi job at each K of --memory-adapters (default 1, 2
+and every K of --adapters), and the 1-adapter elastic job. The per-adapter growth is MEASURED as peak(K=2) - peak(K=1) (activations of one
 more row, its adapter, gradients and AdamW state); the bound set against peak(K) is peak(1)
 + (K-1) x that difference. The analytic adapter + gradient + AdamW bytes (4 x the adapter's
 fp32 bytes) are printed beside it.
@@ -109,6 +111,9 @@ def _parse(argv):
     p.add_argument("--adapters", default="1,2,4,8", help="numbers of adapters K, one block each")
     p.add_argument("--budgets", default="0,all", help="elastic pool budgets")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per block, after one warm-up round")
+    p.add_argument("--k-budgets", default="",
+                   help="budgets of some blocks, e.g. '8=0' (K=8 at budget 0 only; others at --budgets)")
+    p.add_argument("--memory-adapters", default=None, help="K whose tensor peak is measured (default 1, 2 and --adapters)")
     p.add_argument("--fsdp2-adapters", default=None, help="the K at which FSDP2 + PEFT runs (default: every K; '' none)")
     p.add_argument("--memory-budgets", default=None, help="budgets whose tensor peaks are measured (default: --budgets)")
     p.add_argument("--profile-adapters", default="4,8", help="K whose multi step at budget 0 is profiled ('' none)")
@@ -121,12 +126,21 @@ def _parse(argv):
         p.error("--adapters: at least one K")
     opts.fsdp2_ks = opts.ks if opts.fsdp2_adapters is None else _ints(opts.fsdp2_adapters, "--fsdp2-adapters", p)
     opts.profile_ks = _ints(opts.profile_adapters, "--profile-adapters", p)
+    opts.memory_ks = sorted({1, 2, *opts.ks}) if opts.memory_adapters is None else \
+        _ints(opts.memory_adapters, "--memory-adapters", p)
+    opts.block_budgets = {}
+    for item in (x for x in opts.k_budgets.split(";") if x.strip()):
+        k, eq, bs = item.partition("=")
+        if not eq or not k.strip().isdigit() or int(k) not in opts.ks or not bs.strip():
+            p.error(f"--k-budgets: {item!r} is not 'K=budget[,budget]' for a K of --adapters")
+        opts.block_budgets[int(k)] = bs
     if opts.memory_budgets is None:
         opts.memory_budgets = opts.budgets
     from elastic_kernels.api.finetune.option_values import _budget
 
-    for flag in ("budgets", "memory_budgets"):
-        for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
+    for flag, text in [("budgets", opts.budgets), ("memory_budgets", opts.memory_budgets)] + \
+            [("k_budgets", t) for t in opts.block_budgets.values()]:
+        for b in (x for x in text.split(",") if x.strip()):
             try:
                 _budget(b)
             except argparse.ArgumentTypeError as exc:
@@ -367,6 +381,9 @@ def profile_step(unit: MultiUnit, step: int, rank: int) -> dict | None:
         "attention_self_s": self_of(lambda k: "scaled_dot_product" in k or "flash_attention" in k),
         "loss_self_s": self_of(lambda k: "log_softmax" in k or "nll_loss" in k or "cross_entropy" in k),
         "optimizer_self_s": self_of(lambda k: k.startswith("aten::_foreach") or "adamw" in k.lower()),
+        # the elastic layers' forward and backward, everything inside them (their GEMMs, waits) included
+        "elastic_layers_fwd_s": total("ElasticMultiLoRAFunction"),
+        "elastic_layers_bwd_s": total("ElasticMultiLoRAFunctionBackward"),
     }
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     split["top"] = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in top]
@@ -387,16 +404,12 @@ def _losses_diff(multi, seq) -> float:
     return max(diffs) if all(d == d and d != float("inf") for d in diffs) else float("inf")
 
 
-def rows_of(job, budget_label: str, k: int, multi: MultiUnit, seq: RepeatUnit, fsdp: RepeatUnit | None,
-            memory: dict) -> dict:
+def rows_of(job, budget_label: str, k: int, multi: MultiUnit, seq: RepeatUnit, fsdp: RepeatUnit | None) -> dict:
     W, T = job.world_size, job.args.seq_len
     tokens = k * W * job.args.micro_batch * T
     vs_seq = _pair_ratios(multi, seq)
     vs_fsdp = _pair_ratios(multi, fsdp) if fsdp is not None else None
     med = statistics.median(multi.times[1:])
-    peak = memory.get((budget_label, k))
-    p1, p2 = memory.get((budget_label, 1)), memory.get((budget_label, 2))
-    bound = None if None in (peak, p1, p2) else p1 + (k - 1) * (p2 - p1)
     return {
         "budget": budget_label, "adapters": k, "tokens_per_unit": tokens, "rounds": len(multi.times) - 1,
         "multi_step_s": med, "multi_tokens_per_s": tokens / med,
@@ -410,14 +423,23 @@ def rows_of(job, budget_label: str, k: int, multi: MultiUnit, seq: RepeatUnit, f
         "vs_fsdp2_ratio_of_medians": None if vs_fsdp is None else vs_fsdp["ratio_of_medians"],
         "multi_allgather_mib_per_step": statistics.median(s["gathered"] for s in multi.steps[1:]) / 2**20,
         "single_allgather_mib_per_step": statistics.median(s["gathered"] for s in seq.steps[1:]) / 2**20,
-        "tensor_peak_mib": None if peak is None else peak / 2**20,
-        "bound_mib": None if bound is None else bound / 2**20,
-        "single_adapter_job_peak_mib": None if memory.get((budget_label, "single")) is None
-        else memory[(budget_label, "single")] / 2**20,
+        "tensor_peak_mib": None, "bound_mib": None, "single_adapter_job_peak_mib": None,  # add_memory
         "max_abs_loss_diff_vs_sequential": _losses_diff(multi, seq),
         "vs_sequential_ratios": " ".join(f"{r:.3f}" for r in vs_seq["ratios"]),
         "vs_fsdp2_ratios": "" if vs_fsdp is None else " ".join(f"{r:.3f}" for r in vs_fsdp["ratios"]),
     }
+
+
+def add_memory(rows: list[dict], memory: dict) -> None:
+    """The memory columns of each row: its tensor peak, peak(1) + (K-1) x (peak(2) - peak(1))
+    and the 1-adapter job's peak, where measured."""
+    for r in rows:
+        b, k = r["budget"], r["adapters"]
+        peak, p1, p2, single = (memory.get((b, x)) for x in (k, 1, 2, "single"))
+        bound = None if None in (peak, p1, p2) else p1 + (k - 1) * (p2 - p1)
+        r["tensor_peak_mib"] = None if peak is None else peak / 2**20
+        r["bound_mib"] = None if bound is None else bound / 2**20
+        r["single_adapter_job_peak_mib"] = None if single is None else single / 2**20
 
 
 def loss_failures(rows: list[dict], fsdp_first: tuple[float, float] | None) -> list[str]:
@@ -523,24 +545,14 @@ def main(argv=None) -> int:
                   f"{W} ranks ({dist.get_backend()}), {job.spec.description()}; 1 + {opts.rounds} rounds per block; "
                   f"load average {load[0]:.1f}", flush=True)
         t_start = time.perf_counter()
-        # ---- memory, each configuration alone
-        memory: dict = {}
-        for label, budget in mem_budgets:
-            for k in sorted({1, 2, *opts.ks}):
-                cfg = _config(f"multi K={k}, budget {label}", lambda budget=budget, k=k: MultiEngine(job, budget, k))
-                memory[(label, k)], _ = measure_memory(job, cfg, counter)
-                if rank == 0:
-                    print(f"  memory: {cfg.label:28s} {_mib(memory[(label, k)])} MiB tensor peak", flush=True)
-            cfg = _config(f"1-adapter, budget {label}", lambda budget=budget: ElasticEngine(job, budget))
-            memory[(label, "single")], _ = measure_memory(job, cfg, counter)
-            if rank == 0:
-                print(f"  memory: {cfg.label:28s} {_mib(memory[(label, 'single')])} MiB tensor peak", flush=True)
         # ---- the engines that live across blocks
         singles = {}
-        for label, budget in budgets:
+        block_budgets = {k: _budgets(opts.block_budgets[k]) if k in opts.block_budgets else budgets for k in opts.ks}
+        every_budget = {label: budget for bs in block_budgets.values() for label, budget in bs}
+        for label, budget in every_budget.items():
             singles[label] = Runner(job, _config(f"1-adapter, budget {label}",
                                                  lambda budget=budget: ElasticEngine(job, budget)), counter)
-        first = singles[budgets[0][0]]
+        first = next(iter(singles.values()))
         job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(first.engine.model).items()}  # a0's
         adapter_bytes = sum(p.numel() * p.element_size() for _, p in first.engine.params())
         fsdp = Runner(job, Config("fsdp2", "reshard", lambda: FSDP2Engine(job, counter, True)), counter) \
@@ -550,7 +562,7 @@ def main(argv=None) -> int:
             for k in opts.ks:
                 units, multis, seqs, fsdp_unit = [], {}, {}, None
                 try:
-                    for label, budget in budgets:
+                    for label, budget in block_budgets[k]:
                         multis[label] = MultiUnit(job, f"multi b={label}", budget, k, counter)
                         seqs[label] = RepeatUnit(job, f"{k}x 1-adapter b={label}", singles[label], k, seeds[:k])
                         units += [multis[label], seqs[label]]
@@ -559,11 +571,21 @@ def main(argv=None) -> int:
                         units.append(fsdp_unit)
                     interleave(units, opts.rounds, rank, f"K={k}")
                     if fsdp_first_loss is None and fsdp_unit is not None:  # the same initial values and batch
-                        fsdp_first_loss = (fsdp_unit.steps[0]["losses"][0], seqs[budgets[0][0]].steps[0]["losses"][0])
-                    for label, _ in budgets:
-                        rows.append(rows_of(job, label, k, multis[label], seqs[label], fsdp_unit, memory))
+                        fsdp_first_loss = (fsdp_unit.steps[0]["losses"][0], seqs[block_budgets[k][0][0]].steps[0]["losses"][0])
+                    for label, _ in block_budgets[k]:
+                        rows.append(rows_of(job, label, k, multis[label], seqs[label], fsdp_unit))
+                        if rank == 0:
+                            r = rows[-1]
+                            print(f"  K={k} budget {label}: vs sequential {r['vs_sequential_median']:.3f}x "
+                                  f"[{r['vs_sequential_min']:.3f}, {r['vs_sequential_max']:.3f}]"
+                                  + ("" if r["vs_fsdp2_median"] is None else
+                                     f", vs FSDP2 {r['vs_fsdp2_median']:.3f}x [{r['vs_fsdp2_min']:.3f}, {r['vs_fsdp2_max']:.3f}]")
+                                  + f", loss diff {r['max_abs_loss_diff_vs_sequential']:.3g}", flush=True)
                     if k in opts.profile_ks and "0" in multis:
                         profiles[k] = profile_step(multis["0"], opts.rounds + 1, rank)
+                        if rank == 0:
+                            print(f"  profile K={k}: " + ", ".join(f"{key} {v:.2f}" for key, v in profiles[k].items()
+                                                                if key != "top"), flush=True)
                 finally:
                     for u in multis.values():
                         u.close()
@@ -575,6 +597,19 @@ def main(argv=None) -> int:
             if fsdp is not None:
                 fsdp.close()
             gc.collect()
+        # ---- memory, each configuration alone (after the blocks: all else is closed)
+        memory: dict = {}
+        for label, budget in mem_budgets:
+            for k in opts.memory_ks:
+                cfg = _config(f"multi K={k}, budget {label}", lambda budget=budget, k=k: MultiEngine(job, budget, k))
+                memory[(label, k)], _ = measure_memory(job, cfg, counter)
+                if rank == 0:
+                    print(f"  memory: {cfg.label:28s} {_mib(memory[(label, k)])} MiB tensor peak", flush=True)
+            cfg = _config(f"1-adapter, budget {label}", lambda budget=budget: ElasticEngine(job, budget))
+            memory[(label, "single")], _ = measure_memory(job, cfg, counter)
+            if rank == 0:
+                print(f"  memory: {cfg.label:28s} {_mib(memory[(label, 'single')])} MiB tensor peak", flush=True)
+        add_memory(rows, memory)
         elapsed = time.perf_counter() - t_start
     load_end = os.getloadavg()
     failures = loss_failures(rows, fsdp_first_loss)  # the same on every rank: the losses are all-reduced
@@ -588,6 +623,7 @@ def main(argv=None) -> int:
                      **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}} for r in rows]
         path = append_rows("adapters", csv_rows, results_dir(opts.results))
         print()
+        rows.sort(key=lambda r: (r["budget"] != "0", r["budget"], r["adapters"]))
         print(table(rows), end="")
         print()
         for r in rows:
@@ -596,14 +632,15 @@ def main(argv=None) -> int:
         print()
         if memory:
             print("memory (tensor peak, each configuration alone; per-adapter growth MEASURED as peak(2) - peak(1)):")
-            print(memory_table(memory, [b for b, _ in mem_budgets], opts.ks, adapter_bytes), end="")
+            print(memory_table(memory, [b for b, _ in mem_budgets], opts.memory_ks, adapter_bytes), end="")
             print()
         for k, split in sorted(profiles.items()):
             print(f"profile, multi K={k}, budget 0, rank 0 (one step, torch.profiler CPU): wall {split['wall_s']:.2f} s; "
                   f"gather wait {split['gather_wait_s']:.2f} s, gather issue {split['gather_issue_s']:.2f} s, "
                   f"gradient all-reduce {split['grad_allreduce_s']:.2f} s, GEMM self {split['gemm_self_s']:.2f} s, "
                   f"attention self {split['attention_self_s']:.2f} s, loss self {split['loss_self_s']:.2f} s, "
-                  f"optimizer self {split['optimizer_self_s']:.2f} s")
+                  f"optimizer self {split['optimizer_self_s']:.2f} s; elastic layers (total) forward "
+                  f"{split['elastic_layers_fwd_s']:.2f} s, backward {split['elastic_layers_bwd_s']:.2f} s")
             print("  top self CPU: " + "; ".join(f"{key} {s:.2f} s ({n})" for key, s, n in split["top"]))
     if rank == 0:
         worst = max((r["max_abs_loss_diff_vs_sequential"] for r in rows), default=0.0)
