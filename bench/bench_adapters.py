@@ -220,11 +220,12 @@ class MultiEngine(Engine):
         k = len(self.names)
         inputs = model_inputs(batch, 0)
         labels = inputs.pop("labels")
-        rows = {key: (v.repeat_interleave(k, dim=0) if torch.is_tensor(v) else v) for key, v in inputs.items()}
-        names = [n for n in self.names for _ in range(labels.shape[0])]  # row r of adapter i at i * mb + r
+        # the micro-batch once per adapter: row r of adapter i at i * micro_batch + r
+        rows = {key: (torch.cat([v] * k) if torch.is_tensor(v) and v.dim() else v) for key, v in inputs.items()}
+        names = [n for n in self.names for _ in range(labels.shape[0])]
         out = self.model(**rows, adapter_names=names)
         logits = out.logits.float()  # as transformers' ForCausalLMLoss upcasts
-        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].repeat_interleave(k, dim=0)
+        shifted = torch.cat([F.pad(labels, (0, 1), value=-100)[..., 1:]] * k)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100,
                              reduction="none").view(shifted.shape)
         valid = (shifted != -100)
