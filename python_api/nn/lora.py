@@ -557,7 +557,10 @@ class AdapterSelection:
                     if kk == k:
                         perm.extend(range(b * tokens_per_row, (b + 1) * tokens_per_row))
                 offsets.append(len(perm))
-            got = (torch.tensor(perm, dtype=torch.long, device=device), offsets, tuple(present))
+            # Rows already in adapter order (a sweep: row k is adapter k's) need no permutation:
+            # None lets the layer read and write them in place.
+            identity = perm == list(range(len(rows) * tokens_per_row))
+            got = (None if identity else torch.tensor(perm, dtype=torch.long, device=device), offsets, tuple(present))
             self._plans[key] = got
         return got
 
@@ -579,7 +582,9 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
                 y, _ = paged_lora_linear_fwd(x2, weight_chunks(et, resident.chunks(), dtype), bias_c)
-            lora_x = x2.index_select(0, perm)  # a fresh tensor ([Note: torch.compile])
+            # The rows by adapter: a fresh tensor ([Note: torch.compile]), or, when they already
+            # are in adapter order (perm None), x's own rows, saved as xc (x itself or a cast).
+            lora_x = x2 if perm is None else x2.index_select(0, perm)
             mask, xas = None, []
             if ab and training and any(p > 0.0 for p in dropouts):
                 mask = torch.ones_like(lora_x)
@@ -591,9 +596,13 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             lora_bs = [_adapter_operand(t, dtype) for t in ab[1::2]]
             if ab:  # else no row of the batch uses an adapter of this layer: the base only
                 delta, xas = segmented_lora_fwd(lora_x, offsets, lora_as, lora_bs, scales)
-                y.index_add_(0, perm, delta.to(y.dtype))
+                if perm is None:
+                    y.add_(delta.to(y.dtype))
+                else:
+                    y.index_add_(0, perm, delta.to(y.dtype))
+        saved_x = xc if perm is None and mask is None else lora_x
         xa_flat = torch.cat([xa.reshape(-1) for xa in xas]) if xas else lora_x.new_empty(0)
-        save_for_backward(ctx, offload, (lora_x, xa_flat, mask, perm, *ab), activations=(0, 1, 2),
+        save_for_backward(ctx, offload, (saved_x, xa_flat, mask, perm, *ab), activations=(0, 1, 2),
                           recompute=in_backward())
         ctx.et, ctx.dtype, ctx.offsets, ctx.scales = et, dtype, offsets, scales
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -603,6 +612,7 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         lora_x, xa_flat, mask, perm, *ab = saved_for_backward(ctx)
+        lora_x = lora_x.reshape(-1, lora_x.shape[-1])
         et, dtype, offsets, scales = ctx.et, ctx.dtype, ctx.offsets, ctx.scales
         dx = db = None
         with no_autocast(dy.device.type):
@@ -620,13 +630,15 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
                     dx, _ = paged_lora_linear_dgrad(dy2, weight_chunks(et, resident.chunks(), dtype))
             das = dbs = []
             if ab:
-                dys = dy2.index_select(0, perm)
+                dys = dy2 if perm is None else dy2.index_select(0, perm)
                 lora_dx, das, dbs = segmented_lora_bwd(dys, lora_x, xas, offsets, lora_as, lora_bs, scales, mask, need_dx)
             if need_dx and ab:
-                if dx.dtype == lora_dx.dtype:
-                    dx.index_add_(0, perm, lora_dx)
-                else:  # 16-bit: the sum rounds once to the op dtype
-                    dx = dx.to(lora_dx.dtype).index_add_(0, perm, lora_dx).to(dtype)
+                wide = dx if dx.dtype == lora_dx.dtype else dx.to(lora_dx.dtype)  # 16-bit: the sum rounds once
+                if perm is None:
+                    wide.add_(lora_dx)
+                else:
+                    wide.index_add_(0, perm, lora_dx)
+                dx = wide.to(dtype)
             if need_dx:
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
