@@ -199,9 +199,9 @@ def _hub_snapshot(repo_id: str) -> str:
 
 def resolve_model(args) -> ModelSpec:
     """The base model of the options ([Note: what --model names]). `--dtype` not given (None):
-    float32 for the tiny model, the checkpoint's dtype otherwise; `args.dtype` is set to the
-    dtype resolved (what the run configuration, the checkpoints and the messages name), and
-    `args.model` to the name resolved (the default's, when not given)."""
+    float32 for the tiny model, the checkpoint's dtype otherwise (the spec's dtype: prepare()
+    records it, and the model's name resolved (resolved_model_name), in the job's configuration,
+    which the run configuration, the checkpoints and the messages name)."""
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     dims = {k: getattr(args, k) for k in EMBEDDED}
     given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
@@ -209,10 +209,9 @@ def resolve_model(args) -> ModelSpec:
         if given:
             raise FinetuneError(f"{', '.join(given)} size the tiny random model: add --model tiny (the default "
                                 f"model, {DEFAULT_MODEL}, brings its own configuration)")
-        args.model = DEFAULT_MODEL
-    if args.model == TINY:
+    model = resolved_model_name(args.model)
+    if model == TINY:
         dtype = dtype or torch.float32
-        args.dtype = str(dtype).replace("torch.", "")
         d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
         if d["hidden_size"] % d["num_heads"]:
             raise FinetuneError(f"--hidden-size {d['hidden_size']} is not a multiple of --num-heads {d['num_heads']}")
@@ -227,29 +226,38 @@ def resolve_model(args) -> ModelSpec:
         return ModelSpec("embedded", config, dtype, args.seed, ByteTokenizer(eos=True))
 
     if given:
-        raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {args.model} brings its own configuration")
-    kind, path = resolve_model_path(args.model)
+        raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {model} brings its own configuration")
+    kind, path = resolve_model_path(model)
     # The loader's own checks (python_api/loading/): what cannot be listed, read or parsed is
     # named with its reason (permission, a FIFO, a dangling link), never a raw traceback.
     try:
         config = read_config(path)
         source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
     except LoadError as exc:
-        raise FinetuneError(f"--model {args.model}: {exc}") from exc
-    packed = _bnb_checkpoint(args, config, path, source)
+        raise FinetuneError(f"--model {model}: {exc}") from exc
+    packed = _bnb_checkpoint(args, model, config, path, source)
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
         # A bitsandbytes checkpoint computes in its bnb_4bit_compute_dtype, as load_elastic does.
         dtype = (compute_dtype(config) if packed is not None else None) or checkpoint_dtype(config, source)
-        args.dtype = str(dtype).replace("torch.", "")
     if packed is not None:
         config = copy.deepcopy(config)
         del config.quantization_config
-    tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
-    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path,
-                     packed=packed, label=args.model if kind in ("pretrained", "gguf") else None)
+    tokenizer = _resolve_tokenizer(path, model, config, getattr(args, "tokenizer", None))
+    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=model if kind == "hub" else path,
+                     packed=packed, label=model if kind in ("pretrained", "gguf") else None)
 
 
-def _bnb_checkpoint(args, config, path, source):
+def resolved_model_name(model: str | None) -> str:
+    """--model as the run names it: the default model when not given."""
+    return DEFAULT_MODEL if model is None else model
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """--dtype's spelling of a torch dtype (torch.bfloat16 -> "bfloat16")."""
+    return str(dtype).replace("torch.", "")
+
+
+def _bnb_checkpoint(args, model: str, config, path, source):
     """The bitsandbytes 4-bit format of `--model`'s checkpoint (None: full precision), checked
     against the files (`source`: their headers) and the options.
 
@@ -272,7 +280,7 @@ def _bnb_checkpoint(args, config, path, source):
     with load_elastic's reason (PackedFormatError)."""
     if getattr(config, "quantization_config", None) is None:
         return None
-    where = f"--model {args.model}"
+    where = f"--model {model}"
     d = config.quantization_config
     d = d if isinstance(d, dict) else (d.to_dict() if hasattr(d, "to_dict") else dict(vars(d)))
     nested = bool(d.get("bnb_4bit_use_double_quant", False))
