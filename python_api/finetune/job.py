@@ -77,7 +77,7 @@ def prepare(config: FinetuneConfig | argparse.Namespace, rank: int, world_size: 
     cfg = cfg.replace("model", model=resolved_model_name(cfg.model.model), dtype=dtype_name(spec.dtype))
     cfg = cfg.replace("training", **training_defaults(cfg.training, pretrained=not spec.embedded))
     args = cfg.options()
-    windows, data_info = resolve_data(args, spec)
+    windows, data_info = resolve_data(cfg.data, cfg.training.seq_len, spec)
     pp = cfg.pipeline
     if data_info["format"] != "text" and (pp.pp != 1 or pp.compare_pp is not None):
         data = cfg.data.data

@@ -372,46 +372,49 @@ def _resolve_tokenizer(path: str, shown: str, config, choice: str | None = None)
     return tok
 
 
-def resolve_data(args, spec: ModelSpec):
+def resolve_data(data_options, seq_len: int, spec: ModelSpec):
     """The job's data: TokenWindows over a text stream, or sft.RecordRows of chat /
     prompt-completion records. --data not given: the embedded instruction set where the
-    tokenizer has a chat template (the real model), else the language reference as text."""
+    tokenizer has a chat template (the real model), else the language reference as text.
+    `data_options`: the data options (DataConfig); `seq_len`: --seq-len."""
+    data = data_options.data
     from .sft import embedded_instructions, has_chat_template, read_jsonl, sft_rows, split_heldout
 
     try:
         max_pos = getattr(spec.config, "max_position_embeddings", None)
-        if max_pos is not None and args.seq_len > max_pos:
-            raise DataError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+        if max_pos is not None and seq_len > max_pos:
+            raise DataError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
         records = None
-        if args.data is None and has_chat_template(spec.tokenizer):
+        if data is None and has_chat_template(spec.tokenizer):
             train, held = embedded_instructions()
             records, source = (train, held), ("embedded: instructions from pydoc_data.topics (\"Explain the Python "
                                               "`<topic>` statement ...\"), held out: " + ", ".join(
                                                   f"`{m.messages[0]['content'].split('`')[1]}`" for m in held))
-        elif args.data is None:
+        elif data is None:
             docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
         else:
-            source = os.path.abspath(args.data)
-            ext, content = read_data_file(args.data)
+            source = os.path.abspath(data)
+            ext, content = read_data_file(data)
             if ext == ".txt":
                 if not content.strip():
-                    raise DataError(f"data file {args.data} is empty")
+                    raise DataError(f"data file {data} is empty")
                 docs = [content]
             else:
-                fmt, items = read_jsonl(args.data, content)
+                fmt, items = read_jsonl(data, content)
                 if fmt == "text":
                     docs = items
                 else:
                     records = split_heldout(items)
         if records is not None:
-            windows, info = sft_rows(records[0], records[1], spec.tokenizer, args, args.data or "the embedded instructions")
+            windows, info = sft_rows(records[0], records[1], spec.tokenizer, data_options, seq_len,
+                                     data or "the embedded instructions")
             ids = torch.cat([windows.rows.input_ids.flatten(), windows.probe.flatten()])
             _check_ids(ids, spec)
             info = {"source": source, **info}
             return windows, info
         tokens = tokenize(docs, spec.tokenizer)
         _check_ids(tokens, spec)
-        windows = TokenWindows(tokens, args.seq_len, PROBE_SEQS, args.data or "the embedded corpus")
+        windows = TokenWindows(tokens, seq_len, PROBE_SEQS, data or "the embedded corpus")
     except DataError as exc:
         raise FinetuneError(str(exc)) from exc
     info = {"source": source, "format": "text", "documents": len(docs), "tokens": int(tokens.numel()),
