@@ -39,19 +39,19 @@ def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) 
     at the main and those budgets), the weights in the host store (not
     when the main run has them there already: [Note: options a run ignores]), a planned run,
     the peers of --baseline (same seed, initial adapters and batches)."""
-    peers_, budget, compare_pp = job.cfg.peers, job.cfg.elastic.pool_budget, job.cfg.pipeline.compare_pp
-    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in peers_.compare_budgets]
-    for fmt in peers_.compare_formats:  # the job in another weight format, at the main and the compared budgets
+    args = job.args  # by name: the suite calls this with parse_args' namespace in a job of its own
+    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
+    for fmt in args.compare_formats:  # the job in another weight format, at the main and the compared budgets
         builds += [(f"elastic {fmt}, budget {budget_label(b)}", lambda b=b, fmt=fmt: ElasticEngine(job, b, weight_format=fmt))
-                   for b in [budget] + list(peers_.compare_budgets)]
-    if peers_.compare_host and job.cfg.host.weights_on != "host":
-        builds.append(("weights on host", lambda: ElasticEngine(job, budget, weights_on="host")))
-    if peers_.compare_planned:
-        builds.append(("planned", lambda: ElasticEngine(job, budget, weights_on="device", planned=True)))
-    if compare_pp is not None and not compare_pp_is_main(job.args):  # the same run: [Note: options a run ignores]
-        builds.append((f"pipelined, pp {compare_pp}",
-                       lambda: PipelinedEngine(job, compare_pp, option="--compare-pp")))
-    for kind in peers_.baselines:  # the peers, in the order given; those not installed left out
+                   for b in [args.pool_budget] + list(args.compare_budgets)]
+    if args.compare_host and args.weights_on != "host":
+        builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
+    if args.compare_planned:
+        builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
+    if args.compare_pp is not None and not compare_pp_is_main(args):  # the same run: [Note: options a run ignores]
+        builds.append((f"pipelined, pp {args.compare_pp}",
+                       lambda: PipelinedEngine(job, args.compare_pp, option="--compare-pp")))
+    for kind in args.baselines:  # the peers, in the order given; those not installed left out
         if kind not in (skipped or {}):
             builds.append((kind, lambda kind=kind: peers.build(job, kind, counter)))
     return builds
