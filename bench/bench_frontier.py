@@ -267,7 +267,7 @@ def configurations(opts, job, counter) -> list[Config]:
     if opts.planned_caps:
         for cap in _planned_caps(job, opts.planned_caps):
             def planned(cap=cap):
-                job.args.memory_cap = cap
+                job.cfg = job.cfg.replace("planner", memory_cap=cap)  # the configuration is frozen: a copy
                 return ElasticEngine(job, None, planned=True)
             out.append(Config(elastic, f"planned, cap {fmt_bytes(cap)}", planned, fmt))
     peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
@@ -329,8 +329,8 @@ def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
     from elastic_kernels.api.finetune.loop import train
     from elastic_kernels.api.planning.peaks import live_tensor_bytes, profiled_growth
 
-    args = job.args
-    saved_steps, args.steps = args.steps, steps
+    saved = job.cfg
+    job.cfg = saved.replace("training", steps=steps)
     try:
         gc.collect()
         before = live_tensor_bytes() if profile_memory else 0
@@ -349,7 +349,7 @@ def _run(job, cfg: Config, counter, steps: int, profile_memory: bool) -> dict:
         engine.close()
         engine = None  # its memory goes before the next configuration is built
     finally:
-        args.steps = saved_steps
+        job.cfg = saved
     gc.collect()
     dist.barrier()
     return result
@@ -371,7 +371,7 @@ class Runner:
         self.job, self.cfg, self.counter = job, cfg, counter
         self.engine = cfg.build()
         named = self.engine.params()
-        self.opt = self.engine.optimizer or adamw([p for _, p in named], job.args)
+        self.opt = self.engine.optimizer or adamw([p for _, p in named], job.cfg.training)
         _seed_rng(job.args.seed, job.rank, job.device)
         self.rng = torch.get_rng_state()
         self.engine.train_mode()

@@ -191,9 +191,10 @@ def demo(argv) -> int:
     if args.weight_format != "none":
         raise SystemExit("bench_quant --demo: --formats chooses the weight formats; leave --weight-format out")
     # Checked before anything runs, the same on every rank: the formats' blocks, the peer's shapes.
-    args.compare_formats = sorted({f.split("-")[0] for f in formats} - {"none"})
-    args.quant_nested = False
-    check_weight_formats(job.spec, args)
+    # The job's configuration is frozen: the formats compared, as a replaced copy.
+    job.cfg = job.cfg.replace("peers", compare_formats=tuple(sorted({f.split("-")[0] for f in formats} - {"none"})))
+    job.cfg = job.cfg.replace("weights", quant_nested=False)
+    check_weight_formats(job.spec, job.args)
     if "fsdp2-nf4" in peers and shape_error(job):
         raise SystemExit(f"bench_quant --demo: {shape_error(job)}")
     device = job.device
@@ -207,7 +208,7 @@ def demo(argv) -> int:
 
     def elastic(budget, fmt):
         def build():
-            args.quant_nested = fmt == "nf4-nested"
+            job.cfg = job.cfg.replace("weights", quant_nested=fmt == "nf4-nested")
             engine = ElasticEngine(job, budget, weight_format=fmt.split("-")[0])
             stored[fmt] = engine.frozen_bytes
             return engine

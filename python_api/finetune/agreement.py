@@ -117,19 +117,19 @@ _OPTION_OF = {
 
 def agreed_configuration(job) -> dict:
     """What every rank of a run must have equal (see [Note: what ranks must agree on])."""
-    a = job.args
-    r = job.resume
+    c, r = job.cfg, job.resume
+    e, peers, pp = c.elastic, c.peers, c.pipeline
     return {
         **job.config,
-        "steps": a.steps,
-        "save_every": a.save_every,
-        "residency": {"pool_budget": budget_label(a.pool_budget), "keep_ratio": a.keep_ratio,
-                      "persist_ratio": a.persist_ratio, "prefetch_depth": a.prefetch_depth,
-                      "collective_bytes": a.collective_kib << 10},
-        "runs": {"baseline": a.baseline, "compare_budgets": [budget_label(b) for b in a.compare_budgets],
-                 "peer_settings": {k: getattr(a, k, None) for k in ("fsdp2_reshard",) + DS_OPTIONS}},
-        "pipeline_options": {k: getattr(a, k, None) for k in ("pp", "pack_size", "schedule", "micro_batches",
-                                                               "pack_residency", "pack_window", "compare_pp")},
+        "steps": c.training.steps,
+        "save_every": c.output.save_every,
+        "residency": {"pool_budget": budget_label(e.pool_budget), "keep_ratio": e.keep_ratio,
+                      "persist_ratio": e.persist_ratio, "prefetch_depth": e.prefetch_depth,
+                      "collective_bytes": e.collective_kib << 10},
+        "runs": {"baseline": peers.baseline, "compare_budgets": [budget_label(b) for b in peers.compare_budgets],
+                 "peer_settings": {k: getattr(peers, k) for k in ("fsdp2_reshard",) + DS_OPTIONS}},
+        "pipeline_options": {k: getattr(pp, k) for k in ("pp", "pack_size", "schedule", "micro_batches",
+                                                          "pack_residency", "pack_window", "compare_pp")},
         # The checkpoint resumed from: its run and step, and the digests of its shared files, as
         # its manifest lists them (each rank verified its files against them).
         "resume": None if r is None else {"step": r.step, "run_id": r.run_id, "sha256": r.digests},

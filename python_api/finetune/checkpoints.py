@@ -2,7 +2,8 @@
 
 [Note: checkpoint layout and resume]
 `--save-dir DIR` gets DIR/checkpoint/ every --save-every steps and at the end:
-  config.json                the run configuration (what must match to resume) and info
+  config.json                the run configuration (what must match to resume), the record of
+                             the options (configuration.py) and info
   trainer_state.json         step, the loss of every step so far
   adapter_model.safetensors  the adapters at that step (PEFT format, with adapter_config.json)
   optimizer.pt               AdamW state and the parameter names it belongs to
@@ -60,6 +61,7 @@ import torch
 
 from ..distributed.agree import exchange
 from .agreement import configuration_differences
+from .configuration import FinetuneConfig, resume_differences
 from .constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
 from .errors import FinetuneError
 from .files import agreed_write, local_now, torch_save_atomic, write_json
@@ -224,12 +226,16 @@ def _check_segments(segments, step: int, where: str) -> list[dict]:
     return segments
 
 
-def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_shapes: dict | None = None) -> Resume:
+def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_shapes: dict | None = None,
+                    configuration: FinetuneConfig | None = None) -> Resume:
     """Read and check everything this rank needs from a checkpoint (no collective): every
     field of its JSON files that is used, the adapters' names, shapes and values, the
     optimizer state's structure and values, this rank's RNG state. A damaged or edited file is
     refused here, before the process group exists, never by a traceback during the run.
-    `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare()."""
+    `adapter_shapes`: PEFT key -> expected shape (None: not checked), from prepare().
+    `configuration`: this run's (resolved), compared with the record the checkpoint holds
+    (written since the configuration became types; an older checkpoint has only its run
+    configuration, `current`'s counterpart, which is compared in every case)."""
     ckpt = find_checkpoint(path)
     manifest = _verify_manifest(ckpt)
     run_id = manifest["run_id"]
@@ -242,6 +248,14 @@ def read_checkpoint(path: str, rank: int, current: dict, steps: int, adapter_sha
         raise FinetuneError(f"checkpoint {ckpt}: its {MANIFEST} belongs to run {run_id}, its config.json to run "
                             f"{written_by}: files of two runs were mixed")
     diffs = configuration_differences(config["run"], current)
+    if not diffs and configuration is not None and "configuration" in config:
+        # The same fields in the record of the options ([Note: configuration as types]): equal
+        # where the run configuration is, unless the file was edited.
+        try:
+            saved = FinetuneConfig.from_dict(config["configuration"])
+        except (FinetuneError, TypeError) as exc:
+            raise FinetuneError(f"checkpoint {ckpt}: config.json's configuration record is damaged: {exc}") from None
+        diffs = resume_differences(saved, configuration)
     if diffs:
         raise FinetuneError(
             f"checkpoint {ckpt} was written by a different configuration ({len(diffs)} field"
@@ -389,13 +403,13 @@ def write_checkpoint(job, step: int, losses: list[float], segments: list[dict], 
             write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, "losses": losses, "segments": segments,
                                                                   "run_id": job.run_id})
             write_json(os.path.join(tmp, "config.json"), {
-                "format": CHECKPOINT_FORMAT, "run": job.config,
-                "info": {"run_id": job.run_id, "step": step, "steps_planned": job.args.steps, "written": local_now(),
+                "format": CHECKPOINT_FORMAT, "run": job.config, "configuration": job.cfg.to_dict(),
+                "info": {"run_id": job.run_id, "step": step, "steps_planned": job.cfg.training.steps, "written": local_now(),
                          "model_source": job.spec.source, "data_source": job.data_info["source"],
-                         "policy": {k: getattr(policy_of(job.args, job.args.pool_budget), k) for k in (
+                         "policy": {k: getattr(policy_of(job.args, job.cfg.elastic.pool_budget), k) for k in (
                              "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes",
                              "weight_format", "quant_block_size", "quant_nested")},
-                         "pool_budget": budget_label(job.args.pool_budget)},
+                         "pool_budget": budget_label(job.cfg.elastic.pool_budget)},
             })
 
     def swap():

@@ -17,11 +17,12 @@ from ..distributed.agree import PeerFailure
 from ..loading import LoadWarning
 from .agreement import agree_configuration, agree_error
 from .checkpoints import CKPT
+from .configuration import FinetuneConfig
 from .constants import PROG
 from .errors import FinetuneError
 from .job import job_device, prepare
 from .measure import fix_mmap_threshold
-from .options import parse_args
+from .options import parse_config
 from .runner import run
 from .save_dir import lock_save_dir
 
@@ -97,28 +98,28 @@ def main(argv=None) -> int:
     # Before the first big allocation: the resident set is comparable across engines only so
     # ([Note: a fixed mmap threshold] in measure.py; the report says whether it was fixed).
     fix_mmap_threshold()
-    args = parse_args(argv)
-    args._argv = None if argv is None else list(argv)
+    config = parse_config(argv)
     rank, world_size, local_rank = _dist_env()
     with warnings.catch_warnings():  # the loader's warnings as CLI lines, for this call only
         _show_load_warnings(rank)
-        return _main(args, rank, world_size, local_rank)
+        return _main(config, rank, world_size, local_rank)
 
 
-def _main(args, rank: int, world_size: int, local_rank: int) -> int:
+def _main(config: FinetuneConfig, rank: int, world_size: int, local_rank: int) -> int:
     job, error = None, None
+    timeout_s = config.elastic.timeout_s
     try:
-        job = prepare(args, rank, world_size, local_rank)
+        job = prepare(config, rank, world_size, local_rank)
     except FinetuneError as exc:
         error = str(exc)
     try:
-        device = job.device if job is not None else job_device(args, local_rank)
+        device = job.device if job is not None else job_device(config.model, local_rank)
     except FinetuneError:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s),
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     lock = None
     try:
@@ -143,7 +144,7 @@ def _main(args, rank: int, world_size: int, local_rank: int) -> int:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         sys.stderr.flush()
         os.write(2, (f"{PROG}: error: rank {rank}: a collective did not complete ({type(exc).__name__}: {first}): "
-                     f"another rank stopped, crashed, was killed or fell more than --timeout-s ({args.timeout_s:g} s) "
+                     f"another rank stopped, crashed, was killed or fell more than --timeout-s ({timeout_s:g} s) "
                      f"behind; see that rank's output (checkpoints, if any: "
                      f"{os.path.join(job.save_dir, CKPT) if job is not None else '--save-dir'}). A stopped, not "
                      f"dead, rank on another node is not ended by torchrun's static rendezvous: launch with "

@@ -63,7 +63,7 @@ class Engine:
 
     def batch(self, job, step: int) -> dict:
         """This rank's share of step `step`, on the device: `micro_batch` x `grad_accum` sequences."""
-        inputs = job.windows.inputs(job.args.seed, step, job.world_size, job.rank, self.micro_batch, self.grad_accum)
+        inputs = job.windows.inputs(job.cfg.training.seed, step, job.world_size, job.rank, self.micro_batch, self.grad_accum)
         return {k: v.to(job.device) for k, v in inputs.items()}
 
     def accumulate(self, is_last: bool):
@@ -124,9 +124,10 @@ class Engine:
         """The names of the optimizer state a checkpoint lists, in its order."""
         return [n for n, _ in self.params()]
 
-    def budget_label(self, args) -> str:
-        """The pool budget a checkpoint's segment of this run names ([Note: segments of a run] in loop.py)."""
-        return budget_label(args.pool_budget)
+    def budget_label(self, elastic) -> str:
+        """The pool budget a checkpoint's segment of this run names ([Note: segments of a run] in
+        loop.py); `elastic`: the elastic policy's options (ElasticConfig)."""
+        return budget_label(elastic.pool_budget)
 
     def gather_states(self, mine: dict) -> list[dict]:
         """Every rank's part of the optimizer state ({name: state}, on the host): this rank holds all."""

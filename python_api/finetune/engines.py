@@ -47,7 +47,7 @@ class ElasticEngine(Engine):
     def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False,
                  weight_format: str | None = None):
         model, source = _collective_build_on_meta(job)
-        policy = with_format(policy_of(job.args, budget, weights_on, job.world_size), job.args, weight_format)
+        policy = with_format(policy_of(job.args, budget, weights_on, job.world_size), job.cfg.weights, weight_format)
         try:
             self.model = convert_to_elastic(model, lora_config_of(job.args), policy, source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
@@ -72,7 +72,7 @@ class ElasticEngine(Engine):
         self.weight_format = policy.weight_format or "none"
         self.name = f"elastic{fmt}, budget {budget_label(budget)}{where}"
         # The micro-batch split of each step: the job's, or the plan's (python_api/finetune/planning.py).
-        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
+        self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
         self.planner = None
         if planned:
             self.kind = "planned"
@@ -131,7 +131,7 @@ def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None
     so is this decision. With `--memory-cap auto` on CUDA the cap in force can be lower still
     (the device's free memory, read at each step): that case is found at its step."""
     for step, size in planner.changes:
-        if step > job.args.steps:
+        if step > job.cfg.training.steps:
             continue  # after the last step: ignored ([Note: options a run ignores])
         try:
             plan(model, planner.profile, min(size, planner.profile.capacity_bytes), planner.global_batch)
@@ -158,7 +158,6 @@ class FSDP2Engine(Engine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        args = job.args
         if job.spec.embedded:
             base, source = _collective_build(job), None
         else:
@@ -184,7 +183,7 @@ class FSDP2Engine(Engine):
         if source is not None:
             _load_fsdp2_shards(self.model, base, source, job)
         self.counter = counter
-        self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
+        self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
 
     def accumulate(self, is_last: bool):
         self.model.set_requires_gradient_sync(is_last)
@@ -212,10 +211,10 @@ def peft_with_initial_adapters(job: Job, base: nn.Module, set_adapters: bool = T
     peer trains ([Note: what is compared with FSDP2, and the tolerance])."""
     from peft import LoraConfig, get_peft_model
 
-    args = job.args
+    lora = job.cfg.lora
     model = get_peft_model(base, LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=target_list(args), use_rslora=False,
+        r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+        target_modules=target_list(lora), use_rslora=False,
     ))
     if set_adapters:
         _adapters_into_peft(model, job.initial_adapters)

@@ -43,8 +43,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _lr_at(args, step: int) -> float:
-    return lr_at(args, step)  # [Note: learning-rate defaults] in policy.py
+def _lr_at(training, step: int) -> float:
+    return lr_at(training, step)  # [Note: learning-rate defaults] in policy.py
 
 
 # [Note: segments of a run]
@@ -98,7 +98,7 @@ def train_step(job: Job, engine, opt, step: int, counter) -> dict:
     bench/bench_frontier.py interleaves across engines."""
     device = job.device
     for group in opt.param_groups:
-        group["lr"] = _lr_at(job.args, step)
+        group["lr"] = _lr_at(job.cfg.training, step)
     # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
     # planned run's (which may change it at this step: the same global batch, the same
     # windows across the ranks, [Note: adaptive accumulation] in planning.py).
@@ -153,12 +153,12 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     """Train `engine.model` for the job's steps; return the run's measurements."""
     from tqdm import tqdm
 
-    args, rank, W, device = job.args, job.rank, job.world_size, job.device
+    t, out, rank, W, device = job.cfg.training, job.cfg.output, job.rank, job.world_size, job.device
     named = engine.params()
     names = [n for n, _ in named]
     # An engine that drives its own optimizer (DeepSpeed's, [Note: engines that own their
     # optimizer step] in python_api/finetune/peers/__init__.py) hands it over; else plain AdamW.
-    opt = engine.optimizer or adamw([p for _, p in named], args)
+    opt = engine.optimizer or adamw([p for _, p in named], t)
     start, losses, segments = 0, [], []
     if primary and job.resume is not None:
         r = job.resume
@@ -174,32 +174,32 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         _restore_rng(r.rng, device)
         job.checkpoint_step = r.step
     else:
-        _seed_rng(args.seed, rank, device)
+        _seed_rng(t.seed, rank, device)
     mem = job.memory
     mem.reset_peak()
     # [Note: what "peak memory" means here] in measure.py: on CPU the tensor peak of the last
     # step, profiled, when this process runs 3 steps or more (the first warms up).
-    profile_last = (engine.measures_tensor_peak and device.type == "cpu" and args.steps - start >= 3
+    profile_last = (engine.measures_tensor_peak and device.type == "cpu" and t.steps - start >= 3
                     and getattr(mem, "live_baseline", None) is not None)
     tensor_peak = rss_peak = None
-    tokens_per_step = W * args.micro_batch * args.grad_accum * args.seq_len
+    tokens_per_step = W * t.micro_batch * t.grad_accum * t.seq_len
     times, gathered, counted, h2d, splits = [], [], [], [], []
     per_step: dict[str, list] = {"calls": []}  # and the engine's own figures (Engine.step_figures)
 
     def segment(peak) -> dict:
-        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": engine.budget_label(args),
+        return {"first_step": start + 1, "last_step": start + len(times), "pool_budget": engine.budget_label(job.cfg.elastic),
                 "step_times_s": list(times), "allgather_bytes_per_step": list(gathered),
                 "allgather_bytes_counted_per_step": list(counted), "peak_memory_bytes": peak}
 
     def checkpoint(step: int, segs: list[dict]) -> None:
         write_checkpoint(job, step, losses, segs, optimizer_state(engine, opt, names), engine.save_adapter)
 
-    bar = tqdm(total=args.steps, initial=start, desc=engine.name, disable=(rank != 0 or args.no_progress),
+    bar = tqdm(total=t.steps, initial=start, desc=engine.name, disable=(rank != 0 or out.no_progress),
                dynamic_ncols=True, leave=True, file=sys.stderr)
     engine.train_mode()
     try:
-        for step in range(start, args.steps):
-            if profile_last and step == args.steps - 1:
+        for step in range(start, t.steps):
+            if profile_last and step == t.steps - 1:
                 # The last step measures the tensor peak under the profiler: the resident
                 # set is read before it, and its time is left out of tokens/s.
                 rss_peak = mem.peak_above_baseline()
@@ -224,7 +224,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
             tok_s = _tokens_per_s(times[:-1] if tensor_peak is not None else times, tokens_per_step)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}" if tok_s else "-")
             bar.update(1)
-            if primary and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            if primary and out.save_every and (step + 1) % out.save_every == 0 and step + 1 < t.steps:
                 checkpoint(step + 1, segments + [segment(mem.peak_above_baseline())])
         bar.close()
         peak = rss_peak if profile_last else mem.peak_above_baseline()
@@ -233,7 +233,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
         first_step = start + 1
         if primary and times:
             segments = segments + [segment(peak)]
-            checkpoint(args.steps, segments)
+            checkpoint(t.steps, segments)
         elif primary and segments:
             # Resumed at the last step: nothing trained; report the figures of the process that
             # trained the last steps (see [Note: segments of a run]).
@@ -294,9 +294,10 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     return result
 
 
-def adamw(params, args) -> torch.optim.AdamW:
-    """The optimizer of every run: AdamW with the job's hyper-parameters."""
-    return torch.optim.AdamW(params, lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
+def adamw(params, training) -> torch.optim.AdamW:
+    """The optimizer of every run: AdamW with the job's hyper-parameters (`training`: the
+    training options, TrainingConfig)."""
+    return torch.optim.AdamW(params, lr=training.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=training.weight_decay)
 
 
 def _tokens_per_s(times: list[float], tokens_per_step: int) -> float | None:

@@ -199,9 +199,9 @@ def _hub_snapshot(repo_id: str) -> str:
 
 def resolve_model(args) -> ModelSpec:
     """The base model of the options ([Note: what --model names]). `--dtype` not given (None):
-    float32 for the tiny model, the checkpoint's dtype otherwise; `args.dtype` is set to the
-    dtype resolved (what the run configuration, the checkpoints and the messages name), and
-    `args.model` to the name resolved (the default's, when not given)."""
+    float32 for the tiny model, the checkpoint's dtype otherwise (the spec's dtype: prepare()
+    records it, and the model's name resolved (resolved_model_name), in the job's configuration,
+    which the run configuration, the checkpoints and the messages name)."""
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     dims = {k: getattr(args, k) for k in EMBEDDED}
     given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
@@ -209,10 +209,9 @@ def resolve_model(args) -> ModelSpec:
         if given:
             raise FinetuneError(f"{', '.join(given)} size the tiny random model: add --model tiny (the default "
                                 f"model, {DEFAULT_MODEL}, brings its own configuration)")
-        args.model = DEFAULT_MODEL
-    if args.model == TINY:
+    model = resolved_model_name(args.model)
+    if model == TINY:
         dtype = dtype or torch.float32
-        args.dtype = str(dtype).replace("torch.", "")
         d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
         if d["hidden_size"] % d["num_heads"]:
             raise FinetuneError(f"--hidden-size {d['hidden_size']} is not a multiple of --num-heads {d['num_heads']}")
@@ -227,29 +226,38 @@ def resolve_model(args) -> ModelSpec:
         return ModelSpec("embedded", config, dtype, args.seed, ByteTokenizer(eos=True))
 
     if given:
-        raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {args.model} brings its own configuration")
-    kind, path = resolve_model_path(args.model)
+        raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {model} brings its own configuration")
+    kind, path = resolve_model_path(model)
     # The loader's own checks (python_api/loading/): what cannot be listed, read or parsed is
     # named with its reason (permission, a FIFO, a dangling link), never a raw traceback.
     try:
         config = read_config(path)
         source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
     except LoadError as exc:
-        raise FinetuneError(f"--model {args.model}: {exc}") from exc
-    packed = _bnb_checkpoint(args, config, path, source)
+        raise FinetuneError(f"--model {model}: {exc}") from exc
+    packed = _bnb_checkpoint(args, model, config, path, source)
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
         # A bitsandbytes checkpoint computes in its bnb_4bit_compute_dtype, as load_elastic does.
         dtype = (compute_dtype(config) if packed is not None else None) or checkpoint_dtype(config, source)
-        args.dtype = str(dtype).replace("torch.", "")
     if packed is not None:
         config = copy.deepcopy(config)
         del config.quantization_config
-    tokenizer = _resolve_tokenizer(path, args.model, config, getattr(args, "tokenizer", None))
-    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=args.model if kind == "hub" else path,
-                     packed=packed, label=args.model if kind in ("pretrained", "gguf") else None)
+    tokenizer = _resolve_tokenizer(path, model, config, getattr(args, "tokenizer", None))
+    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=model if kind == "hub" else path,
+                     packed=packed, label=model if kind in ("pretrained", "gguf") else None)
 
 
-def _bnb_checkpoint(args, config, path, source):
+def resolved_model_name(model: str | None) -> str:
+    """--model as the run names it: the default model when not given."""
+    return DEFAULT_MODEL if model is None else model
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """--dtype's spelling of a torch dtype (torch.bfloat16 -> "bfloat16")."""
+    return str(dtype).replace("torch.", "")
+
+
+def _bnb_checkpoint(args, model: str, config, path, source):
     """The bitsandbytes 4-bit format of `--model`'s checkpoint (None: full precision), checked
     against the files (`source`: their headers) and the options.
 
@@ -272,7 +280,7 @@ def _bnb_checkpoint(args, config, path, source):
     with load_elastic's reason (PackedFormatError)."""
     if getattr(config, "quantization_config", None) is None:
         return None
-    where = f"--model {args.model}"
+    where = f"--model {model}"
     d = config.quantization_config
     d = d if isinstance(d, dict) else (d.to_dict() if hasattr(d, "to_dict") else dict(vars(d)))
     nested = bool(d.get("bnb_4bit_use_double_quant", False))
@@ -364,46 +372,49 @@ def _resolve_tokenizer(path: str, shown: str, config, choice: str | None = None)
     return tok
 
 
-def resolve_data(args, spec: ModelSpec):
+def resolve_data(data_options, seq_len: int, spec: ModelSpec):
     """The job's data: TokenWindows over a text stream, or sft.RecordRows of chat /
     prompt-completion records. --data not given: the embedded instruction set where the
-    tokenizer has a chat template (the real model), else the language reference as text."""
+    tokenizer has a chat template (the real model), else the language reference as text.
+    `data_options`: the data options (DataConfig); `seq_len`: --seq-len."""
+    data = data_options.data
     from .sft import embedded_instructions, has_chat_template, read_jsonl, sft_rows, split_heldout
 
     try:
         max_pos = getattr(spec.config, "max_position_embeddings", None)
-        if max_pos is not None and args.seq_len > max_pos:
-            raise DataError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+        if max_pos is not None and seq_len > max_pos:
+            raise DataError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
         records = None
-        if args.data is None and has_chat_template(spec.tokenizer):
+        if data is None and has_chat_template(spec.tokenizer):
             train, held = embedded_instructions()
             records, source = (train, held), ("embedded: instructions from pydoc_data.topics (\"Explain the Python "
                                               "`<topic>` statement ...\"), held out: " + ", ".join(
                                                   f"`{m.messages[0]['content'].split('`')[1]}`" for m in held))
-        elif args.data is None:
+        elif data is None:
             docs, source = embedded_documents(), "embedded: pydoc_data.topics (Python language reference)"
         else:
-            source = os.path.abspath(args.data)
-            ext, content = read_data_file(args.data)
+            source = os.path.abspath(data)
+            ext, content = read_data_file(data)
             if ext == ".txt":
                 if not content.strip():
-                    raise DataError(f"data file {args.data} is empty")
+                    raise DataError(f"data file {data} is empty")
                 docs = [content]
             else:
-                fmt, items = read_jsonl(args.data, content)
+                fmt, items = read_jsonl(data, content)
                 if fmt == "text":
                     docs = items
                 else:
                     records = split_heldout(items)
         if records is not None:
-            windows, info = sft_rows(records[0], records[1], spec.tokenizer, args, args.data or "the embedded instructions")
+            windows, info = sft_rows(records[0], records[1], spec.tokenizer, data_options, seq_len,
+                                     data or "the embedded instructions")
             ids = torch.cat([windows.rows.input_ids.flatten(), windows.probe.flatten()])
             _check_ids(ids, spec)
             info = {"source": source, **info}
             return windows, info
         tokens = tokenize(docs, spec.tokenizer)
         _check_ids(tokens, spec)
-        windows = TokenWindows(tokens, args.seq_len, PROBE_SEQS, args.data or "the embedded corpus")
+        windows = TokenWindows(tokens, seq_len, PROBE_SEQS, data or "the embedded corpus")
     except DataError as exc:
         raise FinetuneError(str(exc)) from exc
     info = {"source": source, "format": "text", "documents": len(docs), "tokens": int(tokens.numel()),

@@ -1,11 +1,13 @@
-"""The command line: the parser (build_parser) and parse_args, which parses the options
-(option_values.py) and checks them together (option_checks.py)."""
+"""The command line: the parser (build_parser), parse_args, which parses the options
+(option_values.py) and checks them together (option_checks.py), and parse_config, which parses
+them once into the run's configuration (configuration.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..planner.pipeline import RESIDENCIES, SCHEDULES
+from .configuration import FinetuneConfig
 from .constants import (
     DEFAULT_GRAD_ACCUM,
     DEFAULT_MICRO_BATCH,
@@ -282,3 +284,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args._given = given_options(argv)
     check_options(p, args)
     return args
+
+
+def parse_config(argv=None) -> FinetuneConfig:
+    """The command line parsed and checked once (parse_args) into the run's configuration
+    ([Note: configuration as types] in configuration.py); `argv` None: sys.argv[1:]."""
+    args = parse_args(argv)
+    args._argv = None if argv is None else list(argv)
+    return FinetuneConfig.from_args(args)

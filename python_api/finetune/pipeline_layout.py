@@ -85,5 +85,6 @@ def pipeline_notices(args, world_size: int, config) -> list[str]:
 
 def compare_pp_is_main(args) -> bool:
     """--compare-pp N with a main run of --pp N (not planned): the comparison would train the
-    same run again ([Note: options a run ignores])."""
+    same run again ([Note: options a run ignores]). `args`: the options by name (parse_args'
+    namespace or the configuration's OptionView)."""
     return args.compare_pp is not None and args.plan != "auto" and args.pp == args.compare_pp

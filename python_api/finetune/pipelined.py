@@ -57,14 +57,14 @@ class PipelinedEngine(Engine):
                  plan=None, option: str = "--pp"):
         """`layout` and `micro_batch_size`: a planned layout (`plan`, a PipelinePlan); else the
         options' (`layout_of`). `option`: the option that asked for it, named in errors."""
-        args = job.args
+        args, t = job.args, job.cfg.training
         if layout is None:
             layout, mbs = layout_of(args, job.world_size, pp, job.spec.config, option)
         else:
             mbs = micro_batch_size
         self.layout, self.micro_batch_size, self.plan = layout, mbs, plan
         try:
-            self.groups = pipeline_groups(pp, job.device, args.timeout_s)
+            self.groups = pipeline_groups(pp, job.device, job.cfg.elastic.timeout_s)
         except PipelineError as exc:
             raise FinetuneError(f"{option} {pp}: {exc}") from exc
         if job.spec.embedded:
@@ -73,7 +73,7 @@ class PipelinedEngine(Engine):
             lm, source = _collective_build_on_meta(job)
         try:
             self.model = PipelinedModel(lm, lora_config_of(args), policy_of(args, None), layout, self.groups,
-                                        micro_batch_size=mbs, seq_len=args.seq_len, source=source, device=job.device)
+                                        micro_batch_size=mbs, seq_len=t.seq_len, source=source, device=job.device)
         except (PipelineError, LoadError) as exc:  # raised on every rank (agreed)
             raise FinetuneError(f"{option} {pp}: {exc}") from exc
         if source is not None:
@@ -81,13 +81,13 @@ class PipelinedEngine(Engine):
                       zip(self.model.packs.values(), self.model.runtimes.values())]
             agree_error(next((e for e in errors if e), None), job.world_size)
         sizes = sorted({layout.boundaries[k + 1] - layout.boundaries[k] for k in range(layout.n_packs)})
-        where = ", weights on host" if args.weights_on == "host" else ""
+        where = ", weights on host" if job.cfg.host.weights_on == "host" else ""
         self.name = (f"{'planned ' if plan is not None else ''}pipelined, pp {layout.pp} x dp {layout.dp}, "
                      f"{layout.schedule}, {layout.n_packs} packs of {'/'.join(map(str, sizes))} layers, "
                      f"{layout.residency[0]}{where}")
         self.frozen_bytes = self.model.frozen_bytes_of_packs()
-        self.micro_batch, self.grad_accum = args.micro_batch, args.grad_accum
-        self.weight_format = args.weight_format
+        self.micro_batch, self.grad_accum = t.micro_batch, t.grad_accum
+        self.weight_format = job.cfg.weights.weight_format
 
     # ------------------------------------------------------------ a step
 
@@ -100,7 +100,7 @@ class PipelinedEngine(Engine):
     def batch(self, job, step: int) -> torch.Tensor:
         """This dp group's share of step `step`: [M x micro-batch size, seq_len], on the device."""
         m = self.layout.micro_batches
-        b = job.windows.batch(job.args.seed, step, self.groups.dp, self.groups.dp_rank, self.micro_batch_size, m)
+        b = job.windows.batch(job.cfg.training.seed, step, self.groups.dp, self.groups.dp_rank, self.micro_batch_size, m)
         return b.reshape(m * self.micro_batch_size, -1).to(job.device)
 
     def run_step(self, job, batch: torch.Tensor, opt) -> float:
@@ -142,7 +142,7 @@ class PipelinedEngine(Engine):
 
     # ------------------------------------------------------------ checkpoints
 
-    def budget_label(self, args) -> str:
+    def budget_label(self, elastic) -> str:
         return "pipelined"
 
     def param_order(self) -> list[str]:
@@ -187,12 +187,12 @@ def primary_engine(job):
     """The job's main engine: pipelined with --pp > 1, else the elastic one (planned with --plan
     auto); with --plan auto and --pp auto or > 1, the one the planner chooses ([Note: planning a
     pipeline])."""
-    args = job.args
-    if args.plan == "auto" and (args.pp == "auto" or args.pp > 1):
+    plan, pp = job.cfg.planner.plan, job.cfg.pipeline.pp
+    if plan == "auto" and (pp == "auto" or pp > 1):
         return planned_engine(job)
-    if args.pp != 1:
-        return PipelinedEngine(job, args.pp)
-    return ElasticEngine(job, args.pool_budget, planned=args.plan == "auto")
+    if pp != 1:
+        return PipelinedEngine(job, pp)
+    return ElasticEngine(job, job.cfg.elastic.pool_budget, planned=plan == "auto")
 
 
 # [Note: planning a pipeline]
@@ -218,26 +218,28 @@ def planned_engine(job):
     from .planning import _host_memory_share
 
     args, W = job.args, job.world_size
-    cap = args.memory_cap if isinstance(args.memory_cap, int) else (
+    t, pp_options, budget = job.cfg.training, job.cfg.pipeline, job.cfg.elastic.pool_budget
+    memory_cap = job.cfg.planner.memory_cap
+    cap = memory_cap if isinstance(memory_cap, int) else (
         _host_memory_share() if job.device.type == "cpu" else None)
-    elastic = ElasticEngine(job, args.pool_budget)
-    batch = job.windows.batch(args.seed, 0, W, job.rank, args.micro_batch, 1)[0].to(job.device)
+    elastic = ElasticEngine(job, budget)
+    batch = job.windows.batch(t.seed, 0, W, job.rank, t.micro_batch, 1)[0].to(job.device)
     profile = measure_profile(elastic.model, [batch], capacity_bytes=cap if job.device.type == "cpu" else None)
     cap = min(cap, profile.capacity_bytes) if cap is not None else profile.capacity_bytes
-    global_batch = W * args.micro_batch * args.grad_accum
+    global_batch = W * t.micro_batch * t.grad_accum
     try:
         pp1 = plan_pp1(elastic.model, profile, cap, global_batch).predicted_step_time_s
     except PlanningError:
         pp1 = None
     restrict = {}
-    if args.pp != "auto":
-        restrict["pp"] = args.pp
-    if args.micro_batches:
-        restrict["micro_batches"] = args.micro_batches
+    if pp_options.pp != "auto":
+        restrict["pp"] = pp_options.pp
+    if pp_options.micro_batches:
+        restrict["micro_batches"] = pp_options.micro_batches
     try:
         pprof = pipeline_profile(job.spec.meta_model(), lora_config_of(args), policy_of(args, None), profile,
-                                 world_size=W, seq_len=args.seq_len)
-        pplan = plan_pipeline(pprof, cap, global_batch, pp1_step_s=pp1 if args.pp == "auto" else None, **restrict)
+                                 world_size=W, seq_len=t.seq_len)
+        pplan = plan_pipeline(pprof, cap, global_batch, pp1_step_s=pp1 if pp_options.pp == "auto" else None, **restrict)
     except PipelineError as exc:
         raise FinetuneError(f"--plan auto: {exc}") from exc
     del elastic
@@ -253,4 +255,4 @@ def planned_engine(job):
                                plan=pplan)
     if pp1 is None:
         raise FinetuneError(f"--plan auto: no plan fits {cap} bytes per rank, at pp 1 or pipelined")
-    return ElasticEngine(job, args.pool_budget, planned=True)
+    return ElasticEngine(job, budget, planned=True)

@@ -79,20 +79,20 @@ class JobPlanner:
     """Profile, plan and adapt one planned elastic run (see the module docstring)."""
 
     def __init__(self, job, engine):
-        args = job.args
+        t, planner = job.cfg.training, job.cfg.planner
         self.job, self.engine = job, engine
         # With --weights-on host, --host-fraction > 0 or --offload-activations the profile has the
         # host tier (measure_profile), and the planner chooses the host fraction (a grid; only 1
         # with --weights-on host) and activation offload on/off too; plan.json carries them.
-        self.global_batch = job.world_size * args.micro_batch * args.grad_accum
-        self.changes = sorted(args.memory_cap_change)
-        self.device_auto = args.memory_cap == "auto" and job.device.type == "cuda"
-        if args.memory_cap == "auto":
+        self.global_batch = job.world_size * t.micro_batch * t.grad_accum
+        self.changes = sorted(planner.memory_cap_change)
+        self.device_auto = planner.memory_cap == "auto" and job.device.type == "cuda"
+        if planner.memory_cap == "auto":
             self.base_cap = None if job.device.type == "cuda" else _host_memory_share()
         else:
-            self.base_cap = args.memory_cap
+            self.base_cap = planner.memory_cap
         caps = [c for c in [self.base_cap] + [c for _, c in self.changes] if c is not None]
-        batch = job.windows.batch(args.seed, 0, job.world_size, job.rank, args.micro_batch, 1)[0].to(job.device)
+        batch = job.windows.batch(t.seed, 0, job.world_size, job.rank, t.micro_batch, 1)[0].to(job.device)
         t0 = time.perf_counter()
         while True:
             # [Note: profiling a smaller micro-batch]

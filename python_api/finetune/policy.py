@@ -45,15 +45,22 @@ def quant_fields(args) -> dict:
 # (its random weights need the larger steps to show a curve in a few steps). Every value is
 # resolved before the run configuration is built, so checkpoints and the report name them.
 
+def training_defaults(training, pretrained: bool) -> dict:
+    """--lr, --lr-schedule and --warmup-steps of `training` (the training options: a
+    TrainingConfig or parse_args' namespace) with the defaults filled in where they were not
+    given ([Note: learning-rate defaults])."""
+    return {"lr": (2e-4 if pretrained else 2e-3) if training.lr is None else training.lr,
+            "lr_schedule": ("cosine" if pretrained else "constant") if training.lr_schedule is None
+            else training.lr_schedule,
+            "warmup_steps": (-(-training.steps // 10) if pretrained else 0) if training.warmup_steps is None
+            else training.warmup_steps}
+
+
 def resolve_training_defaults(args, pretrained: bool) -> None:
-    """Fill --lr, --lr-schedule and --warmup-steps where they were not given ([Note:
-    learning-rate defaults])."""
-    if args.lr is None:
-        args.lr = 2e-4 if pretrained else 2e-3
-    if args.lr_schedule is None:
-        args.lr_schedule = "cosine" if pretrained else "constant"
-    if args.warmup_steps is None:
-        args.warmup_steps = -(-args.steps // 10) if pretrained else 0
+    """training_defaults set on parse_args' namespace (prepare() replaces them in the job's
+    configuration instead)."""
+    for k, v in training_defaults(args, pretrained).items():
+        setattr(args, k, v)
 
 
 def lr_at(args, step: int) -> float:

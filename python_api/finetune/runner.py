@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..distributed.agree import exchange
 from . import peers, report
 from .checkpoints import CKPT
+from .configuration import CONFIG_FILE
 from .constants import PROG
 from .engines import ElasticEngine
 from .errors import FinetuneError
@@ -38,7 +39,7 @@ def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) 
     at the main and those budgets), the weights in the host store (not
     when the main run has them there already: [Note: options a run ignores]), a planned run,
     the peers of --baseline (same seed, initial adapters and batches)."""
-    args = job.args
+    args = job.args  # by name: the suite calls this with parse_args' namespace in a job of its own
     builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
     for fmt in args.compare_formats:  # the job in another weight format, at the main and the compared budgets
         builds += [(f"elastic {fmt}, budget {budget_label(b)}", lambda b=b, fmt=fmt: ElasticEngine(job, b, weight_format=fmt))
@@ -60,7 +61,7 @@ def run(job: Job) -> dict:
     """The whole job on every rank; rank 0 writes the report. Returns the summary. A run that
     fails after training steps leaves its report, marked as failed ([Note: a run that fails
     after training steps])."""
-    args = job.args
+    t, lora, out = job.cfg.training, job.cfg.lora, job.cfg.output
     job.memory = PeakMemory(job.device)
     runs: list[dict] = []
     if job.run_id is None:  # a fresh run: rank 0's id for every rank ([Note: the checkpoint's manifest])
@@ -69,16 +70,16 @@ def run(job: Job) -> dict:
         print(f"{PROG}: {job.spec.description()}; tokenizer {job.spec.tokenizer.name}; {job.world_size} ranks on "
               f"{job.device.type} "
               f"({dist.get_backend()}); data {data_line(job.data_info)}; "
-              f"{job.world_size * args.micro_batch * args.grad_accum} sequences x {args.seq_len} tokens per step; "
-              f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on {len(job.targets)} modules; lr {args.lr:g} "
-              f"{args.lr_schedule}, warm-up {args.warmup_steps} steps; output {job.save_dir}",
+              f"{job.world_size * t.micro_batch * t.grad_accum} sequences x {t.seq_len} tokens per step; "
+              f"LoRA r={lora.lora_r} alpha={lora.lora_alpha:g} on {len(job.targets)} modules; lr {t.lr:g} "
+              f"{t.lr_schedule}, warm-up {t.warmup_steps} steps; output {job.save_dir}",
               flush=True)
         _warn(job.notices)
         if job.resume is not None:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
     # Before any run: peer settings no peer can run stop every rank; a peer not installed is
     # left out on every rank, and said so (python_api/finetune/peers/__init__.py).
-    skipped = peers.check(job) if args.baselines else {}
+    skipped = peers.check(job) if job.cfg.peers.baselines else {}
     if job.rank == 0:
         for kind, why in skipped.items():
             print(f"{PROG}: --baseline {kind} left out: {why}", flush=True)
@@ -93,11 +94,11 @@ def run(job: Job) -> dict:
             runs.append(result)
             engine.save_adapter(job, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
 
-            if args.sample_tokens:
+            if out.sample_tokens:
                 agreed_write(job, lambda: _reload_and_sample(job), "the saved adapter could not be reloaded")
 
             def probe():
-                if job.rank == 0 and args.save_probe:
+                if job.rank == 0 and out.save_probe:
                     from safetensors.torch import save_file
 
                     write_bytes_atomic(os.path.join(job.save_dir, "probe.safetensors"), lambda p: save_file(
@@ -122,7 +123,13 @@ def run(job: Job) -> dict:
         _write_failure_report(job, runs + ([partial] if partial is not None else []), exc, skipped)
         raise
     summary = _summary(job, runs, skipped)
-    agreed_write(job, lambda: _write_report(job, runs, summary) if job.rank == 0 else None,
+
+    def write():
+        if job.rank == 0:
+            _write_configuration(job)
+            _write_report(job, runs, summary)
+
+    agreed_write(job, write,
                 "the report was not written (the adapter and checkpoint were)")
     return summary
 
@@ -190,6 +197,7 @@ def _write_failure_report(job: Job, runs: list[dict], exc: BaseException, skippe
         d = job.save_dir
         write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
         write_json(os.path.join(d, "summary.json"), summary)
+        _write_configuration(job)
         write_text_atomic(os.path.join(d, "results.md"), _markdown(job, runs, summary))
         sys.stderr.write(f"{PROG}: the run failed after {sum(r.get('steps_run', 0) for r in runs)} trained step(s); "
                          f"what it trained is in {os.path.join(d, 'losses.csv')} and {os.path.join(d, 'summary.json')} "
@@ -315,6 +323,11 @@ def _gap_lines(runs: list[dict]) -> list[str]:
                 out.append(f"{r['name']}: max |loss - {label} loss| over {r[f'steps_compared_with_{key}']} steps = "
                            f"{r[f'max_abs_loss_diff_vs_{key}']:.3g} ({r[f'loss_gap_vs_{key}']})")
     return out
+
+
+def _write_configuration(job: Job) -> None:
+    """configuration.json: the run's configuration, resolved ([Note: configuration as types])."""
+    write_text_atomic(os.path.join(job.save_dir, CONFIG_FILE), job.cfg.to_json() + "\n")
 
 
 def _write_report(job: Job, runs: list[dict], summary: dict) -> None:

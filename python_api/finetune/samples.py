@@ -65,12 +65,11 @@ def reload_and_sample(job, adapter_dir: str) -> dict:
     after}], "sample_tokens"} ([Note: the held-out loss before and after, and the samples])."""
     from peft import PeftModel
 
-    args = job.args
     base = _peft_base(job.spec).eval()
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     probe = job.windows.probe_inputs()
     prompts = job.data_info.get("samples", []) if hasattr(job.spec.tokenizer, "tok") else []
-    n = args.sample_tokens
+    n = job.cfg.output.sample_tokens
     out = {"sample_tokens": n, "samples": []}
     with model.disable_adapter():
         out["heldout_loss_before"] = _loss(model, probe)

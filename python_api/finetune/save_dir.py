@@ -108,8 +108,11 @@ def _check_writable(save_dir: str) -> None:
         raise FinetuneError(f"--save-dir {save_dir} is not writable{where}: {exc.strerror or exc}") from exc
 
 
-def check_save_dir(args, resume_ckpt: str | None) -> str:
-    save_dir = args.save_dir
+def check_save_dir(output, resume_ckpt: str | None) -> str:
+    """The save dir of the output options (`output`: OutputConfig) checked: a directory, not
+    locked by another run, empty unless --overwrite or the checkpoint resumed is its own,
+    writable. Returns its absolute path."""
+    save_dir = output.save_dir
     if save_dir is None:
         save_dir = os.path.dirname(resume_ckpt) if resume_ckpt and os.path.basename(resume_ckpt) == CKPT else (
             resume_ckpt if resume_ckpt else os.path.join("out", "finetune"))
@@ -119,7 +122,7 @@ def check_save_dir(args, resume_ckpt: str | None) -> str:
     if os.path.isdir(save_dir):
         _check_not_locked(save_dir)
     content = os.path.isdir(save_dir) and [f for f in os.listdir(save_dir) if f != LOCK_FILE]
-    if content and not args.overwrite:
+    if content and not output.overwrite:
         own = resume_ckpt is not None and os.path.realpath(os.path.join(save_dir, CKPT)) == os.path.realpath(resume_ckpt)
         own = own or (resume_ckpt is not None and os.path.realpath(save_dir) == os.path.realpath(resume_ckpt))
         if not own:

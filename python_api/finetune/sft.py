@@ -343,16 +343,17 @@ class RecordRows:
         return self._take(self.probe_rows, torch.arange(self.probe_rows.input_ids.shape[0]))
 
 
-def sft_rows(train: list[Record], held: list[Record], tokenizer, args, source: str) -> tuple[RecordRows, dict]:
-    """The rows and the data's description (summary.json's "data") of SFT records."""
-    loss_on = getattr(args, "loss_on", "assistant")
-    packed = not getattr(args, "pad_records", False)
+def sft_rows(train: list[Record], held: list[Record], tokenizer, data, seq_len: int,
+             source: str) -> tuple[RecordRows, dict]:
+    """The rows and the data's description (summary.json's "data") of SFT records (`data`: the
+    data options, DataConfig: --loss-on, --pad-records)."""
+    loss_on, packed = data.loss_on, not data.pad_records
     pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
     enc_train = [tokenize_record(r, tokenizer, loss_on) for r in train]
     enc_held = [tokenize_record(r, tokenizer, loss_on) for r in held]
-    rows, c1 = build_rows(enc_train, args.seq_len, pad, packed)
-    probe, c2 = build_rows(enc_held, args.seq_len, pad, packed)
-    windows = RecordRows(rows, probe, args.seq_len, source)
+    rows, c1 = build_rows(enc_train, seq_len, pad, packed)
+    probe, c2 = build_rows(enc_held, seq_len, pad, packed)
+    windows = RecordRows(rows, probe, seq_len, source)
     import hashlib
 
     h = hashlib.sha256()

@@ -10,6 +10,8 @@ memory.py   the memory model (bytes at each point of an iteration)
 cost.py     the cost model (exact all-gather bytes, predicted step time)
 plan.py     the `Plan` (JSON, table) and plan_of (a plan for given choices, predicted)
 search.py   the search: plan_from_profile, least_memory, plan_with_residency
+problem.py  one planning problem of the search: a candidate's memory bound, proposal, exact time
+proxy.py    the search's per-unit proxy of the time: keep order, missing bytes, runs
 Pure Python: nothing here imports torch or needs a model (python_api/planning/ is the torch side).
 """
 

@@ -207,11 +207,11 @@ def test_memory_curve_by_hand():
 def test_search_bound_is_the_memory_model():
     # The search's fast activation bound is memory_curve with nothing kept, minus the
     # constant parts; with buffers=False it is memory_curve with everything kept.
-    from elastic_kernels.api.planner.search import _Search
+    from elastic_kernels.api.planner.problem import SearchProblem
 
     rng = random.Random(11)
     for prof in [synthetic_profile("llama2-70b", ranks=8, seq_len=4096)] + [random_profile(rng) for _ in range(30)]:
-        s = _Search(prof, 1, "chunks")
+        s = SearchProblem(prof, 1, "chunks")
         for m in (1, 3):
             rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
             for fraction, buffers in ((0.0, True), (1.0, False)):
@@ -224,7 +224,7 @@ def test_search_estimate_is_the_cost_model():
     # (micro-batch, recompute set, memory) it must equal the cost model of the choices it
     # makes (so "more memory never slower" holds for the reported time), and those choices
     # must fit under the exact memory model.
-    from elastic_kernels.api.planner.search import _Search
+    from elastic_kernels.api.planner.problem import SearchProblem
 
     rng = random.Random(8)
     checked = 0
@@ -232,7 +232,7 @@ def test_search_estimate_is_the_cost_model():
         prof = random_profile(rng)
         per_rank = rng.choice([1, 2, 4])
         for granularity in ("chunks", "eighths"):
-            s = _Search(prof, 1, granularity)
+            s = SearchProblem(prof, 1, granularity)
             for m in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec)).peak_bytes
@@ -685,7 +685,7 @@ def test_restored_copies_are_pairs_of_consecutive_linears():
 
 
 def test_host_search_bound_is_the_memory_model():
-    from elastic_kernels.api.planner.search import _Search
+    from elastic_kernels.api.planner.problem import SearchProblem
 
     rng = random.Random(12)
     for prof in [synthetic_profile("llama2-13b", ranks=8, seq_len=4096, host_tier=True)] + \
@@ -693,7 +693,7 @@ def test_host_search_bound_is_the_memory_model():
         for f, off in ((0.5, True), (1.0, False), (0.25, True)):
             if prof.weights_on == "host":
                 f = 1.0
-            s = _Search(prof, 1, "chunks", f)
+            s = SearchProblem(prof, 1, "chunks", f)
             for m in (1, 3):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 for fraction, buffers in ((0.0, True), (1.0, False)):
@@ -704,7 +704,7 @@ def test_host_search_bound_is_the_memory_model():
 
 
 def test_host_search_estimate_is_the_cost_model():
-    from elastic_kernels.api.planner.search import _Search
+    from elastic_kernels.api.planner.problem import SearchProblem
 
     rng = random.Random(18)
     checked = 0
@@ -713,7 +713,7 @@ def test_host_search_estimate_is_the_cost_model():
         for granularity in ("chunks", "eighths"):
             f = 1.0 if prof.weights_on == "host" else rng.choice([0.25, 0.5, 0.75, 1.0])
             off = rng.random() < 0.5
-            s = _Search(prof, 1, granularity, f)
+            s = SearchProblem(prof, 1, granularity, f)
             for m in (1, 2):
                 rec = [layer.recomputable and rng.random() < 0.5 for layer in prof.layers]
                 need = memory_curve(prof, Choices.uniform(prof, m, 0.0, recompute=rec, host_fraction=f,

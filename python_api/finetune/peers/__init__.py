@@ -53,17 +53,17 @@ def missing_reason(kind: str, job: Job) -> str | None:
 
 
 def _settings_error(job: Job) -> str | None:
-    args = job.args
-    if "fsdp2" in args.baselines and args.fsdp2_reshard is not None:
-        err = fsdp2_reshard_error(args.fsdp2_reshard, job.world_size)
+    peers = job.cfg.peers
+    if "fsdp2" in peers.baselines and peers.fsdp2_reshard is not None:
+        err = fsdp2_reshard_error(peers.fsdp2_reshard, job.world_size)
         if err:
             return err
-    if "fsdp2-nf4" in args.baselines:
+    if "fsdp2-nf4" in peers.baselines:
         err = shape_error(job)
         if err:
             return err
-    if "deepspeed" in args.baselines:
-        return setting_error(ZeRO3Setting.from_args(args), job.device, job.spec.dtype)
+    if "deepspeed" in peers.baselines:
+        return setting_error(ZeRO3Setting.from_args(peers), job.device, job.spec.dtype)
     return None
 
 
@@ -72,10 +72,10 @@ def check(job: Job) -> dict[str, str]:
     (FinetuneError); a peer whose package is missing on any rank is left out on every rank:
     returns {peer: why}. The same decision on every rank ([Note: agreeing across ranks])."""
     agree_error(_settings_error(job), job.world_size)
-    reasons = {kind: missing_reason(kind, job) for kind in job.args.baselines}
+    reasons = {kind: missing_reason(kind, job) for kind in job.cfg.peers.baselines}
     every = exchange(reasons, what="which peers are installed")
     skipped = {}
-    for kind in job.args.baselines:
+    for kind in job.cfg.peers.baselines:
         bad = [(r, rs[kind]) for r, rs in enumerate(every) if rs[kind]]
         if bad:
             where = "" if len(bad) == len(every) else f" (on {ranks_text([r for r, _ in bad])})"
@@ -85,13 +85,13 @@ def check(job: Job) -> dict[str, str]:
 
 def build(job: Job, kind: str, counter):
     """The engine of peer `kind` for this job (a collective build)."""
-    args = job.args
+    peers = job.cfg.peers
     if kind == "fsdp2":
-        return FSDP2Engine(job, counter, True if args.fsdp2_reshard is None else args.fsdp2_reshard)
+        return FSDP2Engine(job, counter, True if peers.fsdp2_reshard is None else peers.fsdp2_reshard)
     if kind == "ddp":
         return DDPEngine(job, counter)
     if kind == "deepspeed":
-        return ZeRO3Engine(job, counter, ZeRO3Setting.from_args(args))
+        return ZeRO3Engine(job, counter, ZeRO3Setting.from_args(peers))
     if kind == "fsdp2-nf4":
         return FSDP2NF4Engine(job, counter)
     raise FinetuneError(f"unknown peer {kind!r} (expected one of {', '.join(PEERS)})")

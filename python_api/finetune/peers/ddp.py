@@ -46,7 +46,7 @@ class DDPEngine(Engine):
             self.model = DistributedDataParallel(peft_model, device_ids=device_ids, find_unused_parameters=False,
                                                  static_graph=False, broadcast_buffers=False)
         self.counter = counter
-        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
+        self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
 
     def accumulate(self, is_last: bool):
         return contextlib.nullcontext() if is_last else self.model.no_sync()

@@ -323,4 +323,4 @@ class FSDP2NF4Engine(FSDP2Engine):
             pad = f", {len(self.padded)} of {len(self.nf4_weights)} padded: +{100 * extra / self.nf4_numel:.1f}% NF4 weights"
         self.name = f"FSDP2-NF4 + PEFT (torchao NF4 block {self.block}{pad})"
         self.counter = counter
-        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
+        self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum

@@ -115,6 +115,7 @@ class ZeRO3Setting:
 
     @classmethod
     def from_args(cls, args) -> ZeRO3Setting:
+        """The --ds-* options (`args`: the peers' options, PeersConfig, or parse_args' namespace)."""
         return cls(**{f.name: getattr(args, "ds_" + f.name) for f in fields(cls)})
 
     def zero_optimization(self) -> dict:
@@ -179,12 +180,12 @@ def import_deepspeed(device: torch.device):
 
 def ds_config(job: Job, setting: ZeRO3Setting, adapter_numel: int) -> dict:
     """The DeepSpeed configuration of the peer ([Note: DeepSpeed ZeRO-3 as a peer])."""
-    args = job.args
+    t = job.cfg.training
     dtype = job.spec.dtype
     return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": 1,  # the micro-steps of a step share one coalesce_grad_reduction block
-        "train_batch_size": args.micro_batch * job.world_size,
+        "train_batch_size": t.micro_batch * job.world_size,
         "gradient_clipping": 0.0,
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
@@ -237,7 +238,7 @@ class ZeRO3Engine(Engine):
         self.setting = setting
         self.name = f"DeepSpeed ZeRO-3 + PEFT ({setting.label})"
         self.counter = counter
-        self.micro_batch, self.grad_accum = job.args.micro_batch, job.args.grad_accum
+        self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
         adapter_numel = sum(v.numel() for v in job.initial_adapters.values())
         self.config = ds_config(job, setting, adapter_numel)
         with ds.zero.Init(config_dict_or_path=self.config, dtype=None):  # dtype=None: [Note: DeepSpeed ZeRO-3 as a peer]
@@ -245,7 +246,7 @@ class ZeRO3Engine(Engine):
         base.train()
         _write_weights_from_rank0(ds, job, base)
         peft_model = peft_with_initial_adapters(job, base)
-        self.optimizer = adamw([p for p in peft_model.parameters() if p.requires_grad], job.args)
+        self.optimizer = adamw([p for p in peft_model.parameters() if p.requires_grad], job.cfg.training)
         self.model, ds_optimizer, _, _ = ds.initialize(model=peft_model, optimizer=self.optimizer, config=self.config)
         if getattr(ds_optimizer, "optimizer", None) is not self.optimizer:
             raise FinetuneError(f"--baseline deepspeed: DeepSpeed wrapped the AdamW in {type(ds_optimizer).__name__} "
