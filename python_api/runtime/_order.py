@@ -69,6 +69,8 @@ class _Order:
             ) or (order is None and self._observed and self._observed[0] == et.wid)
             if new_pass:
                 self._finish_phase()
+                if self._runs_dirty and self.pool is not None:
+                    self._sync_runs(promote=True)  # [Note: resident runs]: nothing is in flight here
                 self.phase = Phase.FORWARD
                 # A backward that raised never ran its queued callback: allow a new one, and
                 # drop the gradient buckets it launched ([Note: gradient buckets]).
@@ -122,6 +124,8 @@ class _Order:
     def _sweep(self, keep: Residency) -> None:
         """Discard resident, unpinned chunks below residency `keep`."""
         for et in self.tensors:
+            if et.run is not None:
+                continue  # no pages ([Note: resident runs])
             for c, key in enumerate(et.keys):
                 if et.residency[c] < keep and self.pool.contains(key) and self.pool.pin_count(key) == 0:
                     self.pool.free(key)
