@@ -151,8 +151,7 @@ class _Residency:
                 self._sync_runs(promote=True)  # before the first use: nothing is in flight
             self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
 
-    # [Note: resident runs]
-    # (text in python_api/runtime/tensor.py, beside `Run`.)
+    # Runs: see [Note: resident runs] in python_api/runtime/tensor.py.
 
     def _run_candidates(self) -> list[ElasticTensor]:
         """The weights to hold as runs: every chunk PERSISTENT, none from the host store, a
@@ -160,7 +159,7 @@ class _Residency:
         and a cache budget that holds every kept chunk of the model in pages (None, or at
         least sum(keep_chunks) pages: the condition under which no kept chunk is ever
         evicted, so a run changes no byte of traffic). Otherwise none."""
-        if self._local_only() or self.policy.weights_on != "device":
+        if self._local_only() or self.policy.weights_on != "device" or not self.policy.resident_runs:
             return []
         out = [et for et in self.tensors if et.shard is not None and et.run_layout_ok and not any(et.from_host)
                and all(r is Residency.PERSISTENT for r in et.residency)]

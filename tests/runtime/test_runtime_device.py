@@ -49,8 +49,8 @@ def _worker(rank, world_size, device_type, keep, persist, budget):
     rt = ElasticRuntime(policy, group=group, device=device, force_pool=True)
     layers = nn.ModuleList(ElasticLinear.from_linear(lin, rt, f"l{i}") for i, lin in enumerate(linears))
     rt.check_ranks_agree()
-    # Every chunk PERSISTENT at budget all: the weights are runs, one GEMM per use ([Note:
-    # resident runs]); the reference computes them whole too.
+    # Every chunk PERSISTENT at budget all: the weights are runs, one GEMM per use
+    # ([Note: resident runs]); the reference computes them whole too.
     whole = keep == persist == 1.0 and budget is None
     rpc = [None if whole else et.layout.rows_per_chunk for et in rt.tensors]
     results = []
