@@ -61,6 +61,11 @@ class Resident:
 
     def execute(self, fn) -> None:
         """fn(c, chunk) for each chunk in index order, each as soon as it has arrived."""
+        run = self._use.run
+        if run is not None and run.filled:
+            for c, chunk in enumerate(run.chunks):
+                fn(c, chunk)
+            return
         for c in range(self._use.tensor.num_chunks):
             fn(c, self._wait(c))
 

@@ -144,11 +144,16 @@ class _Order:
         if use is not None:
             return use
         others = [self.tensors[w] for w in self._segment_wids(self._cursor - 1)
-                  if w != et.wid and w not in self._prefetched]
+                  if w != et.wid and w not in self._prefetched and not self._filled_run(w)]
         uses = self._start_uses([et] + others)
         for u in uses[1:]:
             self._prefetched[u.tensor.wid] = u
         return uses[0]
+
+    def _filled_run(self, wid: int) -> bool:
+        """A weight held as a filled run needs nothing gathered ([Note: resident runs])."""
+        run = self.tensors[wid].run
+        return run is not None and run.filled
 
     def _prefetch_next(self, et: ElasticTensor) -> None:
         """Start the segments following the current one, `prefetch_depth` of them."""
@@ -163,7 +168,8 @@ class _Order:
             if position >= len(order):
                 break
             ahead.extend(self._segment_wids(position))
-        ahead = [w for w in dict.fromkeys(ahead) if w not in self._prefetched and w != et.wid]
+        ahead = [w for w in dict.fromkeys(ahead) if w not in self._prefetched and w != et.wid
+                 and not self._filled_run(w)]
         if ahead:
             for use in self._start_uses([self.tensors[w] for w in ahead]):
                 self._prefetched[use.tensor.wid] = use

@@ -112,12 +112,26 @@ def _gemm_worker(rank, world_size):
     counter = _CountWeightReads(ptrs)
     with counter:
         model(torch.randn(3, DIMS[0], requires_grad=True)).sum().backward()
-    return counter.ops
+    # The other views of a filled run: chunk by chunk, the page table, full_weight (a copy),
+    # against the original weight.
+    from elastic_kernels.api import Phase
+
+    et, original = rt.tensors[1], make_model()[1].base.weight
+    seen = []
+    with torch.no_grad(), rt.use(et, Phase.FORWARD) as resident:
+        resident.execute(lambda c, chunk: seen.append(chunk.clone()))
+        listed = torch.cat([c.clone() for c in resident.chunks()])
+        table = resident.table()
+        whole = [t.clone() for t in table]
+    views = (torch.equal(torch.cat(seen), original) and torch.equal(listed, original) and len(table) == 1
+             and torch.equal(whole[0], original) and torch.equal(rt.full_weight(et), original))
+    return counter.ops, views
 
 
 def test_a_run_is_one_gemm_per_use():
     layers = len(DIMS) - 1
-    for ops in run_distributed(_gemm_worker, 2, timeout=120):
+    for ops, views in run_distributed(_gemm_worker, 2, timeout=120):
+        assert views, "a filled run's chunks, table or full_weight differ from the weight"
         reads = [op for op in ops if op not in VIEWS]
         # One forward and one backward use per layer (the input requires grad), one GEMM each.
         assert len(reads) == 2 * layers and set(reads) <= MATMULS, ops
