@@ -80,8 +80,16 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   byte). Budget all and a plan keeping weights whole qualify; partly resident, streamed,
 #   host-tier and quantized weights, and partial budgets under the default ratios, keep the
 #   paged path. At world size 1 without force_pool the shard is already the padded weight and
-#   nothing changes. On SmolLM2-135M at 256 KiB chunks every weight qualifies at 2 and 4 ranks
-#   (every chunk's numel is a multiple of 4), so no per-chunk padding scheme was needed.
+#   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
+#   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
+#   with strided views was needed.
+# - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
+#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP; tokens/s 1.065x DDP's
+#   (median of per-round ratios, spread 0.78-1.27) and 1.07x paged budget all's. What is left
+#   above DDP is the padding of each weight's ragged last chunk, which a run holds whole (all
+#   chunks are W slices of ceil(chunk_numel / W)): 26.10 MiB by the layout's arithmetic over
+#   the 210 linears, the measured 26.1 MiB gap. Trimming it needs the last chunk's own slice
+#   outside the run (or a last-chunk slice size of its own in the layout): not done.
 # - Filling: the first use after a weight became a run gathers every chunk through the usual
 #   coalesced gathers (headers, prefetch, byte counts unchanged), whose pages are the run's
 #   chunk views: the received slices are unpacked into the run, own slice included (same
