@@ -196,13 +196,14 @@ class _Residency:
             self.pool.set_budget(self._pool_budget())
             self.pool.drain_evicted()
 
-    def _demote(self, et: ElasticTensor) -> None:
+    def _demote(self, et: ElasticTensor, keep_pages: bool = True) -> None:
         """A run back to a shard and pages: the own slices copied out to a fresh shard, the run
-        freed; the chunks still PERSISTENT of a filled run copied into pages while the pool has
-        room without evicting (so a plan that keeps them gathers nothing more)."""
+        freed; with `keep_pages`, the chunks still PERSISTENT of a filled run copied into pages
+        while the pool has room without evicting (so a plan that keeps them gathers nothing
+        more)."""
         run = et.run
         et.to_shard()
-        if self.pool is None or not run.filled:
+        if self.pool is None or not run.filled or not keep_pages:
             return
         self.pool.set_budget(self._pool_budget())
         page = self.pool.page_bytes
@@ -228,7 +229,7 @@ class _Residency:
         (back to a shard of its own; held as a run again from the next forward pass). Local;
         not while a use of `et` is running."""
         if et.run is not None:
-            self._demote(et)
+            self._demote(et, keep_pages=False)  # its data is about to change
             self._runs_dirty = True
             if self.pool is not None:
                 self.pool.set_budget(self._pool_budget())
