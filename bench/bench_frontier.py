@@ -15,6 +15,9 @@ Each configuration trains the CLI's job (python_api/finetune: the same base weig
 elastic run's initial adapters, batches and AdamW, through the same loop) from scratch:
 - elastic: the pool budget at each of --budgets (a share of the frozen bytes, or all);
 - elastic, weights on host: the host tier at each of --host-budgets;
+- elastic, paged (`--paged-budgets`, none by default): the pool budget at each of them with
+  every weight in pool pages beside its shard, none held as a run (the layout before
+  [Note: resident runs]), for a same-run A/B of runs;
 - elastic, legacy sync (`--legacy-budgets`, none by default): the pool budget at each of them
   with the runtime's synchronization as it was before issue 27 (the blocking header exchange
   on the runtime's group before each gather, the adapter gradients in one all-reduce at the
@@ -126,6 +129,7 @@ def _parse(argv):
     p.add_argument("--budgets", default="0,25%,50%,75%,all", help="elastic pool budgets")
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
     p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
+    p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
@@ -147,7 +151,7 @@ def _parse(argv):
     # process group or model exists (not a traceback once the runs are being built).
     from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
-    for flag in ("budgets", "host_budgets", "legacy_budgets"):
+    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
             try:
                 _budget(b)
@@ -260,6 +264,10 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"legacy-sync budget {budget_label(budget)}",
                           lambda budget=budget: legacy_sync(ElasticEngine(job, budget)), fmt))
+    for b in (x for x in opts.paged_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"paged budget {budget_label(budget)}",
+                          lambda budget=budget: paged_only(ElasticEngine(job, budget)), fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
         out.append(Config(elastic, f"host, budget {budget_label(budget)}",
@@ -302,6 +310,17 @@ def configurations(opts, job, counter) -> list[Config]:
             if job.rank == 0:
                 print(f"bench_frontier: FSDP2-NF4 left out: {exc}", flush=True)
     return out
+
+
+def paged_only(engine):
+    """Every weight in pool pages beside its shard, none held as a run (the layout before
+    [Note: resident runs]), for an A/B in one run."""
+    import dataclasses
+
+    rt = engine.runtime
+    rt.policy = dataclasses.replace(rt.policy, resident_runs=False)
+    rt._sync_runs(promote=False)
+    return engine
 
 
 def legacy_sync(engine):

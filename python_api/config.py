@@ -76,6 +76,10 @@ class ElasticPolicy:
                        enough for every frozen chunk. The runtime adds its working set (the
                        layers in flight) on top; see [Note: pool budget and working set].
     prefetch_depth     layers gathered ahead of the one running, forward and backward.
+    resident_runs      hold a weight every chunk of which is kept across iterations as one
+                       tensor, its shard in place, one GEMM per use (default True); False keeps
+                       it in pool pages beside its shard. See [Note: resident runs] in
+                       python_api/runtime/tensor.py.
     page_bytes         pool page size; default: the largest real chunk of the wrapped weights
                        rounded up to 512 bytes. A chunk larger than a page is an error.
     collective_bytes   coalescing cap: missing chunks of a layer are gathered in collectives of
@@ -143,6 +147,7 @@ class ElasticPolicy:
     persist_ratio: float = 1.0
     pool_budget_bytes: int | None = None
     prefetch_depth: int = 1
+    resident_runs: bool = True
     page_bytes: int | None = None
     collective_bytes: int | None = 32 << 20
     collective_timeout_s: float | None = 300.0
@@ -205,6 +210,8 @@ class ElasticPolicy:
             )
         if self.grad_bucket_bytes is not None and (not _is_int(self.grad_bucket_bytes) or self.grad_bucket_bytes <= 0):
             raise ValueError(f"ElasticPolicy.grad_bucket_bytes must be None or a positive int, got {self.grad_bucket_bytes!r}")
+        if not isinstance(self.resident_runs, bool):
+            raise ValueError(f"ElasticPolicy.resident_runs must be True or False, got {self.resident_runs!r}")
         if not isinstance(self.all_reduce_grads, bool):
             raise ValueError(f"ElasticPolicy.all_reduce_grads must be True or False, got {self.all_reduce_grads!r}")
         if self.weights_on not in ("device", "host"):

@@ -203,11 +203,15 @@ class GatherWork:
         self.timeout_s = timeout_s
         self.done = False
         self.error: RuntimeError | None = None
-        shards = [r.tensor.shard for r in runs]
         slices = [r.tensor.storage.slice_numel for r in runs]  # as stored (a quantized weight's image)
         self._slices = slices
         self._counts = [r.end - r.begin for r in runs]
         self.payload_numel = sum(c * s for c, s in zip(self._counts, slices))
+        # What pack_shards reads: a range of each shard, or a run's own slices one by one
+        # (ElasticTensor.send_parts); the send buffer is the same bytes in the same order.
+        parts = [r.tensor.send_parts(r.begin, r.end) for r in runs]
+        shards = [t for p in parts for t in p[0]]
+        packing = ([s for p in parts for s in p[1]], [b for p in parts for b in p[2]], [e for p in parts for e in p[3]])
         self.send_bytes = self.payload_numel * shards[0].element_size()
         self.seq = seq
         self.device = device
@@ -220,7 +224,7 @@ class GatherWork:
                 compute = torch.cuda.current_stream(device)
                 comm_stream.wait_stream(compute)
                 with torch.cuda.stream(comm_stream):
-                    send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
+                    send = pack_shards(shards, *packing)
                     self.output = send.new_empty(world_size * send.numel())
                     all_gather_into(self.output, send, group, async_op=False)
                     self._unpack()
@@ -230,7 +234,7 @@ class GatherWork:
                 self.output = None
             elif channel is not None:
                 # [Note: headers off the prefetch path]: the header now, the data once it compared equal.
-                self._send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
+                self._send = pack_shards(shards, *packing)
                 self._header = self._header_of(runs, seq, shards[0].device)
                 self._every = [torch.empty_like(self._header) for _ in range(world_size)]
                 self.header_work = dist.all_gather(self._every, self._header, group=channel.header_group,
@@ -239,7 +243,7 @@ class GatherWork:
                 channel.advance()
             else:
                 self._check_headers(runs, group, seq, shards[0].device)
-                send = pack_shards(shards, slices, [r.begin for r in runs], [r.end for r in runs])
+                send = pack_shards(shards, *packing)
                 self.output = send.new_empty(world_size * send.numel())
                 self.work = all_gather_into(self.output, send, group, async_op=True)
 

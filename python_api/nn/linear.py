@@ -131,7 +131,6 @@ class ElasticLinearFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             b = None if bias is None else bias.to(dtype)
-            y = x2.new_empty(x2.shape[0], out_features)
 
             def fwd_chunk(c, w):
                 r0, r1 = et.layout.chunk_rows(c)
@@ -139,7 +138,12 @@ class ElasticLinearFunction(torch.autograd.Function):
                 y[:, r0:r1] = F.linear(x2, w.to(dtype), None if b is None else b[r0:r1])
 
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                resident.execute(fwd_chunk)
+                whole = resident.whole()
+                if whole is not None:  # one GEMM ([Note: resident runs] in python_api/runtime/tensor.py)
+                    y = F.linear(x2, whole.to(dtype), b)
+                else:
+                    y = x2.new_empty(x2.shape[0], out_features)
+                    resident.execute(fwd_chunk)
         ctx.et, ctx.dtype = et, dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -152,25 +156,29 @@ class ElasticLinearFunction(torch.autograd.Function):
         with no_autocast(dy.device.type):
             dy2 = dy.reshape(-1, et.shape[0]).to(dtype)
             if ctx.needs_input_grad[0]:
-                if dtype in LOW_PRECISION:
-                    # Each chunk's product is rounded once to the op dtype; the sum over chunks
-                    # is kept in fp32, so many chunks do not add one rounding each.
-                    dx = torch.zeros(dy2.shape[0], et.shape[1], dtype=torch.float32, device=dy2.device)
+                low = dtype in LOW_PRECISION
+                acc = []  # dx of the chunked path, allocated only there
 
-                    def dgrad_chunk(c, w):
-                        r0, r1 = et.layout.chunk_rows(c)
-                        w = weight_chunks(et, [w], dtype, c)[0]
-                        dx.add_(dy2[:, r0:r1] @ w.to(dtype))
-                else:
-                    dx = dy2.new_zeros(dy2.shape[0], et.shape[1])
-
-                    def dgrad_chunk(c, w):
-                        r0, r1 = et.layout.chunk_rows(c)
-                        w = weight_chunks(et, [w], dtype, c)[0]
-                        dx.addmm_(dy2[:, r0:r1], w.to(dtype))
+                def dgrad_chunk(c, w):
+                    if not acc:
+                        # 16-bit: each chunk's product is rounded once to the op dtype; the sum
+                        # over chunks is kept in fp32, so many chunks do not add one rounding each.
+                        acc.append(torch.zeros(dy2.shape[0], et.shape[1], device=dy2.device,
+                                               dtype=torch.float32 if low else dtype))
+                    r0, r1 = et.layout.chunk_rows(c)
+                    w = weight_chunks(et, [w], dtype, c)[0]
+                    if low:
+                        acc[0].add_(dy2[:, r0:r1] @ w.to(dtype))
+                    else:
+                        acc[0].addmm_(dy2[:, r0:r1], w.to(dtype))
 
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    resident.execute(dgrad_chunk)
+                    whole = resident.whole()
+                    if whole is not None:  # one GEMM, rounded once to the op dtype
+                        dx = dy2 @ whole.to(dtype)
+                    else:
+                        resident.execute(dgrad_chunk)
+                        dx = acc[0]
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 db = dy2.sum(0).to(ctx.bias_dtype)

@@ -239,7 +239,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             x2, lx2 = xc.reshape(-1, x.shape[-1]), lora_x.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                y, xa = paged_lora_linear_fwd(x2, weight_chunks(et, resident.chunks(), dtype), bias_c, lx2, a, b, scale)
+                y, xa = paged_lora_linear_fwd(x2, weight_chunks(et, resident.table(), dtype), bias_c, lx2, a, b, scale)
         if torch.compiler.is_compiling():
             # Only when a compiler traces this function (the layers' forward is compiler-
             # disabled, so not today): the reference op's xa is a no-op .to() of a traced
@@ -266,7 +266,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             lx2 = lora_x.reshape(-1, lora_x.shape[-1])
             if ctx.needs_input_grad[0]:
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    chunks = weight_chunks(et, resident.chunks(), dtype)
+                    chunks = weight_chunks(et, resident.table(), dtype)
                     if mask is None:
                         dx, dyb = paged_lora_linear_dgrad(dy2, chunks, a, b, s)
                     else:

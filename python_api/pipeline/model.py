@@ -197,11 +197,13 @@ class PipelinedModel:
                 pack.to(self.device)
             # [Note: one runtime per pack]: resident packs hold every chunk PERSISTENT in a pool
             # sized for the pack (released by the residency); a transient pack's pool holds only
-            # the runtime's working set (cache budget 0), its chunks gathered for each use.
+            # the runtime's working set (cache budget 0), its chunks gathered for each use. No
+            # runs ([Note: resident runs]): the residency releases and prefetches a pack's
+            # chunks itself, into pages, every step.
             full = layout.residency[k] != "transient"
             pol = dataclasses.replace(self.policy, keep_ratio=1.0 if full else 0.0,
                                       persist_ratio=1.0 if full else 0.0, pool_budget_bytes=None if full else 0,
-                                      all_reduce_grads=False)
+                                      all_reduce_grads=False, resident_runs=False)
             convert_to_elastic(pack, self.lora, pol, group=groups.dp_group, unit_modules=units, source=source)
             self.packs[k] = pack
             self.runtimes[k] = runtime_of(pack)

@@ -33,10 +33,11 @@ from .tensor import ElasticTensor, Residency
 class _Use:
     """Chunks of one tensor pinned for one use (a forward or backward of its layer)."""
 
-    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "fresh", "ended")
+    __slots__ = ("tensor", "chunks", "works", "keys_pinned", "fresh", "ended", "run")
 
     def __init__(self, tensor: ElasticTensor):
         self.tensor = tensor
+        self.run = tensor.run  # held as a run ([Note: resident runs]): its chunks are views of it
         self.chunks: list[torch.Tensor | None] = [None] * tensor.num_chunks
         self.works: list[GatherWork | None] = [None] * tensor.num_chunks
         self.keys_pinned: list[int] = []
@@ -60,12 +61,37 @@ class Resident:
 
     def execute(self, fn) -> None:
         """fn(c, chunk) for each chunk in index order, each as soon as it has arrived."""
+        run = self._use.run
+        if run is not None and run.filled:
+            for c, chunk in enumerate(run.chunks):
+                fn(c, chunk)
+            return
         for c in range(self._use.tensor.num_chunks):
             fn(c, self._wait(c))
 
     def chunks(self) -> list[torch.Tensor]:
         """Every chunk, after all gathers of this use completed."""
+        run = self._use.run
+        if run is not None and run.filled:
+            return list(run.chunks)
         return [self._wait(c) for c in range(self._use.tensor.num_chunks)]
+
+    def whole(self) -> torch.Tensor | None:
+        """The weight as one tensor ([rows, cols], after this use's gathers completed) when it
+        is held as a run ([Note: resident runs]), else None: then it exists only as chunks."""
+        run = self._use.run
+        if run is None:
+            return None
+        if not run.filled:
+            for c in range(self._use.tensor.num_chunks):
+                self._wait(c)
+        return run.whole
+
+    def table(self) -> list[torch.Tensor]:
+        """The page table a paged op takes: [the whole weight] for a run (one GEMM), else
+        every chunk (`chunks()`)."""
+        whole = self.whole()
+        return [whole] if whole is not None else self.chunks()
 
 
 class _Gathers:
@@ -93,13 +119,16 @@ class _Gathers:
         elif et.shard is None:  # weights_on="host": the store holds the whole weight
             for c, d in enumerate(dests):
                 d.copy_(et.host_chunk(c))
+        elif et.run is not None and et.run.filled:  # every rank holds it whole: nothing to gather
+            out.copy_(et.run.whole)
         else:
-            gathered = et.shard.new_empty(self.world_size * et.shard.numel())
+            shard = et.shard if et.run is None else et.shard.reshape(-1)  # a run's own slices, copied
+            gathered = shard.new_empty(self.world_size * shard.numel())
             with record_function("elastic::gather_full"):
-                all_gather_into(gathered, et.shard, self.group, async_op=False)
+                all_gather_into(gathered, shard, self.group, async_op=False)
             unpack_gathered(gathered, self.world_size, [st.slice_numel], [et.num_chunks], dests)
             self._stats["allgather_calls"] += 1
-            self._stats["allgather_bytes"] += (self.world_size - 1) * et.shard.numel() * et.shard.element_size()
+            self._stats["allgather_bytes"] += (self.world_size - 1) * shard.numel() * shard.element_size()
         if et.qlayout is None:
             return out
         return dequantize(dests, et.qlayout.formats[0], et.shape[0], dtype=et.dtype)
@@ -116,6 +145,15 @@ class _Gathers:
                 if self._local_only():
                     use.chunks = list(et._local_chunks)
                     self._stats["pool_hits"] += et.num_chunks
+                    continue
+                if use.run is not None:  # [Note: resident runs]
+                    if use.run.filled:
+                        use.works = ()  # nothing to wait for: O(1) on a hit
+                        self._stats["pool_hits"] += et.num_chunks
+                        continue
+                    use.chunks = list(use.run.chunks)
+                    self._stats["pool_misses"] += et.num_chunks
+                    pending.extend(self._runs(use, list(range(et.num_chunks))))
                     continue
                 slots = self.pool.lookup_pin(et.keys)
                 missing = []
@@ -186,6 +224,11 @@ class _Gathers:
             chunk_runs = []
             for use, run in batch:
                 et = use.tensor
+                if use.run is not None:  # the gather lands in the run ([Note: resident runs])
+                    chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, use.run.chunks[run[0] : run[-1] + 1]))
+                    if self.comm_stream is not None:  # unpacked there: not reused before it is done
+                        use.run.buffer.record_stream(self.comm_stream)
+                    continue
                 pages = []
                 for c in run:
                     page = self.pool.allocate_pinned(et.keys[c])
@@ -221,6 +264,11 @@ class _Gathers:
         use.ended = True
         for work in {id(w): w for w in use.works if hasattr(w, "cancel") and not w.done}.values():
             work.cancel()  # never waited (an error while starting uses): its data is never issued
+        if use.run is not None:
+            # A run holds no pages: it is filled once every gather of its chunks arrived.
+            if not failed and use.works and all(w is not None and w.done and not w.failed for w in use.works):
+                use.run.filled = True
+            return
         if not use.keys_pinned:
             return
         et = use.tensor

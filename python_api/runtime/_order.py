@@ -69,6 +69,8 @@ class _Order:
             ) or (order is None and self._observed and self._observed[0] == et.wid)
             if new_pass:
                 self._finish_phase()
+                if self._runs_dirty and self.pool is not None:
+                    self._sync_runs(promote=True)  # [Note: resident runs]: nothing is in flight here
                 self.phase = Phase.FORWARD
                 # A backward that raised never ran its queued callback: allow a new one, and
                 # drop the gradient buckets it launched ([Note: gradient buckets]).
@@ -122,6 +124,8 @@ class _Order:
     def _sweep(self, keep: Residency) -> None:
         """Discard resident, unpinned chunks below residency `keep`."""
         for et in self.tensors:
+            if et.run is not None:
+                continue  # no pages ([Note: resident runs])
             for c, key in enumerate(et.keys):
                 if et.residency[c] < keep and self.pool.contains(key) and self.pool.pin_count(key) == 0:
                     self.pool.free(key)
@@ -140,11 +144,16 @@ class _Order:
         if use is not None:
             return use
         others = [self.tensors[w] for w in self._segment_wids(self._cursor - 1)
-                  if w != et.wid and w not in self._prefetched]
+                  if w != et.wid and w not in self._prefetched and not self._filled_run(w)]
         uses = self._start_uses([et] + others)
         for u in uses[1:]:
             self._prefetched[u.tensor.wid] = u
         return uses[0]
+
+    def _filled_run(self, wid: int) -> bool:
+        """A weight held as a filled run needs nothing gathered ([Note: resident runs])."""
+        run = self.tensors[wid].run
+        return run is not None and run.filled
 
     def _prefetch_next(self, et: ElasticTensor) -> None:
         """Start the segments following the current one, `prefetch_depth` of them."""
@@ -159,7 +168,8 @@ class _Order:
             if position >= len(order):
                 break
             ahead.extend(self._segment_wids(position))
-        ahead = [w for w in dict.fromkeys(ahead) if w not in self._prefetched and w != et.wid]
+        ahead = [w for w in dict.fromkeys(ahead) if w not in self._prefetched and w != et.wid
+                 and not self._filled_run(w)]
         if ahead:
             for use in self._start_uses([self.tensors[w] for w in ahead]):
                 self._prefetched[use.tensor.wid] = use

@@ -66,6 +66,7 @@ class _Residency:
         if self.phase is not Phase.IDLE or self._prefetched:
             raise RuntimeError(f"set_residency({et.name}): change residency between steps, not inside a forward or backward")
         et.residency = residency_of_counts(n, keep_chunks, persist_chunks)
+        self._sync_runs(promote=False)
         if self.pool is not None:
             stale = [k for c, k in enumerate(et.keys) if et.residency[c] is not Residency.PERSISTENT
                      and self.pool.contains(k) and self.pool.pin_count(k) == 0]
@@ -89,6 +90,7 @@ class _Residency:
         self.policy = dataclasses.replace(self.policy, host_fraction=float(fraction))
         for et in self.tensors:
             et.from_host = host_chunks(et.num_chunks, self.policy.source_fraction)
+        self._sync_runs(promote=False)
 
     def set_prefetch_depth(self, depth: int) -> None:
         """Segments gathered ahead of the running one ([Note: learned order and prefetch]), e.g.
@@ -116,26 +118,100 @@ class _Residency:
             self.activation_offload.set_enabled(enabled)
 
     def _working_set_pages(self) -> int:
+        """Pages of the `1 + prefetch_depth` largest units, counting the weights held in pages
+        (a run needs none: [Note: resident runs])."""
         units: dict[str, int] = {}
         for et in self.tensors:
-            units[et.unit] = units.get(et.unit, 0) + et.num_chunks
+            if et.run is None:
+                units[et.unit] = units.get(et.unit, 0) + et.num_chunks
         counts = sorted(units.values(), reverse=True)
         return sum(counts[: 1 + self.policy.prefetch_depth])
 
     def _total_pages(self) -> int:
-        return sum(et.num_chunks for et in self.tensors)
+        """Chunks of the weights held in pages (not in runs)."""
+        return sum(et.num_chunks for et in self.tensors if et.run is None)
+
+    def run_bytes(self) -> int:
+        """Bytes of the weights held as runs now ([Note: resident runs]): charged against the
+        cache budget, so the pool's budget is the cache budget less these."""
+        return sum(et.run_bytes for et in self.tensors if et.run is not None)
 
     def _pool_budget(self) -> int:
         page = self.page_bytes()
         total = self._total_pages() * page
         if self._cache_budget is None:
             return max(total, page)
-        return max(page, min(total, self._cache_budget + self._working_set_pages() * page))
+        cache = max(0, self._cache_budget - self.run_bytes())
+        return max(page, min(total, cache + self._working_set_pages() * page))
 
     def _ensure_pool(self) -> None:
         self.check_open("use")
         if self.pool is None and not self._local_only():
+            if self._runs_dirty:
+                self._sync_runs(promote=True)  # before the first use: nothing is in flight
             self.pool = PagePool(self.page_bytes(), self._pool_budget(), device=self.device)
+
+    # Runs: see [Note: resident runs] in python_api/runtime/tensor.py.
+
+    def _run_candidates(self) -> list[ElasticTensor]:
+        """The weights to hold as runs: every chunk PERSISTENT, none from the host store, a
+        layout whose padded chunks lie back to back, a device shard, a runtime that gathers;
+        and a cache budget that holds every kept chunk of the model in pages (None, or at
+        least sum(keep_chunks) pages: the condition under which no kept chunk is ever
+        evicted, so a run changes no byte of traffic). Otherwise none."""
+        if self._local_only() or self.policy.weights_on != "device" or not self.policy.resident_runs:
+            return []
+        out = [et for et in self.tensors if et.shard is not None and et.run_layout_ok and not any(et.from_host)
+               and all(r is Residency.PERSISTENT for r in et.residency)]
+        if out and self._cache_budget is not None:
+            kept = sum(et.keep_chunks for et in self.tensors) * self.page_bytes()
+            if kept > self._cache_budget:
+                return []
+        return out
+
+    def _sync_runs(self, promote: bool) -> None:
+        """Demote the runs that are no longer wanted (at once: their memory goes back now);
+        with `promote`, also hold the wanted weights as runs (only where no use is in flight:
+        before the first use, and at the start of a forward pass). The pool's budget follows."""
+        wanted = {et.wid for et in self._run_candidates()}
+        changed = False
+        for et in self.tensors:
+            if et.run is not None and et.wid not in wanted:
+                self._demote(et)
+                changed = True
+        if promote:
+            for et in self.tensors:
+                if et.run is None and et.wid in wanted:
+                    if self.pool is not None:  # pages of its chunks: dead once it is a run
+                        cached = [k for k in et.keys if self.pool.contains(k) and self.pool.pin_count(k) == 0]
+                        if cached:
+                            self.pool.free_many(cached)
+                    et.to_run()
+                    changed = True
+            self._runs_dirty = False
+        else:
+            self._runs_dirty = True
+        self._run_peak = max(self._run_peak, self.run_bytes())
+        if changed and self.pool is not None:
+            self.pool.set_budget(self._pool_budget())
+            self.pool.drain_evicted()
+
+    def _demote(self, et: ElasticTensor, keep_pages: bool = True) -> None:
+        """A run back to a shard and pages: the own slices copied out to a fresh shard, the run
+        freed; with `keep_pages`, the chunks still PERSISTENT of a filled run copied into pages
+        while the pool has room without evicting (so a plan that keeps them gathers nothing
+        more)."""
+        run = et.run
+        et.to_shard()
+        if self.pool is None or not run.filled or not keep_pages:
+            return
+        self.pool.set_budget(self._pool_budget())
+        page = self.pool.page_bytes
+        for c, key in enumerate(et.keys):
+            s = self.pool.stats()
+            if et.residency[c] is not Residency.PERSISTENT or s["in_use_bytes"] + page > s["budget_bytes"]:
+                break
+            et.chunk_view(self.pool.allocate(key), c).copy_(run.chunks[c])
 
     def set_pool_budget(self, budget_bytes: int | None) -> None:
         """Change the cache budget (bytes beyond the working set) at any moment, on every rank."""
@@ -143,13 +219,21 @@ class _Residency:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"set_pool_budget: expected None or an int >= 0, got {budget_bytes!r}")
         self._cache_budget = budget_bytes
+        self._sync_runs(promote=False)  # a budget that cannot hold the runs demotes them now
         if self.pool is not None:
             self.pool.set_budget(self._pool_budget())
             self.pool.drain_evicted()  # see _finish_phase
 
     def drop_cached(self, et: ElasticTensor) -> None:
-        """Free the pool pages holding chunks of `et` (after its shard changed). Local; not
-        while a use of `et` is running."""
+        """Free the pool pages holding chunks of `et` (after its shard changed), or its run
+        (back to a shard of its own; held as a run again from the next forward pass). Local;
+        not while a use of `et` is running."""
+        if et.run is not None:
+            self._demote(et, keep_pages=False)  # its data is about to change
+            self._runs_dirty = True
+            if self.pool is not None:
+                self.pool.set_budget(self._pool_budget())
+                self.pool.drain_evicted()
         if self.pool is None:
             return
         cached = [k for k in et.keys if self.pool.contains(k)]

@@ -136,6 +136,11 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         self._next_bucket = 0
         self._buckets_launched_in_backward = 0
         self._closed = False  # see [Note: closing a runtime]
+        # [Note: resident runs] in tensor.py: whether the weights held as runs may have to
+        # change (set by residency, budget and source changes; applied where nothing is in
+        # flight), and the most bytes held in runs since the stats were reset.
+        self._runs_dirty = True
+        self._run_peak = 0
         self._stats = {"allgather_bytes": 0, "allgather_calls": 0, "pool_hits": 0, "pool_misses": 0, "h2d_bytes": 0}
         self._weight_bytes: dict[str, int] = {}  # all-gather bytes received per weight (stats)
 
@@ -151,7 +156,10 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         python_api/host/store.py), so the sum over a node's ranks is the node's locked memory;
         0 for the store where pinning failed or is not possible (CPU)."""
         out = dict(self._stats)
-        out["pool_peak_bytes"] = self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0
+        # The cache's bytes: the pool's pages and the runs ([Note: resident runs]); runs change
+        # only between steps, so their peak adds to the pages' as an upper bound.
+        out["run_bytes"] = self.run_bytes()
+        out["pool_peak_bytes"] = (self.pool.stats()["peak_in_use_bytes"] if self.pool is not None else 0) + self._run_peak
         out["d2h_bytes"] = 0
         out["host_store_bytes"] = self.host_store.nbytes if self.host_store is not None else 0
         reports = self.host_store is not None and self.host_node is not None and self.host_node.reports_pinned
@@ -173,6 +181,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
             self.activation_offload.reset_stats()
         if self.pool is not None:
             self.pool.reset_peak()
+        self._run_peak = self.run_bytes()
 
     # [Note: closing a runtime]
     # A runtime owns the pool (every page of its device memory), the shards, the host store's
@@ -227,6 +236,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
                 self.activation_offload = None
             for et in self.tensors:
                 et.shard = None
+                et.run = None
                 et._local_chunks = None
                 et._reader = None
             self.dequant_workspace = DequantWorkspace()

@@ -58,6 +58,82 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
     ]
 
 
+# [Note: resident runs]
+# A weight every chunk of which is kept across iterations (PERSISTENT) costs, in pages, its
+# shard twice (the shard, and its rows inside the pool's full chunks), page rounding, and one
+# pin / view / unpin and one GEMM per chunk on every use (issue 27: budget all ran at 0.84x
+# DDP's tokens/s at +290..320 MiB of tensor peak on SmolLM2-135M). Such a weight is instead
+# held as a *run*: one tensor of num_chunks * world_size * slice_numel elements in the
+# chunk-major padded order of [Note: chunk-major shard layout]. When every full chunk's
+# elements are a multiple of the world size, the padded chunks lie back to back, so the run's
+# first rows * cols elements ARE the weight ([rows, cols], `Run.whole`), rank r's slice of
+# chunk c is run[(c*W + r)*S : (c*W + r + 1)*S], and that is where the shard lives: the
+# separate shard tensor is freed and `ElasticTensor.shard` becomes the run's [num_chunks, S]
+# view of its own slices (no second copy). A use of a filled run is O(1) Python (no pool
+# call, nothing to wait for) and one GEMM: `Resident.whole()` / `Resident.table()` give the
+# layers one [rows, cols] tensor (nn/linear.py: one F.linear / one mm; nn/lora.py: the paged
+# op with a single chunk).
+# - Which weights: every chunk PERSISTENT, none from the host store, not quantized, weights on
+#   the device, a runtime that gathers (world size > 1 or force_pool), the layout above, and a
+#   cache budget that holds every kept chunk of the model in pages (None, or >= the kept
+#   chunks' pages: exactly when no kept chunk is ever evicted, so traffic is unchanged to the
+#   byte). Budget all and a plan keeping weights whole qualify; partly resident, streamed,
+#   host-tier and quantized weights, and partial budgets under the default ratios, keep the
+#   paged path. At world size 1 without force_pool the shard is already the padded weight and
+#   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
+#   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
+#   with strided views was needed.
+# - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
+#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP; tokens/s 1.065x DDP's
+#   (median of per-round ratios, spread 0.78-1.27) and 1.07x paged budget all's. What is left
+#   above DDP is the padding of each weight's ragged last chunk, which a run holds whole (all
+#   chunks are W slices of ceil(chunk_numel / W)): 26.10 MiB by the layout's arithmetic over
+#   the 210 linears, the measured 26.1 MiB gap. Trimming it needs the last chunk's own slice
+#   outside the run (or a last-chunk slice size of its own in the layout): not done.
+# - Filling: the first use after a weight became a run gathers every chunk through the usual
+#   coalesced gathers (headers, prefetch, byte counts unchanged), whose pages are the run's
+#   chunk views: the received slices are unpacked into the run, own slice included (same
+#   values). Not one all_gather_into_tensor in place: that lands rank-major, and the run is
+#   chunk-major, so in place it would take one collective per chunk; the receive buffer is
+#   the usual one (at most collective_bytes * W) and lives only during that one step.
+#   `run.filled` is set once every gather of the use completed; a failed gather leaves it
+#   unfilled and the next use gathers again.
+# - Accounting: a run's bytes (padding of the ragged last chunk included, no page rounding)
+#   are charged against the cache budget: the pool's budget is the cache budget less the runs'
+#   bytes, its working set and its cap count only the weights held in pages, and `stats()`
+#   reports `run_bytes` and adds the runs to `pool_peak_bytes`.
+# - Changes (on every rank alike, like every residency change): a budget, residency or source
+#   change that no longer admits a run demotes it at once (its own slices copied out to a fresh
+#   shard, the run freed; the chunks still PERSISTENT of a filled run copied into pages while
+#   the pool has room without evicting), and `drop_cached` does too. Promotion (a weight
+#   becoming a run: its own slices copied in, its cached pages freed, filled by its next use)
+#   waits for a point where no use is in flight: the first use, or the start of a forward pass.
+
+
+class Run:
+    """The whole weight of one rank in one tensor ([Note: resident runs]): `buffer` holds
+    num_chunks * world_size * slice_numel elements in chunk-major padded order, `whole` is its
+    first rows * cols elements viewed [rows, cols] (the weight itself), `chunks[c]` chunk c's
+    [rows_c, cols] view, `own[c]` this rank's slice of chunk c (where the shard lives).
+    `filled`: every peer's slices have arrived (until then only `own` holds data)."""
+
+    __slots__ = ("buffer", "whole", "chunks", "own", "filled")
+
+    def __init__(self, et: ElasticTensor):
+        st, w, r = et.storage, et.storage.world_size, et.runtime.rank
+        n, s = st.num_chunks, st.slice_numel
+        self.buffer = torch.empty(n * w * s, dtype=et.storage_dtype, device=et.device)
+        self.whole = self.buffer[: st.numel].view(et.shape)
+        self.chunks = [self.buffer[c * w * s : c * w * s + st.chunk_numel_of(c)].view(et.chunk_shape(c))
+                       for c in range(n)]
+        self.own = [self.buffer[(c * w + r) * s : (c * w + r + 1) * s] for c in range(n)]
+        self.filled = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
 class ElasticTensor:
     """One frozen weight: its chunk-major shard on this rank and the residency of its chunks."""
 
@@ -110,6 +186,9 @@ class ElasticTensor:
                 self._reader = rows
             # weights_on="host": no device shard at all, every chunk comes from the host store.
             self.shard = None
+            # Held as a run ([Note: resident runs]): the shard then lives in it, `shard` is its
+            # view [num_chunks, slice_numel] of the run's own slices.
+            self.run: Run | None = None
             if policy.weights_on == "device":
                 if rows is None:
                     self.shard = self.shard_of_weight(weight)
@@ -124,6 +203,45 @@ class ElasticTensor:
                     self.chunk_shape(c))
                 for c in range(st.num_chunks)
             ]
+
+    @property
+    def run_layout_ok(self) -> bool:
+        """Whether the padded chunks lie back to back, so that a run's first rows * cols
+        elements are the weight ([Note: resident runs]): not quantized, and every full chunk's
+        elements a multiple of the world size (the ragged last chunk is padded at the end)."""
+        st = self.layout
+        return self.qlayout is None and (st.num_chunks == 1 or st.chunk_numel % st.world_size == 0)
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of this weight held as a run: every chunk's padded slices."""
+        st = self.storage
+        return st.num_chunks * st.world_size * st.slice_numel * self.element_size
+
+    def to_run(self) -> None:
+        """Hold the weight as a run: its own slices move into it, the separate shard is freed
+        (nothing of the peers' slices yet: `run.filled` is False)."""
+        st = self.storage
+        run = Run(self)
+        view = run.buffer.view(st.num_chunks, st.world_size, st.slice_numel)[:, self.runtime.rank, :]
+        view.copy_(self.shard.view(st.num_chunks, st.slice_numel))
+        self.run, self.shard = run, view
+
+    def to_shard(self) -> None:
+        """Back to a shard of its own (a fresh tensor, the run freed): the inverse of `to_run`."""
+        shard = torch.empty(self.storage.shard_numel, dtype=self.storage_dtype, device=self.device)
+        shard.view(self.storage.num_chunks, self.storage.slice_numel).copy_(self.shard)
+        self.run, self.shard = None, shard
+
+    def send_parts(self, begin: int, end: int) -> tuple[list[torch.Tensor], list[int], list[int], list[int]]:
+        """This rank's slices of chunks [begin, end) as `pack_shards` takes them (shards,
+        slice sizes, chunk begins, chunk ends): one contiguous range of the shard, or, held as
+        a run, one slice per chunk (in the run they are world_size slices apart)."""
+        s = self.storage.slice_numel
+        if self.run is None:
+            return [self.shard], [s], [begin], [end]
+        k = end - begin
+        return self.run.own[begin:end], [s] * k, [0] * k, [1] * k
 
     def chunk_shape(self, c: int) -> tuple[int, ...]:
         """Shape of chunk c as the layers get it from the runtime: [rows, cols], or a quantized

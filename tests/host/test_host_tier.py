@@ -51,18 +51,22 @@ CONFIGS = [
 
 
 def _parity_worker(rank, world_size, configs, iters):
-    from elastic_kernels.api import ElasticPolicy, elasticize, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, stats
 
     frozen = sum(a * b for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     out = []
     for on, hf, keep, persist, budget in configs:
         model = make_model()
-        ref = reference_of(model, CHUNK)
+        # Every chunk PERSISTENT at budget all, none from the host: the weights are runs,
+        # computed in one GEMM ([Note: resident runs]); the reference follows.
+        whole = on == "device" and not hf and keep == persist == 1.0 and budget is None
+        ref = reference_of(model, CHUNK, whole=whole)
         policy = ElasticPolicy(chunk_bytes=CHUNK, keep_ratio=keep, persist_ratio=persist, weights_on=on,
                                host_fraction=hf, all_reduce_grads=False,
                                pool_budget_bytes=None if budget is None else int(budget * frozen))
         elasticize(model, policy)
         _train(model, ref, iters, seed=7 + rank)
+        assert [et.run is not None for et in runtime_of(model).tensors] == [whole] * (len(DIMS) - 1)
         s = stats(model)
         out.append((on, hf, s["allgather_bytes"], s["h2d_bytes"], s["host_store_bytes"]))
     return out

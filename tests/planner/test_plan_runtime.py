@@ -4,7 +4,11 @@ On a small Hugging Face Llama under convert_to_elastic (2 and 4 gloo ranks), pla
 arbitrary per-weight keep/persist counts, recomputed layers and micro-batch splits are applied
 with `apply_plan`; each step's measured all-gather bytes must equal the plan's prediction
 byte for byte, and the losses and adapter gradients must be bit-identical to the same model
-under the default residency without recompute (residency and recompute never change a value).
+under the default residency without recompute (residency and recompute never change a value),
+computed chunk by chunk as the paged path does. A weight a plan keeps whole is held as a run
+and computed in one GEMM ([Note: resident runs]): that changes the order of fp32 additions,
+so a plan with runs is compared to fp32 rounding (a sum of <= 80 products per output, through
+3 layers: 1e-4, as tests/nn/test_lora.py argues), its traffic still byte for byte.
 The planner's own choice under a tight memory cap is checked the same way.
 """
 
@@ -33,11 +37,12 @@ def _llama(seed=0):
     return LlamaForCausalLM(cfg).float()
 
 
-def _elastic(seed=0):
+def _elastic(seed=0, runs=True):
+    """`runs` False: every weight in pages, computed chunk by chunk (the reference)."""
     from elastic_kernels.api import ElasticPolicy, LoRAConfig, convert_to_elastic
 
     model = convert_to_elastic(_llama(seed), LoRAConfig(r=4, alpha=8, target_modules=TARGETS, seed=3),
-                               ElasticPolicy(chunk_bytes=48 * 4 * 5, all_reduce_grads=True))
+                               ElasticPolicy(chunk_bytes=48 * 4 * 5, all_reduce_grads=True, resident_runs=runs))
     with torch.no_grad():  # non-zero B, so the LoRA path carries gradient into every layer
         gen = torch.Generator().manual_seed(11)
         for n, p in model.named_parameters():
@@ -94,7 +99,7 @@ def _follow_worker(rank, world_size, n_plans):
     per_rank = 2
     global_batch = per_rank * world_size
     gen = torch.Generator().manual_seed(100 + rank)
-    planned, reference = _elastic(), _elastic()
+    planned, reference = _elastic(), _elastic(runs=False)
     profile_batch = torch.randint(0, 96, (per_rank, SEQ), generator=gen)
     profile = measure_profile(planned, [profile_batch], capacity_bytes=1 << 30)
     rng = random.Random(5)  # the same plans on every rank
@@ -118,26 +123,39 @@ def _follow_worker(rank, world_size, n_plans):
 
         assert runtime_of(planned).policy.prefetch_depth == plan.prefetch_depth
         measured = []
+        rt = runtime_of(planned)
         for step in range(3):
             batch = torch.randint(0, 96, (plan.accumulation, plan.micro_batch, SEQ), generator=gen)
             reset_stats(planned)
             loss = _step(planned, batch, plan.accumulation)
             measured.append(stats(planned)["allgather_bytes"])
+            runs = sum(et.run is not None for et in rt.tensors)
+            whole = {et.name for et in rt.tensors if et.persist_chunks == et.num_chunks}
+            # The plans' budgets hold every kept chunk: exactly the weights kept whole are runs.
+            assert {et.name for et in rt.tensors if et.run is not None} == whole
             ref_loss = _step(reference, batch, plan.accumulation)
-            assert loss == ref_loss, f"plan {i} step {step}: loss {loss} != reference {ref_loss}"
             g, r = _grads(planned), _grads(reference)
+            if runs:
+                assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), f"plan {i} step {step}: loss {loss} vs {ref_loss}"
+                for name in g:
+                    torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-4,
+                                               msg=f"plan {i} step {step}: gradient of {name}")
+                continue
+            assert loss == ref_loss, f"plan {i} step {step}: loss {loss} != reference {ref_loss}"
             for name in g:
                 assert torch.equal(g[name], r[name]), f"plan {i} step {step}: gradient of {name} differs"
-        report.append((measured, plan.predicted_allgather_bytes_per_step, sum(lp.recompute for lp in plan.layers)))
+        report.append((measured, plan.predicted_allgather_bytes_per_step, sum(lp.recompute for lp in plan.layers),
+                       runs))
     return report
 
 
 @pytest.mark.parametrize("world_size,n_plans", [(2, 6), (4, 2)])
 def test_runtime_follows_the_plan(world_size, n_plans):
     reports = run_distributed(_follow_worker, world_size, n_plans, timeout=600)
-    for measured, predicted, _ in reports[0]:
+    for measured, predicted, _, _ in reports[0]:
         assert measured[1:] == [predicted] * 2, f"all-gather bytes per step {measured}, plan predicts {predicted}"
-    assert any(rec for _, _, rec in reports[0]), "no plan recomputed a layer"
+    assert any(rec for _, _, rec, _ in reports[0]), "no plan recomputed a layer"
+    assert any(runs for *_, runs in reports[0]), "no plan kept a weight whole (no run)"
     assert all(r == reports[0] for r in reports[1:])
 
 

@@ -67,14 +67,18 @@ def _close_worker(rank, world_size):
     _train_step(model)
     rt = runtime_of(model)
     pool = rt.pool
-    assert pool is not None and len(pool.keys()) > 0
+    # Budget all, every chunk PERSISTENT: the weights are runs ([Note: resident runs]), the
+    # pool holds no page; the runs' buffers must go too.
+    assert pool is not None and rt.run_bytes() > 0
     pool_ref = weakref.ref(pool)
+    run_refs = [weakref.ref(et.run.buffer) for et in rt.tensors]
     del pool
     close(model)
     close(model)  # idempotent
     gc.collect()
     out = {"pool gone": pool_ref() is None and rt.pool is None,
            "shards gone": all(et.shard is None for et in rt.tensors),
+           "runs gone": all(r() is None for r in run_refs) and all(et.run is None for et in rt.tensors),
            "closed": rt.closed}
     errors = []
     for call in (lambda: model(torch.randn(3, DIMS[0])), lambda: rt.set_pool_budget(0),
@@ -91,6 +95,6 @@ def _close_worker(rank, world_size):
 @pytest.mark.distributed
 def test_close_returns_everything_and_use_after_close_is_an_error():
     for out in run_distributed(_close_worker, 2, timeout=120):
-        assert out["pool gone"] and out["shards gone"] and out["closed"], out
+        assert out["pool gone"] and out["shards gone"] and out["runs gone"] and out["closed"], out
         for msg in out["errors"]:
             assert "this runtime was closed" in msg, msg

@@ -50,19 +50,23 @@ def make_model(dims=DIMS, seed=0):
 class _ChunkedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rows_per_chunk):
+        ctx.save_for_backward(weight)
+        ctx.rows_per_chunk = rows_per_chunk
+        if rows_per_chunk is None:  # the whole weight, one GEMM each way ([Note: resident runs])
+            return F.linear(x, weight, bias)
         y = x.new_empty(x.shape[0], weight.shape[0])
         for r0 in range(0, weight.shape[0], rows_per_chunk):
             r1 = min(r0 + rows_per_chunk, weight.shape[0])
             y[:, r0:r1] = F.linear(x, weight[r0:r1], bias[r0:r1])
-        ctx.save_for_backward(weight)
-        ctx.rows_per_chunk = rows_per_chunk
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.rows_per_chunk is None:
+            dx = dy @ weight
+        elif ctx.needs_input_grad[0]:
             dx = dy.new_zeros(dy.shape[0], weight.shape[1])
             for r0 in range(0, weight.shape[0], ctx.rows_per_chunk):
                 r1 = min(r0 + ctx.rows_per_chunk, weight.shape[0])
@@ -71,7 +75,8 @@ class _ChunkedLinearFn(torch.autograd.Function):
 
 
 class ChunkedLinear(nn.Module):
-    """Independent reference: a plain frozen linear computed chunk by chunk, one process."""
+    """Independent reference: a plain frozen linear computed chunk by chunk, one process
+    (`rows_per_chunk` None: the whole weight in one GEMM, as a weight held as a run is)."""
 
     def __init__(self, linear, rows_per_chunk):
         super().__init__()
@@ -81,12 +86,33 @@ class ChunkedLinear(nn.Module):
         return _ChunkedLinearFn.apply(x, self.weight, self.bias, self.rows_per_chunk)
 
 
-def reference_of(model, chunk_bytes):
+def reference_of(model, chunk_bytes, whole=False):
+    """`whole`: every frozen linear in one GEMM (the runtime holds every weight as a run)."""
     ref = copy.deepcopy(model)
     for block in ref:
         rows = max(1, chunk_bytes // (block.base.in_features * FP32))
-        block.base = ChunkedLinear(block.base, rows)
+        block.base = ChunkedLinear(block.base, None if whole else rows)
     return ref
+
+
+def set_whole(ref, whole, chunk_bytes):
+    """Switch the reference's chunking (the runtime's runs came or went with a budget change)."""
+    for block in ref:
+        block.base.rows_per_chunk = None if whole else max(1, chunk_bytes // (block.base.weight.shape[1] * FP32))
+
+
+def held_as_runs(dims, chunk_bytes, world_size, keep, persist, budget):
+    """Analytic: the runtime holds every frozen weight of this model as a run ([Note: resident
+    runs]): all chunks PERSISTENT, a budget holding every kept chunk (here: None), and each
+    full chunk's elements a multiple of the world size (true of every geometry used here)."""
+    from elastic_kernels import ChunkLayout
+
+    if not (keep == persist == 1.0 and budget is None):
+        return False
+    for d_in, d_out in zip(dims[:-1], dims[1:]):
+        lay = ChunkLayout.for_weight((d_out, d_in), max(1, chunk_bytes // (d_in * FP32)), world_size)
+        assert lay.num_chunks == 1 or lay.chunk_numel % world_size == 0, "a geometry that is not a run"
+    return True
 
 
 def adapter_params(model):
@@ -109,7 +135,7 @@ def layer_chunks(dims, chunk_bytes, world_size, keep, persist):
 # ------------------------------------------------------------------------------------ parity
 
 def _parity_worker(rank, world_size, configs, iters):
-    from elastic_kernels.api import ElasticPolicy, elasticize, stats
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, stats
 
     torch.manual_seed(1234 + rank)
     frozen_total = sum(a * b for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
@@ -120,7 +146,8 @@ def _parity_worker(rank, world_size, configs, iters):
             pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world_size // 2)]
             group = pairs[rank // 2]
         model = make_model()
-        ref = reference_of(model, chunk_bytes)
+        whole = held_as_runs(DIMS, chunk_bytes, dist.get_world_size(group), keep, persist, budget_frac)
+        ref = reference_of(model, chunk_bytes, whole)
         budget = None if budget_frac is None else int(budget_frac * frozen_total)
         policy = ElasticPolicy(
             chunk_bytes=chunk_bytes, keep_ratio=keep, persist_ratio=persist,
@@ -135,6 +162,8 @@ def _parity_worker(rank, world_size, configs, iters):
             ref_loss = ref(x).square().mean()
             ref_loss.backward()
             cfg = f"chunk={chunk_bytes} keep={keep} persist={persist} budget={budget_frac} group={group_kind} depth={depth} iter={it}"
+            runs = [et.run is not None for et in runtime_of(model).tensors]
+            assert runs == [whole] * len(runs), f"weights held as runs {runs}, expected {whole} at {cfg}"
             assert torch.equal(loss, ref_loss), f"loss differs ({loss.item()} vs {ref_loss.item()}) at {cfg}"
             for (name, p), q in zip(
                 ((n, p) for n, p in model.named_parameters() if p.requires_grad), adapter_params(ref)
@@ -378,15 +407,19 @@ def _budget_worker(rank, world_size):
 
     chunk_bytes = 24 * FP32 * 8
     model = make_model()
-    ref = reference_of(model, chunk_bytes)
+    ref = reference_of(model, chunk_bytes, whole=True)
     elasticize(model, ElasticPolicy(chunk_bytes=chunk_bytes, keep_ratio=1.0, persist_ratio=1.0))
     rt = runtime_of(model)
     seen = []
     for it in range(6):
         if it == 2:
-            set_pool_budget(model, 0)  # shrink mid-training: persistent chunks are evicted
+            # Shrink mid-training: the runs are demoted at once, persistent chunks are evicted.
+            set_pool_budget(model, 0)
+            assert not any(et.run is not None for et in rt.tensors) and rt.run_bytes() == 0
+            set_whole(ref, False, chunk_bytes)
         if it == 4:
-            set_pool_budget(model, None)  # grow back
+            set_pool_budget(model, None)  # grow back: runs again from the next forward
+            set_whole(ref, True, chunk_bytes)
         x = torch.randn(3, DIMS[0])
         before = stats(model)["allgather_bytes"]
         loss = model(x).sum()

@@ -49,7 +49,10 @@ def _worker(rank, world_size, device_type, keep, persist, budget):
     rt = ElasticRuntime(policy, group=group, device=device, force_pool=True)
     layers = nn.ModuleList(ElasticLinear.from_linear(lin, rt, f"l{i}") for i, lin in enumerate(linears))
     rt.check_ranks_agree()
-    rpc = [et.layout.rows_per_chunk for et in rt.tensors]
+    # Every chunk PERSISTENT at budget all: the weights are runs, one GEMM per use
+    # ([Note: resident runs]); the reference computes them whole too.
+    whole = keep == persist == 1.0 and budget is None
+    rpc = [None if whole else et.layout.rows_per_chunk for et in rt.tensors]
     results = []
     allocated = []
     for it in range(4):
@@ -63,6 +66,7 @@ def _worker(rank, world_size, device_type, keep, persist, budget):
             yp = torch.tanh(F.linear(yp, lin.weight, lin.bias))
         y.square().sum().backward()
         yr.square().sum().backward()
+        assert [et.run is not None for et in rt.tensors] == [whole] * len(rt.tensors)
         if device_type == "cuda":
             torch.cuda.synchronize()
             allocated.append(torch.cuda.memory_allocated(device))

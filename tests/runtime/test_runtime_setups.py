@@ -243,7 +243,7 @@ def _retry_worker(rank, world_size):
 
     chunk = 24 * FP32 * 8
     model = make_model()
-    ref = reference_of(model, chunk)
+    ref = reference_of(model, chunk, whole=True)  # budget all, all PERSISTENT: runs, one GEMM each
     elasticize(model, ElasticPolicy(chunk_bytes=chunk, keep_ratio=1.0, persist_ratio=1.0, collective_timeout_s=30))
     rt = runtime_of(model)
     x = torch.randn(3, DIMS[0])
