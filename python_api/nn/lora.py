@@ -581,7 +581,7 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             x2 = xc.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                y, _ = paged_lora_linear_fwd(x2, weight_chunks(et, resident.chunks(), dtype), bias_c)
+                y, _ = paged_lora_linear_fwd(x2, weight_chunks(et, resident.table(), dtype), bias_c)
             # The rows by adapter: a fresh tensor ([Note: torch.compile]), or, when they already
             # are in adapter order (perm None), x's own rows, saved as xc (x itself or a cast).
             lora_x = x2 if perm is None else x2.index_select(0, perm)
@@ -627,7 +627,7 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             need_dx = ctx.needs_input_grad[0]
             if need_dx:
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    dx, _ = paged_lora_linear_dgrad(dy2, weight_chunks(et, resident.chunks(), dtype))
+                    dx, _ = paged_lora_linear_dgrad(dy2, weight_chunks(et, resident.table(), dtype))
             das = dbs = []
             if ab:
                 dys = dy2 if perm is None else dy2.index_select(0, perm)
