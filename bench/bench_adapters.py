@@ -88,7 +88,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_frontier import PRESETS, REAL_MODEL, REAL_OPTIONS, Config, Runner, _mib, _pair_ratios, measure_memory  # noqa: E402
-from bench.harness import append_rows, context, results_dir  # noqa: E402
+from bench.harness import append_rows, context, results_dir, start_group  # noqa: E402
 from elastic_kernels.api.finetune.engine import Engine, model_inputs  # noqa: E402
 
 LOSS_TOL = 1e-5  # fp32 rounding over a few steps: bench_frontier's bound for its peers
@@ -502,13 +502,12 @@ def memory_table(memory: dict, budgets: list[str], ks: list[int], adapter_bytes:
 
 
 def main(argv=None) -> int:
-    import datetime
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
     from elastic_kernels.api.finetune.job import prepare
-    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory, fix_mmap_threshold
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, fix_mmap_threshold
     from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.nn import adapter_state_dict
 
@@ -530,11 +529,7 @@ def main(argv=None) -> int:
                                            "--save-dir", os.path.join(tmp, f"rank{rank}")])
     job = prepare(args, rank, W, local)
     device = job.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout_s))
-    job.memory = PeakMemory(device)
+    start_group(job, args.timeout_s)
     load = os.getloadavg()
     budgets = _budgets(opts.budgets)
     mem_budgets = _budgets(opts.memory_budgets)

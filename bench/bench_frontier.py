@@ -88,7 +88,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.harness import append_rows, context, results_dir  # noqa: E402
+from bench.harness import append_rows, context, results_dir, start_group  # noqa: E402
 from elastic_kernels.api.finetune.peers.fsdp2_nf4 import NF4_DEMO_OPTIONS  # noqa: E402
 
 PRESETS = {
@@ -592,12 +592,11 @@ def picture(rows: list[dict], path: str, caption: str) -> None:
 
 
 def main(argv=None) -> int:
-    import datetime
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
     from elastic_kernels.api.finetune.job import prepare
-    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory, fix_mmap_threshold
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, fix_mmap_threshold
     from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.finetune.report import nf4_gap_bound
     from elastic_kernels.api.nn import adapter_state_dict
@@ -621,11 +620,7 @@ def main(argv=None) -> int:
     job = prepare(args, rank, W, local)
     os.makedirs(job.save_dir, exist_ok=True)  # the planned runs write plan.json there (rank 0)
     device = job.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout_s))
-    job.memory = PeakMemory(device)
+    start_group(job, args.timeout_s)
     load = os.getloadavg()
     with AllGatherCounter() as counter:
         from elastic_kernels.api.finetune.engines import ElasticEngine

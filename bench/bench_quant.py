@@ -142,7 +142,6 @@ DEMO_FORMATS = ("none", "int8", "nf4", "nf4-nested")
 
 def demo(argv) -> int:
     """The demo half (see the module docstring): one row per configuration to quant_demo.csv."""
-    import datetime
     import tempfile
     import time
     import warnings
@@ -153,7 +152,7 @@ def demo(argv) -> int:
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
     from elastic_kernels.api.finetune.formats import check_weight_formats
     from elastic_kernels.api.finetune.job import prepare
-    from elastic_kernels.api.finetune.measure import AllGatherCounter, PeakMemory
+    from elastic_kernels.api.finetune.measure import AllGatherCounter
     from elastic_kernels.api.finetune.option_values import _budget, budget_label
     from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.finetune.peers.fsdp2_nf4 import (
@@ -198,11 +197,7 @@ def demo(argv) -> int:
     if "fsdp2-nf4" in peers and shape_error(job):
         raise SystemExit(f"bench_quant --demo: {shape_error(job)}")
     device = job.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout_s))
-    job.memory = PeakMemory(device)
+    harness.start_group(job, args.timeout_s)
     load = os.getloadavg()
     stored = {}
 

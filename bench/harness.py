@@ -23,6 +23,22 @@ from elastic_kernels.api.finetune.measure import device_name  # noqa: F401 - sha
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def start_group(job, timeout_s: float) -> None:
+    """The process group of a benchmark's prepared fine-tuning job (`prepare` of
+    python_api/finetune/job.py): the job's CUDA device made current, NCCL on a GPU and gloo on
+    CPU with the job's collective timeout, and the job's peak-memory probe."""
+    import torch.distributed as dist
+
+    from elastic_kernels.api.finetune.measure import PeakMemory
+
+    device = job.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    job.memory = PeakMemory(device)
+
+
 def synchronize(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,13 +12,13 @@ results at the 1e-2 level. Runs of the same configuration are compared bit for b
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests._dist import run_distributed
-from tests.runtime.test_runtime import DIMS, FP32, adapter_params, make_model
+from tests.runtime.test_runtime import DIMS, FP32, adapter_params, counting_all_gathers, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
@@ -76,8 +76,18 @@ def _memory_worker(rank, world_size):
         p.grad = None
     held = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
         {b.untyped_storage().data_ptr() for b in model.buffers()}
-    static = live_tensor_bytes(held) - base
     analytic = sum(run_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    # Once in about five runs beside the full suite a rank counted 2,220 bytes more (13,740 vs
+    # 11,520), not reproduced in 16 steps alone: read again, a little later, while it differs
+    # (a buffer released late goes away; memory that stays fails the test with every reading;
+    # no collective here: the ranks may take different numbers of readings).
+    static = [live_tensor_bytes(held) - base]
+    for _ in range(3):
+        if static[-1] == analytic:
+            break
+        time.sleep(0.5)
+        static.append(live_tensor_bytes(held) - base)
+    static = static[-1] if static[-1] == analytic else static
     if world_size == 1:  # no pool and no run: the shard is the padded weight ([Note: single process])
         return static, analytic, analytic, 0, rt.pool is None, analytic
     shard_in_run = all(et.shard.untyped_storage().data_ptr() == et.run.buffer.untyped_storage().data_ptr()
@@ -205,17 +215,8 @@ def test_lora_layers_at_budget_all_match_peft_and_budget_zero():
 
 def _compare_worker(rank, world_size, budget, iters):
     from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, runtime_of, stats
-    from elastic_kernels.api.distributed.collectives import ALL_GATHER_NAME
 
-    received = []
-    real = getattr(dist, ALL_GATHER_NAME)
-
-    def counting(output, inp, group=None, async_op=False):
-        received.append((dist.get_world_size(group) - 1) * inp.numel() * inp.element_size())
-        return real(output, inp, group=group, async_op=async_op)
-
-    setattr(dist, ALL_GATHER_NAME, counting)
-    try:
+    with counting_all_gathers() as received:
         model = make_model()
         elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, pool_budget_bytes=budget))
         out = []
@@ -232,8 +233,6 @@ def _compare_worker(rank, world_size, budget, iters):
                     p -= 0.1 * p.grad
                     p.grad = None
         return out, [et.run is not None for et in runtime_of(model).tensors]
-    finally:
-        setattr(dist, ALL_GATHER_NAME, real)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -9,6 +9,7 @@ with plain `F.linear` to fp32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
@@ -233,8 +234,11 @@ def test_matches_plain_linear_and_averages_grads():
 
 # ------------------------------------------------------------------------------- exact traffic
 
-def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, iters):
-    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
+@contextlib.contextmanager
+def counting_all_gathers():
+    """A list that receives, per all-gather call the runtime makes, the bytes this rank receives
+    ((world - 1) x its send bytes), counted at the collective itself, independently of the
+    runtime's own stats."""
     from elastic_kernels.api.distributed.collectives import ALL_GATHER_NAME
 
     received = []
@@ -246,6 +250,15 @@ def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, it
 
     setattr(dist, ALL_GATHER_NAME, counting)
     try:
+        yield received
+    finally:
+        setattr(dist, ALL_GATHER_NAME, real)
+
+
+def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, iters):
+    from elastic_kernels.api import ElasticPolicy, elasticize, reset_stats, stats
+
+    with counting_all_gathers() as received:
         model = make_model()
         elasticize(model, ElasticPolicy(chunk_bytes=chunk_bytes, keep_ratio=keep, persist_ratio=persist))
         per_iter, stat_bytes, peaks = [], [], []
@@ -258,8 +271,6 @@ def _traffic_worker(rank, world_size, chunk_bytes, keep, persist, input_grad, it
             stat_bytes.append(stats(model)["allgather_bytes"])
             peaks.append(stats(model)["pool_peak_bytes"])
         return per_iter, stat_bytes, peaks
-    finally:
-        setattr(dist, ALL_GATHER_NAME, real)
 
 
 @pytest.mark.parametrize(
