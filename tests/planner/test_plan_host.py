@@ -6,7 +6,10 @@ On a small Hugging Face Llama under convert_to_elastic on 2 gloo ranks with a ho
 and micro-batch splits) are applied with `apply_plan`; in steady steps the measured
 all-gather bytes AND host -> device bytes (host chunks copied into pages plus activations
 brought back) equal the plan's predictions byte for byte, and the losses and adapter
-gradients are bit-identical to the plain elastic run (no host tier, default residency).
+gradients are bit-identical to the plain elastic run (no host tier, default residency,
+every weight in pages: computed chunk by chunk), or, where a plan keeps a weight whole as a
+run (one GEMM, [Note: resident runs]), equal to fp32 rounding (1e-4, as
+tests/planner/test_plan_runtime.py argues).
 One model has a host budget that refuses part of the activations, so the offloader's budget
 rule (power-of-two size classes) is checked too. The planner's own choice is checked the
 same way.
@@ -50,7 +53,9 @@ def _host_worker(rank, world_size, policy, fractions):
     per_rank = 2
     global_batch = per_rank * world_size
     gen = torch.Generator().manual_seed(100 + rank)
-    planned, reference = _elastic(**policy), _elastic()
+    from elastic_kernels.api import runtime_of
+
+    planned, reference = _elastic(**policy), _elastic(resident_runs=False)
     profile = measure_profile(planned, [torch.randint(0, 96, (per_rank, SEQ), generator=gen)],
                               capacity_bytes=1 << 30)
     assert profile.h2d is not None and profile.host_store
@@ -82,8 +87,14 @@ def _host_worker(rank, world_size, policy, fractions):
             s = stats(planned)
             measured.append((s["allgather_bytes"], s["h2d_bytes"], s["d2h_bytes"]))
             ref_loss = _step(reference, batch, plan.accumulation)
-            assert loss == ref_loss, f"plan {i} step {step}: loss {loss} != reference {ref_loss}"
             g, r = _grads(planned), _grads(reference)
+            if any(et.run is not None for et in runtime_of(planned).tensors):
+                assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), f"plan {i} step {step}: loss {loss} vs {ref_loss}"
+                for name in g:
+                    torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-4,
+                                               msg=f"plan {i} step {step}: gradient of {name}")
+                continue
+            assert loss == ref_loss, f"plan {i} step {step}: loss {loss} != reference {ref_loss}"
             for name in g:
                 assert torch.equal(g[name], r[name]), f"plan {i} step {step}: gradient of {name} differs"
         report.append((measured, plan.predicted_allgather_bytes_per_step, plan.predicted_h2d_bytes_per_step,
