@@ -393,6 +393,7 @@ def test_segmented_lora_pair_against_dense_float64(dtype, impl, monkeypatch):
     from elastic_kernels.api.nn import lora, segmented_lora_bwd, segmented_lora_fwd
 
     monkeypatch.setattr(lora, "SEGMENTED_IMPL", impl)
+    launches = _count_kernel_calls(monkeypatch)
 
     g = torch.Generator().manual_seed(0)
     sizes, ranks, scales = [0, 1, 7, 127], [2, 3, 5, 8], [0.5, 2.0, 1.0, 0.25]
@@ -421,6 +422,24 @@ def test_segmented_lora_pair_against_dense_float64(dtype, impl, monkeypatch):
         torch.testing.assert_close(das[k].double(), a.grad, **tol)
         torch.testing.assert_close(dbs[k].double(), b.grad, **tol)
         assert das[k].dtype == dbs[k].dtype == torch.float32
+    assert launches == ({"fwd": 1, "bwd": 1} if impl == "triton" else {"fwd": 0, "bwd": 0})
+
+
+def _count_kernel_calls(monkeypatch) -> dict:
+    """Counts the layers' calls of the segmented kernels (so a test of the kernel path cannot
+    pass on the loop)."""
+    import elastic_kernels
+
+    calls = {"fwd": 0, "bwd": 0}
+    for which in calls:
+        real = getattr(elastic_kernels, f"segmented_lora_{which}")
+
+        def counted(*a, _real=real, _which=which, **k):
+            calls[_which] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(elastic_kernels, f"segmented_lora_{which}", counted)
+    return calls
 
 
 def test_bf16_autocast_and_dropout_per_adapter():
@@ -470,6 +489,7 @@ def test_layers_through_the_segmented_kernels_match_the_loop(monkeypatch):
     ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(2))
     names = ["b", "a", "b"]
     out = {}
+    launches = _count_kernel_calls(monkeypatch)
     for impl in ("loop", "triton"):
         monkeypatch.setattr(lora, "SEGMENTED_IMPL", impl)
         model = convert_to_elastic(tiny_llama(), cfgs, ElasticPolicy(chunk_bytes=CHUNK))
@@ -477,6 +497,8 @@ def test_layers_through_the_segmented_kernels_match_the_loop(monkeypatch):
         logits = model(input_ids=ids, adapter_names=names).logits
         logits.square().mean().backward()
         out[impl] = (logits.detach(), [p.grad.clone() for n in cfgs for p in adapter_parameters(model, n)])
+    # the triton pass launched the kernels in every multi-adapter layer (q, v, o), forward and backward
+    assert launches["fwd"] >= 3 and launches["bwd"] >= 3, launches
     torch.testing.assert_close(out["triton"][0], out["loop"][0], **TOL)
     assert len(out["triton"][1]) == len(out["loop"][1]) > 0
     for got, want in zip(out["triton"][1], out["loop"][1]):
