@@ -54,6 +54,8 @@ _PLAN_FIELDS = ("version", "world_size", "memory_bytes", "global_batch", "micro_
                 "predicted_allgather_bytes_per_step", "predicted_step_time_s", "planning_seconds", "profile_source")
 # Optional in a plan document (absent in plans written before the host tier): their defaults.
 _PLAN_HOST_FIELDS = {"host_fraction": 0.0, "offload_activations": False, "predicted_h2d_bytes_per_step": 0}
+# Optional (absent in plans written before several adapters; one adapter), written when not 1.
+_PLAN_ADAPTER_FIELDS = {"num_adapters": 1}
 # Optional too (absent in plans written before quantized weights: unquantized), always written.
 _PLAN_FORMAT_FIELD = "weight_format"
 # What the CLI adds to the plan it writes (python_api/finetune/planning.py `plan_document`):
@@ -85,6 +87,8 @@ class Plan:
     offload_activations: bool = False
     predicted_h2d_bytes_per_step: int = 0  # host-chunk copies + activations brought back, per rank
     weight_format: WeightFormat | None = None  # the profile's (the user's choice); None: unquantized
+    # adapters trained together, micro_batch sequences each ([Note: several adapters in the models])
+    num_adapters: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -106,6 +110,7 @@ class Plan:
             raise ProfileError(f"plan.host_fraction must be in [0, 1], got {self.host_fraction}")
         check_bool("plan.offload_activations", self.offload_activations)
         check_int("plan.predicted_h2d_bytes_per_step", self.predicted_h2d_bytes_per_step)
+        check_int("plan.num_adapters", self.num_adapters, 1)
         if self.weight_format is not None and not isinstance(self.weight_format, WeightFormat):
             raise ProfileError(f"plan.weight_format must be a WeightFormat or None, got "
                                f"{type(self.weight_format).__name__}")
@@ -149,6 +154,7 @@ class Plan:
             prefetch_depth=self.prefetch_depth,
             host_fraction=self.host_fraction,
             offload=self.offload_activations,
+            num_adapters=self.num_adapters,
         )
 
     def check_profile(self, profile: Profile) -> None:
@@ -175,7 +181,9 @@ class Plan:
             f"plan for {self.world_size} rank(s), profile {self.profile_source}, weights "
             f"{format_name(self.weight_format)}",
             f"  global batch {self.global_batch} = micro-batch {self.micro_batch} x accumulation "
-            f"{self.accumulation} x {self.world_size} rank(s); prefetch depth {self.prefetch_depth}",
+            f"{self.accumulation} x {self.world_size} rank(s); prefetch depth {self.prefetch_depth}"
+            + (f"; {self.num_adapters} adapters, micro-batch {self.micro_batch} sequences each"
+               if self.num_adapters > 1 else ""),
             f"  memory {self.memory_bytes / gib:.2f} GiB per rank; pool budget {self.pool_budget_bytes / gib:.2f} GiB "
             f"(+ working set)",
             f"  predicted: peak {self.predicted_peak_bytes / gib:.2f} GiB, step {self.predicted_step_time_s:.4g} s, "
@@ -207,6 +215,8 @@ class Plan:
         out = {k: getattr(self, k) for k in _PLAN_FIELDS if k != "layers"}
         out.update({k: getattr(self, k) for k in _PLAN_HOST_FIELDS})
         out[_PLAN_FORMAT_FIELD] = None if self.weight_format is None else self.weight_format.to_dict()
+        out.update({k: getattr(self, k) for k, default in _PLAN_ADAPTER_FIELDS.items()
+                    if getattr(self, k) != default})
         out["layers"] = [
             {"name": layer.name, "recompute": layer.recompute,
              "weights": [{"name": w.name, "keep_chunks": w.keep_chunks, "persist_chunks": w.persist_chunks,
@@ -222,7 +232,8 @@ class Plan:
     def from_dict(cls, d) -> Plan:
         """The plan of a document: one `to_dict` wrote, or the CLI's plan.json (whose run
         record, adaptations and profile_seconds, is checked and left out)."""
-        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS) + (_PLAN_FORMAT_FIELD,) + _PLAN_RUN_FIELDS)
+        check_keys("plan", d, _PLAN_FIELDS, tuple(_PLAN_HOST_FIELDS) + (_PLAN_FORMAT_FIELD,) + _PLAN_RUN_FIELDS
+                   + tuple(_PLAN_ADAPTER_FIELDS))
         if "adaptations" in d and not (isinstance(d["adaptations"], list)
                                        and all(isinstance(e, dict) for e in d["adaptations"])):
             raise ProfileError(f"plan.adaptations must be a list of objects, got {d['adaptations']!r:.80}")
@@ -248,6 +259,7 @@ class Plan:
                                     check_bool(f"{where}.recompute", x["recompute"]), tuple(weights)))
         kwargs = {k: d[k] for k in _PLAN_FIELDS if k != "layers"}
         kwargs.update({k: d.get(k, default) for k, default in _PLAN_HOST_FIELDS.items()})
+        kwargs.update({k: d.get(k, default) for k, default in _PLAN_ADAPTER_FIELDS.items()})
         fmt = d.get(_PLAN_FORMAT_FIELD)
         kwargs[_PLAN_FORMAT_FIELD] = None if fmt is None else WeightFormat.from_dict("plan.weight_format", fmt)
         return cls(layers=tuple(layers), **kwargs)
@@ -307,6 +319,7 @@ def plan_of(profile: Profile, choices: Choices, *, memory_bytes: int, global_bat
         offload_activations=bool(choices.offload),
         predicted_h2d_bytes_per_step=h2d_bytes_per_step(profile, choices, accumulation),
         weight_format=profile.weight_format,  # the user's choice, as profiled: never the planner's
+        num_adapters=choices.num_adapters,
     )
 
 

@@ -12,16 +12,17 @@ from itertools import accumulate
 from operator import add
 
 from .cost import ActivationEvents, activation_events, simulate_micro_batch
-from .memory import Choices, Offload, offload_served, per_linear
+from .memory import Choices, Offload, adapter_state_bytes, offload_served, per_linear
 from .profile import Profile
 from .proxy import Unit, proxy_runs
 
 
-def _recompute_order(profile: Profile) -> list[int]:
-    """Recomputable layers that free memory, by bytes freed per second of recompute."""
+def _recompute_order(profile: Profile, rows: int) -> list[int]:
+    """Recomputable layers that free memory, by bytes freed per second of recompute of `rows`
+    rows (one sequence per adapter)."""
     def key(i):
         layer = profile.layers[i]
-        cost = layer.fwd_s(profile.seq_len)  # a recompute's dequantization included
+        cost = layer.fwd_s(rows)  # a recompute's dequantization included
         freed = layer.act_bytes_per_token - layer.input_bytes_per_token
         return (-(freed / cost) if cost > 0 else float("-inf"), i)
 
@@ -43,8 +44,9 @@ class SearchProblem:
     evaluated per candidate (micro-batch, recompute set, offload)."""
 
     def __init__(self, profile: Profile, prefetch_depth: int, granularity: str, host_fraction: float = 0.0,
-                 tables: dict | None = None, events: dict | None = None):
+                 tables: dict | None = None, events: dict | None = None, num_adapters: int = 1):
         self.p = profile
+        self.k = num_adapters  # adapters trained together ([Note: several adapters in the models])
         self.events = {} if events is None else events
         self.d = prefetch_depth
         self.f = host_fraction
@@ -58,8 +60,9 @@ class SearchProblem:
         self.total = profile.total_chunks
         self.ws = profile.working_set_pages(prefetch_depth)
         self.page = profile.page_bytes
-        self.fixed = profile.reserved_bytes + profile.static_bytes
-        self.rec_order = _recompute_order(profile)
+        self.fixed = (profile.reserved_bytes + profile.static_bytes
+                      + (num_adapters - 1) * adapter_state_bytes(profile))
+        self.rec_order = _recompute_order(profile, self.rows(1))
         self.run_cache: dict = {}
         self._order: dict = {}  # micro-batch -> (per unit (rec, windows), sorted run entries)
         self._offload_cache: dict = {}
@@ -75,6 +78,10 @@ class SearchProblem:
         self._per_T: dict = {}
         self.outside_per_token = profile.outside.fwd_s_per_token + profile.outside.bwd_s_per_token
         self.evaluated = 0  # exact evaluations (for the benchmark)
+
+    def rows(self, m: int) -> int:
+        """T of micro-batch m: m sequences for each adapter (memory.rows_per_micro_batch)."""
+        return self.k * m * self.p.seq_len
 
     # -------------------------------------------------------- activation peak (conservative)
 
@@ -194,7 +201,7 @@ class SearchProblem:
         alone is a lower bound); and the compute of every use."""
         layers, d = self.p.layers, self.d
         L = len(layers)
-        T = m * self.p.seq_len
+        T = self.rows(m)
         fc = [layer.fwd_s(T) for layer in layers]
         wf = [sum(fc[max(0, i - d) : i]) for i in range(L)]
         bseq, bc = [], []
@@ -403,7 +410,7 @@ class SearchProblem:
         chooses])."""
         if self.keep_only is not None:
             keep = tuple(tuple(ks) for ks in kept)
-            return Choices(m, keep, keep, tuple(rec), self.d, self.f, offload)
+            return Choices(m, keep, keep, tuple(rec), self.d, self.f, offload, self.k)
         keep = []
         for u, x in zip(self.units, kept):
             ks = [0] * len(u.order)
@@ -411,14 +418,14 @@ class SearchProblem:
                 ks[j] = max(0, min(c, x - x0))
             keep.append(tuple(ks))
         keep = tuple(keep)
-        return Choices(m, keep, keep, tuple(rec), self.d, self.f, offload)
+        return Choices(m, keep, keep, tuple(rec), self.d, self.f, offload, self.k)
 
 
     def evaluate(self, m: int, rec: list[bool], limit: int, offload: bool = False):
         """(seconds of one micro-batch by the cost model, kept chunks per unit, shortfall) of
         candidate (m, rec, offload) under `limit` bytes; (None, None, shortfall) when it does
         not fit."""
-        budget, short = self.budget(m * self.p.seq_len, rec, limit, offload)
+        budget, short = self.budget(self.rows(m), rec, limit, offload)
         if budget is None:
             return None, None, short
         c = self.candidate(m, rec)

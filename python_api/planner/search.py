@@ -185,9 +185,11 @@ def host_candidates(profile: Profile, host_fractions=None, offload=None) -> list
 
 
 def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity,
-            keep_only=None, host_fractions=None, offload=None, stats=None) -> Plan:
+            keep_only=None, host_fractions=None, offload=None, stats=None, num_adapters=1) -> Plan:
     t_start = time.perf_counter()
     _check_args(profile, memory_bytes, global_batch, margin, prefetch_depth, granularity)
+    if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
+        raise PlanningError(f"num_adapters must be an int >= 1, got {num_adapters!r}")
     per_rank = global_batch // profile.world_size
     limit = int(memory_bytes * (1.0 - margin))
     L = len(profile.layers)
@@ -197,7 +199,9 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
     pairs = host_candidates(profile, host_fractions, offload)
     fractions = list(dict.fromkeys(f for f, _ in pairs))
     offloads = list(dict.fromkeys(o for _, o in pairs))
-    allreduce = profile.allreduce.time(profile.adapter_grad_bytes) if profile.world_size > 1 else 0.0
+    # every adapter's gradients in one all-reduce ([Note: several adapters in the models])
+    allreduce = (profile.allreduce.time(num_adapters * profile.adapter_grad_bytes) if profile.world_size > 1
+                 else 0.0)
     best = None  # (step seconds, candidate key, search, candidate, kept, offload)
     shortfall = None
     tables: dict = {}
@@ -205,14 +209,14 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
     evaluated = visited = bounded = 0
     for di, d in enumerate(depths):
         for fi, f in enumerate(fractions):
-            s = SearchProblem(profile, d, granularity, f, tables, events)
+            s = SearchProblem(profile, d, granularity, f, tables, events, num_adapters)
             s.keep_only = keep_only
             live = list(enumerate(offloads))  # offload choices that can still fit a larger micro-batch
             for mi, m in enumerate(candidates):
                 if not live:
                     break
                 acc = per_rank // m
-                T = m * profile.seq_len
+                T = s.rows(m)
                 rec = [False] * L
                 open_ = list(live)
                 fits = {oi: False for oi, _ in live}
@@ -280,7 +284,7 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
 
 def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *, micro_batches=None,
                       margin: float = 0.05, prefetch_depth=1, granularity: str = "chunks",
-                      host_fractions=None, offload=None) -> Plan:
+                      host_fractions=None, offload=None, num_adapters: int = 1) -> Plan:
     """The fastest plan under the cost model whose peak stays within memory_bytes x (1 -
     margin) ([Note: the search]).
 
@@ -298,10 +302,13 @@ def plan_from_profile(profile: Profile, memory_bytes: int, global_batch: int, *,
                    weights_on="host"), else 0; a number or a sequence: only those.
     offload        None: activation offload on and off are both tried when the profile has
                    the host link and offloadable activations; True / False: only that.
+    num_adapters   K adapters trained together on one base, each on `global_batch` sequences
+                   per step (a micro-batch holds micro_batch sequences for each): one plan
+                   for all of them ([Note: several adapters in the models]).
     Raises PlanningError naming the shortfall in bytes when nothing fits.
     """
     return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, granularity,
-                   host_fractions=host_fractions, offload=offload)
+                   host_fractions=host_fractions, offload=offload, num_adapters=num_adapters)
 
 
 def least_memory(profile: Profile, global_batch: int, **kwargs) -> int:
@@ -322,7 +329,7 @@ def least_memory(profile: Profile, global_batch: int, **kwargs) -> int:
 
 def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, keep: list[list[int]], *,
                         micro_batches=None, margin: float = 0.05, prefetch_depth: int = 1, host_fractions=None,
-                        offload=None) -> Plan:
+                        offload=None, num_adapters: int = 1) -> Plan:
     """A plan whose per-weight kept (= persisted) chunk counts are given (`keep[layer][weight]`,
     e.g. all zero for FSDP/ZeRO-3 or whole small weights for a static persistence threshold);
     the micro-batch and the recomputed layers are searched as in `plan_from_profile`. For the
@@ -339,4 +346,4 @@ def plan_with_residency(profile: Profile, memory_bytes: int, global_batch: int, 
                                 f"{len(layer.weights)} weights, got {ks!r}")
         keep_only.append(ks)
     return _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch_depth, "chunks",
-                   keep_only=keep_only, host_fractions=host_fractions, offload=offload)
+                   keep_only=keep_only, host_fractions=host_fractions, offload=offload, num_adapters=num_adapters)

@@ -15,6 +15,9 @@ import pytest
 
 from elastic_kernels.api.planner.cost import allgather_bytes_per_micro_batch, h2d_bytes_per_micro_batch, step_cost
 from elastic_kernels.api.planner.memory import Choices, adapter_state_bytes, memory_curve, timeline
+from elastic_kernels.api.planner.plan import Plan, PlanningError
+from elastic_kernels.api.planner.profile import ProfileError
+from elastic_kernels.api.planner.search import least_memory, plan_from_profile
 from elastic_kernels.api.planner.shapes import synthetic_profile
 
 K = 4
@@ -111,3 +114,68 @@ def test_one_adapter_is_the_default(profile):
 def test_bad_num_adapters(profile, bad):
     with pytest.raises(ValueError, match=r"num_adapters must be an int >= 1"):
         _choices(profile, bad)
+
+
+# ---------------------------------------------------------------- the search with K adapters
+
+
+def _as_one_adapter(profile, k):
+    """The one-adapter profile that the Note says K adapters are: sequences K times as long
+    (T = K x micro_batch x seq_len), the other adapters' state in static, and their gradients
+    in the all-reduce."""
+    return dataclasses.replace(profile, seq_len=k * profile.seq_len,
+                               static_bytes=profile.static_bytes + (k - 1) * adapter_state_bytes(profile),
+                               adapter_grad_bytes=k * profile.adapter_grad_bytes)
+
+
+def _residency(plan):
+    return ([[(w.keep_chunks, w.persist_chunks) for w in layer.weights] for layer in plan.layers],
+            [layer.recompute for layer in plan.layers], plan.micro_batch, plan.accumulation, plan.prefetch_depth)
+
+
+@pytest.mark.parametrize("gib", [24, 40])
+def test_search_plans_k_adapters_as_one_adapter_on_k_times_the_rows(profile, gib):
+    """The search with num_adapters=K picks what it picks for the equivalent one-adapter
+    profile, and its plan's predictions are the models' for K adapters."""
+    cap, batch = gib << 30, 16
+    plan_k = plan_from_profile(profile, cap, batch, num_adapters=K)
+    plan_1 = plan_from_profile(_as_one_adapter(profile, K), cap, batch)
+    assert plan_k.num_adapters == K and plan_1.num_adapters == 1
+    assert _residency(plan_k) == _residency(plan_1)
+    assert plan_k.predicted_step_time_s == pytest.approx(plan_1.predicted_step_time_s, rel=1e-12)
+    assert plan_k.predicted_peak_bytes == memory_curve(profile, plan_k.choices()).peak_bytes
+    assert plan_k.predicted_peak_bytes == plan_1.predicted_peak_bytes
+    assert plan_k.predicted_peak_bytes <= cap * (1 - 0.05)
+    assert plan_k.choices().num_adapters == K
+
+
+def test_k_adapters_need_more_memory_and_a_cap_can_fit_one_but_not_k(profile):
+    batch = 16
+    one, four = least_memory(profile, batch), least_memory(profile, batch, num_adapters=K)
+    assert four > one
+    assert plan_from_profile(profile, one, batch).num_adapters == 1
+    with pytest.raises(PlanningError, match=r"short by \d+ bytes"):
+        plan_from_profile(profile, one, batch, num_adapters=K)
+    # At the least cap that fits one adapter, that plan's peak with K adapters is over the cap.
+    plan = plan_from_profile(profile, one, batch)
+    k_peak = memory_curve(profile, dataclasses.replace(plan.choices(), num_adapters=K)).peak_bytes
+    assert k_peak > one * (1 - 0.05)
+
+
+def test_plan_json_keeps_num_adapters(profile):
+    plan = plan_from_profile(profile, 40 << 30, 16, num_adapters=K)
+    doc = plan.to_dict()
+    assert doc["num_adapters"] == K
+    assert Plan.from_json(plan.to_json()) == plan
+    one = plan_from_profile(profile, 40 << 30, 16)
+    assert "num_adapters" not in one.to_dict()  # a one-adapter plan is written as before
+    assert Plan.from_dict(one.to_dict()).num_adapters == 1
+    assert f"{K} adapters" in plan.table() and "adapters" not in one.table()
+    with pytest.raises(ProfileError, match=r"plan.num_adapters must be an int >= 1"):
+        Plan.from_dict({**doc, "num_adapters": 0})
+
+
+@pytest.mark.parametrize("bad", [0, True, 2.0])
+def test_search_refuses_bad_num_adapters(profile, bad):
+    with pytest.raises(PlanningError, match=r"num_adapters must be an int >= 1"):
+        plan_from_profile(profile, 40 << 30, 16, num_adapters=bad)
