@@ -83,16 +83,17 @@ def resolve_training_defaults(args, pretrained: bool) -> None:
         setattr(args, k, v)
 
 
-def lr_at(args, step: int) -> float:
+def lr_at(training, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): the linear warm-up ((step + 1) /
-    warmup of the peak), then --lr-schedule over the remaining steps."""
-    warmup = args.warmup_steps or 0
+    warmup of the peak), then --lr-schedule over the remaining steps. `training`: the training
+    options (a TrainingConfig, as the loop passes; parse_args' namespace reads the same)."""
+    warmup = training.warmup_steps or 0
     if warmup and step < warmup:
-        return args.lr * (step + 1) / warmup
-    schedule = getattr(args, "lr_schedule", None) or "constant"
+        return training.lr * (step + 1) / warmup
+    schedule = getattr(training, "lr_schedule", None) or "constant"
     if schedule == "constant":
-        return args.lr
-    progress = (step - warmup) / max(1, args.steps - warmup)
+        return training.lr
+    progress = (step - warmup) / max(1, training.steps - warmup)
     if schedule == "linear":
-        return args.lr * (1.0 - progress)
-    return args.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return training.lr * (1.0 - progress)
+    return training.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
