@@ -191,18 +191,18 @@ class MultiEngine(Engine):
     def __init__(self, job, budget, k: int):
         from elastic_kernels.api.finetune.engines import _collective_build_on_meta
         from elastic_kernels.api.finetune.loop import adamw
-        from elastic_kernels.api.finetune.models import lora_config_of
+        from elastic_kernels.api.finetune.models import lora_config
         from elastic_kernels.api.finetune.option_values import budget_label
-        from elastic_kernels.api.finetune.policy import policy_of
+        from elastic_kernels.api.finetune.policy import elastic_policy
         from elastic_kernels.api.nn import adapter_parameters, convert_to_elastic, runtime_of
 
-        if job.args.grad_accum != 1:
+        if job.cfg.training.grad_accum != 1:
             raise SystemExit("bench_adapters: --grad-accum 1 only (one micro-batch of K rows per step)")
         model, source = _collective_build_on_meta(job)
-        base = lora_config_of(job.args)
+        base = lora_config(job.cfg.lora, job.cfg.training.seed)
         self.names = adapter_names(k)
         self.configs = {n: dataclasses.replace(base, seed=base.seed + i) for i, n in enumerate(self.names)}
-        self.model = convert_to_elastic(model, self.configs, policy_of(job.args, budget, None, job.world_size),
+        self.model = convert_to_elastic(model, self.configs, elastic_policy(job.cfg, budget, None, job.world_size),
                                         source=source)
         self.runtime = runtime_of(self.model)
         frozen = sum(et.nbytes for et in self.runtime.tensors)

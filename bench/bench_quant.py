@@ -193,7 +193,7 @@ def demo(argv) -> int:
     # The job's configuration is frozen: the formats compared, as a replaced copy.
     job.cfg = job.cfg.replace("peers", compare_formats=tuple(sorted({f.split("-")[0] for f in formats} - {"none"})))
     job.cfg = job.cfg.replace("weights", quant_nested=False)
-    check_weight_formats(job.spec, job.args)
+    check_weight_formats(job.spec, job.cfg)
     if "fsdp2-nf4" in peers and shape_error(job):
         raise SystemExit(f"bench_quant --demo: {shape_error(job)}")
     device = job.device

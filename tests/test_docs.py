@@ -373,6 +373,18 @@ if __name__ != "__main__":
                     broken.append(f"{page.relative_to(ROOT)}: {target}")
         assert not broken, "links to nothing:\n" + "\n".join(broken)
 
+    def test_every_dated_result_file_is_listed():
+        """docs/benchmarks.md lists every dated result file under bench/results/ (the files
+        NOTES.md and the docs cite for their figures), and each result file NOTES.md cites is
+        one of them: a measurement moved out of NOTES.md lands in a listed, dated file."""
+        page = (ROOT / "docs" / "benchmarks.md").read_text()
+        dated = sorted(p.name for p in (ROOT / "bench" / "results").glob("20*.md"))
+        unlisted = [name for name in dated if f"](../bench/results/{name})" not in page]
+        assert not unlisted, "dated result files docs/benchmarks.md does not list: " + ", ".join(unlisted)
+        cited = set(re.findall(r"\]\(bench/results/([^)#]+)\)", (ROOT / "NOTES.md").read_text()))
+        undated = sorted(c for c in cited if c not in dated)
+        assert not undated, "NOTES.md cites result files that are not dated <date>_<subject>.md: " + ", ".join(undated)
+
     def test_block_extraction_sees_markers_and_languages(tmp_path):
         doc = tmp_path / "x.md"
         doc.write_text("a\n```python runnable\nprint(1)\n```\n```python\nskip\n```\n```bash runnable\necho hi\n```\n"

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 from ..distributed.agree import agree, exchange
+from .by_name import config_of
+from .configuration import FinetuneConfig
 from .constants import ADAM_BETAS, ADAM_EPS
 from .errors import FinetuneError
 from .models import ModelSpec
 from .option_values import DS_OPTIONS, budget_label
-from .policy import policy_of, quant_fields
+from .policy import elastic_policy, format_fields
 
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
@@ -19,46 +21,52 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
-def run_configuration(args, spec: ModelSpec, data_info: dict, targets: list[str], world_size: int) -> dict:
-    """What a checkpoint must agree with to be resumed (see [Note: checkpoint layout and resume])."""
+def run_configuration(cfg: FinetuneConfig, spec: ModelSpec, data_info: dict, targets: list[str],
+                      world_size: int) -> dict:
+    """What a checkpoint must agree with to be resumed (see [Note: checkpoint layout and resume]),
+    from the job's configuration (its model dtype, training, LoRA, elastic, weight-format and
+    pipeline groups). A public name: options held by name (parse_args' namespace, an
+    OptionView) are still accepted, converted once (by_name.config_of)."""
+    cfg = config_of(cfg)
+    t, lora, p = cfg.training, cfg.lora, cfg.pipeline
     model_cfg = {k: v for k, v in spec.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     out = {
         "world_size": world_size,
         "model": {
             "kind": "embedded" if spec.embedded else "directory",
             "config": json.loads(json.dumps(model_cfg, default=str)),
-            "dtype": args.dtype,
+            "dtype": cfg.model.dtype,
             "init_seed": spec.seed if spec.embedded else None,
         },
         "tokenizer": spec.tokenizer.fingerprint,
         "data": {"tokens": data_info["tokens"], "sha256": data_info["sha256"]},
-        "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch,
-        "grad_accum": args.grad_accum,
-        "optimizer": {"name": "AdamW", "lr": args.lr, "warmup_steps": args.warmup_steps,
-                      "weight_decay": args.weight_decay, "betas": list(ADAM_BETAS), "eps": ADAM_EPS},
-        "seed": args.seed,
-        "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "targets": targets},
-        "policy": {"chunk_bytes": args.chunk_kib << 10, "all_reduce_grads": True,
-                   "replicate_below_bytes": policy_of(args, None).replicate_below_bytes},
+        "seq_len": t.seq_len,
+        "micro_batch": t.micro_batch,
+        "grad_accum": t.grad_accum,
+        "optimizer": {"name": "AdamW", "lr": t.lr, "warmup_steps": t.warmup_steps,
+                      "weight_decay": t.weight_decay, "betas": list(ADAM_BETAS), "eps": ADAM_EPS},
+        "seed": t.seed,
+        "lora": {"r": lora.lora_r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout, "targets": targets},
+        "policy": {"chunk_bytes": cfg.elastic.chunk_kib << 10, "all_reduce_grads": True,
+                   "replicate_below_bytes": elastic_policy(cfg, None).replicate_below_bytes},
     }
-    if getattr(args, "lr_schedule", "constant") not in (None, "constant"):
+    if t.lr_schedule not in (None, "constant"):
         # Absent for a constant rate, so checkpoints written before --lr-schedule still match.
-        out["optimizer"]["schedule"] = args.lr_schedule
-        out["optimizer"]["schedule_steps"] = args.steps  # the decay ends at --steps: a resume keeps it
-    quant = quant_fields(args)
+        out["optimizer"]["schedule"] = t.lr_schedule
+        out["optimizer"]["schedule_steps"] = t.steps  # the decay ends at --steps: a resume keeps it
+    quant = format_fields(cfg.weights)
     if quant:
         # The weight format changes the model's numerics: a checkpoint resumes only in its format.
         # Absent for --weight-format none, so checkpoints written before the option still match.
         out["policy"].update(quant)
-    if getattr(args, "pp", 1) != 1:
+    if p.pp != 1:
         # A pipelined run sums its micro-batch gradients in its schedule's order
         # (python_api/finetune/pipelined.py): these change bits, the pack layout does not.
-        if args.pp == "auto":  # chosen by the planner when the run starts (python_api/finetune/pipelined.py)
-            out["pipeline"] = {"pp": "auto", "schedule": None, "micro_batches": args.micro_batches}
+        if p.pp == "auto":  # chosen by the planner when the run starts (python_api/finetune/pipelined.py)
+            out["pipeline"] = {"pp": "auto", "schedule": None, "micro_batches": p.micro_batches}
         else:
-            out["pipeline"] = {"pp": args.pp, "schedule": args.schedule,
-                               "micro_batches": args.micro_batches or args.grad_accum * args.pp}
+            out["pipeline"] = {"pp": p.pp, "schedule": p.schedule,
+                               "micro_batches": p.micro_batches or t.grad_accum * p.pp}
     return out
 
 

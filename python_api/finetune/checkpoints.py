@@ -66,7 +66,7 @@ from .constants import CHECKPOINT_FORMAT, MANIFEST_FORMAT, PROG
 from .errors import FinetuneError
 from .files import agreed_write, local_now, torch_save_atomic, write_json
 from .option_values import budget_label
-from .policy import policy_of
+from .policy import elastic_policy
 
 CKPT = "checkpoint"
 _CKPT_TMP = ".checkpoint-tmp"
@@ -406,7 +406,7 @@ def write_checkpoint(job, step: int, losses: list[float], segments: list[dict], 
                 "format": CHECKPOINT_FORMAT, "run": job.config, "configuration": job.cfg.to_dict(),
                 "info": {"run_id": job.run_id, "step": step, "steps_planned": job.cfg.training.steps, "written": local_now(),
                          "model_source": job.spec.source, "data_source": job.data_info["source"],
-                         "policy": {k: getattr(policy_of(job.args, job.cfg.elastic.pool_budget), k) for k in (
+                         "policy": {k: getattr(elastic_policy(job.cfg, job.cfg.elastic.pool_budget), k) for k in (
                              "chunk_bytes", "keep_ratio", "persist_ratio", "prefetch_depth", "collective_bytes",
                              "weight_format", "quant_block_size", "quant_nested")},
                          "pool_budget": budget_label(job.cfg.elastic.pool_budget)},

@@ -10,24 +10,26 @@ import torch.nn as nn
 
 from ..nn import target_names
 from ..nn.lora import is_conv1d, is_linear
+from .configuration import FinetuneConfig
 from .errors import FinetuneError
-from .models import lora_config_of
-from .policy import policy_of
+from .models import lora_config
+from .policy import elastic_policy
 
 
-def elastic_weights(model: nn.Module, args, itemsize: int) -> list[str]:
+def elastic_weights(model: nn.Module, cfg: FinetuneConfig, itemsize: int) -> list[str]:
     """The names of the linears whose weights the elastic runtime would hold (and, with a weight
     format, quantize) for this job: convert_to_elastic's rule ([Note: what convert_to_elastic
     does with each parameter] in python_api/nn/convert.py): the LoRA targets, and the other
     linears with a weight of at least `replicate_below_bytes` not shared with another module.
     `model` may be on the meta device; `itemsize` is the job's dtype's (a meta model's own
-    dtype may differ)."""
-    targets = target_names(model, lora_config_of(args))
+    dtype may differ). Reads the configuration's LoRA group and seed, and the policy of its
+    elastic, host and weight-format groups."""
+    targets = target_names(model, lora_config(cfg.lora, cfg.training.seed))
     seen: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
-    below = policy_of(args, None).replicate_below_bytes
+    below = elastic_policy(cfg, None).replicate_below_bytes
     others = [n for n, m in model.named_modules()
               if n and is_linear(m) and n not in targets and seen[id(m.weight)] == 1
               and m.weight.numel() * itemsize >= below]
@@ -45,23 +47,25 @@ def elastic_weights(model: nn.Module, args, itemsize: int) -> list[str]:
 # every rank, for the main format and each --compare-format, and the message names the option
 # and the weight.
 
-def check_weight_formats(spec, args) -> None:
+def check_weight_formats(spec, cfg: FinetuneConfig) -> None:
     """Raise FinetuneError unless every weight the elastic runs of the job hold can be stored in
-    each weight format the job uses. See [Note: a weight a format cannot store is an option error]."""
-    formats = [("--weight-format", args.weight_format)] + [("--compare-format", f) for f in args.compare_formats]
+    each weight format the job uses (--weight-format: cfg.weights, --compare-format: cfg.peers).
+    See [Note: a weight a format cannot store is an option error]."""
+    w = cfg.weights
+    formats = [("--weight-format", w.weight_format)] + [("--compare-format", f) for f in cfg.peers.compare_formats]
     formats = [(opt, f) for opt, f in formats if f != "none"]
     if not formats:
         return
     meta = spec.meta_model()
     for opt, fmt in formats:
-        policy = dataclasses.replace(policy_of(args, None), weight_format=fmt, quant_block_size=args.quant_block,
-                                     quant_nested=bool(args.quant_nested) and fmt == "nf4")
-        for name in elastic_weights(meta, args, spec.dtype.itemsize):
+        policy = dataclasses.replace(elastic_policy(cfg, None), weight_format=fmt, quant_block_size=w.quant_block,
+                                     quant_nested=bool(w.quant_nested) and fmt == "nf4")
+        for name in elastic_weights(meta, cfg, spec.dtype.itemsize):
             m = meta.get_submodule(name)
             shape = tuple(m.weight.shape)[::-1] if is_conv1d(m) else tuple(m.weight.shape)
             try:
                 policy.check_quantizable(name, shape)
             except ValueError as exc:
-                what = f"{opt} {fmt}" + (f" (the main run is --weight-format {args.weight_format})"
+                what = f"{opt} {fmt}" + (f" (the main run is --weight-format {w.weight_format})"
                                          if opt != "--weight-format" else "")
                 raise FinetuneError(f"{what}: {exc}; run without {opt} {fmt}") from None

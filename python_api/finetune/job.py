@@ -72,11 +72,10 @@ def prepare(config: FinetuneConfig | argparse.Namespace, rank: int, world_size: 
             "scratch (run them without --resume)"
         )
     device = job_device(cfg.model, local_rank)
-    spec = resolve_model(cfg.options())
+    spec = resolve_model(cfg)
     # [Note: configuration as types]: the values settled by the model, in the job's configuration
     cfg = cfg.replace("model", model=resolved_model_name(cfg.model.model), dtype=dtype_name(spec.dtype))
     cfg = cfg.replace("training", **training_defaults(cfg.training, pretrained=not spec.embedded))
-    args = cfg.options()
     windows, data_info = resolve_data(cfg.data, cfg.training.seq_len, spec)
     pp = cfg.pipeline
     if data_info["format"] != "text" and (pp.pp != 1 or pp.compare_pp is not None):
@@ -85,9 +84,9 @@ def prepare(config: FinetuneConfig | argparse.Namespace, rank: int, world_size: 
             f"--pp / --compare-pp: a pipelined run trains text windows only, and the data is {data_info['format']} "
             f"records ({'--data ' + data if data else 'the default instruction set of a model with a chat template'}); "
             "pass --data FILE.txt (or a .jsonl of {\"text\"} lines), or train without --pp / --compare-pp")
-    targets, adapter_shapes = resolved_targets(spec, args)
-    check_weight_formats(spec, args)  # [Note: a weight a format cannot store is an option error]
-    config = run_configuration(args, spec, data_info, targets, world_size)
+    targets, adapter_shapes = resolved_targets(spec, cfg.lora, cfg.training.seed)
+    check_weight_formats(spec, cfg)  # [Note: a weight a format cannot store is an option error]
+    config = run_configuration(cfg, spec, data_info, targets, world_size)
     resume = None
     resume_ckpt = find_checkpoint(out.resume) if out.resume is not None else None
     save_dir = check_save_dir(out, resume_ckpt)
@@ -95,7 +94,7 @@ def prepare(config: FinetuneConfig | argparse.Namespace, rank: int, world_size: 
         resume = read_checkpoint(out.resume, rank, config, cfg.training.steps, adapter_shapes, configuration=cfg)
     job = Job(cfg, rank, world_size, local_rank, device, spec, windows, data_info, targets, config, save_dir, resume)
 
-    job.notices = ignored_options(args, world_size) + pipeline_notices(args, world_size, spec.config)
+    job.notices = ignored_options(cfg.options(), world_size) + pipeline_notices(cfg, world_size, spec.config)
     if cfg.model.tokenizer == "bytes" and not spec.embedded:
         # [Note: the tokenizer is never silently replaced] (models.py): asked for by name, and said
         job.notices.append(f"--tokenizer bytes: the byte-level tokenizer (UTF-8 bytes as token ids) stands in for the "

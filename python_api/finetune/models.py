@@ -14,6 +14,8 @@ from ..config import ElasticPolicy
 from ..loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
 from ..loading.bnb import PackedFormatError, compute_dtype, packed_format
 from ..nn import LoRAConfig, target_names
+from .by_name import config_of
+from .configuration import FinetuneConfig, LoRAConfig as LoRAOptions
 from .constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
 from .data import (
     ByteTokenizer,
@@ -197,19 +199,22 @@ def _hub_snapshot(repo_id: str) -> str:
                         "; pass a local directory (--model DIR) or run once with network access")
 
 
-def resolve_model(args) -> ModelSpec:
-    """The base model of the options ([Note: what --model names]). `--dtype` not given (None):
-    float32 for the tiny model, the checkpoint's dtype otherwise (the spec's dtype: prepare()
-    records it, and the model's name resolved (resolved_model_name), in the job's configuration,
-    which the run configuration, the checkpoints and the messages name)."""
-    dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    dims = {k: getattr(args, k) for k in EMBEDDED}
+def resolve_model(cfg: FinetuneConfig) -> ModelSpec:
+    """The base model of the configuration ([Note: what --model names]): its model group and
+    seed, and for a bitsandbytes checkpoint the groups that must not need full-precision
+    weights (_bnb_checkpoint). `--dtype` not given (None): float32 for the tiny model, the
+    checkpoint's dtype otherwise (the spec's dtype: prepare() records it, and the model's name
+    resolved (resolved_model_name), in the job's configuration, which the run configuration,
+    the checkpoints and the messages name)."""
+    m, seed = cfg.model, cfg.training.seed
+    dtype = None if m.dtype is None else getattr(torch, m.dtype)
+    dims = {k: getattr(m, k) for k in EMBEDDED}
     given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
-    if args.model is None:
+    if m.model is None:
         if given:
             raise FinetuneError(f"{', '.join(given)} size the tiny random model: add --model tiny (the default "
                                 f"model, {DEFAULT_MODEL}, brings its own configuration)")
-    model = resolved_model_name(args.model)
+    model = resolved_model_name(m.model)
     if model == TINY:
         dtype = dtype or torch.float32
         d = {k: (v if v is not None else EMBEDDED[k]) for k, v in dims.items()}
@@ -220,10 +225,10 @@ def resolve_model(args) -> ModelSpec:
         if (d["hidden_size"] // d["num_heads"]) % 2:
             raise FinetuneError(f"head size {d['hidden_size'] // d['num_heads']} must be even (rotary embeddings)")
         config = embedded_config(**d)
-        if getattr(args, "tokenizer", None) not in (None, "bytes"):
-            raise FinetuneError(f"--tokenizer {args.tokenizer}: the tiny model's vocabulary is the byte-level "
+        if m.tokenizer not in (None, "bytes"):
+            raise FinetuneError(f"--tokenizer {m.tokenizer}: the tiny model's vocabulary is the byte-level "
                                 "tokenizer's (257 ids); leave --tokenizer out")
-        return ModelSpec("embedded", config, dtype, args.seed, ByteTokenizer(eos=True))
+        return ModelSpec("embedded", config, dtype, seed, ByteTokenizer(eos=True))
 
     if given:
         raise FinetuneError(f"{', '.join(given)} size the tiny model only; --model {model} brings its own configuration")
@@ -235,15 +240,15 @@ def resolve_model(args) -> ModelSpec:
         source = SafetensorsSource(path)  # every weights file's header (the files the loader will read)
     except LoadError as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
-    packed = _bnb_checkpoint(args, model, config, path, source)
+    packed = _bnb_checkpoint(cfg, model, config, path, source)
     if dtype is None:  # --dtype not given: the checkpoint's own (a bf16 checkpoint trains in bf16)
         # A bitsandbytes checkpoint computes in its bnb_4bit_compute_dtype, as load_elastic does.
         dtype = (compute_dtype(config) if packed is not None else None) or checkpoint_dtype(config, source)
     if packed is not None:
         config = copy.deepcopy(config)
         del config.quantization_config
-    tokenizer = _resolve_tokenizer(path, model, config, getattr(args, "tokenizer", None))
-    return ModelSpec(path, config, dtype, args.seed, tokenizer, name=model if kind == "hub" else path,
+    tokenizer = _resolve_tokenizer(path, model, config, m.tokenizer)
+    return ModelSpec(path, config, dtype, seed, tokenizer, name=model if kind == "hub" else path,
                      packed=packed, label=model if kind in ("pretrained", "gguf") else None)
 
 
@@ -257,9 +262,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _bnb_checkpoint(args, model: str, config, path, source):
+def _bnb_checkpoint(cfg: FinetuneConfig, model: str, config, path, source):
     """The bitsandbytes 4-bit format of `--model`'s checkpoint (None: full precision), checked
-    against the files (`source`: their headers) and the options.
+    against the files (`source`: their headers) and the configuration (its weight-format,
+    peers, pipeline and host-tier groups).
 
     [Note: the CLI reads bitsandbytes 4-bit checkpoints]
     As `load_elastic` does ([Note: loading a bitsandbytes 4-bit checkpoint] in
@@ -295,23 +301,23 @@ def _bnb_checkpoint(args, model: str, config, path, source):
             f"If the weights are full precision, remove quantization_config from config.json (--weight-format nf4 "
             f"quantizes them on load)")
     want = "--weight-format nf4" + (" --quant-nested" if nested else "")
-    if args.weight_format != "nf4" or bool(args.quant_nested) != nested or args.quant_block not in (None, 64):
-        given = f"--weight-format {args.weight_format}" + (" --quant-nested" if args.quant_nested else "") + (
-            f" --quant-block {args.quant_block}" if args.quant_block is not None else "")
+    w, peers, pp, host = cfg.weights, cfg.peers, cfg.pipeline, cfg.host
+    if w.weight_format != "nf4" or bool(w.quant_nested) != nested or w.quant_block not in (None, 64):
+        given = f"--weight-format {w.weight_format}" + (" --quant-nested" if w.quant_nested else "") + (
+            f" --quant-block {w.quant_block}" if w.quant_block is not None else "")
         raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint, trained from its packed weights as they are: "
                             f"pass {want} (not {given})")
-    others = [f for f in getattr(args, "compare_formats", []) or [] if f != "nf4"]
+    others = [f for f in peers.compare_formats if f != "nf4"]
     if others:
         raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: --compare-format {','.join(others)} would need "
                             f"full-precision weights, which its files do not hold")
-    peers = [b for b in getattr(args, "baselines", []) or []]
-    if peers:
-        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: --baseline {','.join(peers)} builds the model "
+    if peers.baselines:
+        raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: --baseline {','.join(peers.baselines)} builds the model "
                             f"from full-precision weights, which its files do not hold (leave --baseline out)")
-    if args.pp == "auto" or args.pp > 1 or args.compare_pp is not None:
+    if pp.pp == "auto" or pp.pp > 1 or pp.compare_pp is not None:
         raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: pipeline stages (--pp, --compare-pp) "
                             f"quantize their packs from full-precision rows, which its files do not hold")
-    if args.weights_on == "host" or args.host_fraction or getattr(args, "compare_host", False):
+    if host.weights_on == "host" or host.host_fraction or peers.compare_host:
         raise FinetuneError(f"{where} is a {fmt.describe()} checkpoint: the host tier (--weights-on host, "
                             f"--host-fraction, --compare-host) fills its store from full-precision rows, which would "
                             f"quantize the weights again; leave them out")
@@ -429,28 +435,43 @@ def _check_ids(tokens: torch.Tensor, spec: ModelSpec) -> None:
                         f"vocabulary of {vocab}")
 
 
-def target_list(args) -> list[str] | str:
-    return "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+def targets_of(lora: LoRAOptions) -> list[str] | str:
+    """--lora-targets as PEFT's target_modules: "all-linear" or the list of names."""
+    return "all-linear" if lora.lora_targets == "all-linear" else lora.lora_targets.split(",")
 
 
-def lora_config_of(args):
-    t = target_list(args)
-    return LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                      target_modules=t if isinstance(t, str) else tuple(t), seed=args.seed)
+def target_list(lora) -> list[str] | str:
+    """targets_of of anything with `lora_targets`: the LoRA group, or options held by name
+    (parse_args' namespace, an OptionView), as engines.py still passes them."""
+    return targets_of(lora)
 
 
-def resolved_targets(spec: ModelSpec, args) -> tuple[list[str], dict]:
+def lora_config(lora: LoRAOptions, seed: int) -> LoRAConfig:
+    """The library's LoRAConfig of the LoRA options, its adapters drawn from `seed`
+    (--seed: [Note: initialisation and replication] in python_api/nn/lora.py)."""
+    t = targets_of(lora)
+    return LoRAConfig(r=lora.lora_r, alpha=lora.lora_alpha, dropout=lora.lora_dropout,
+                      target_modules=t if isinstance(t, str) else tuple(t), seed=seed)
+
+
+def lora_config_of(options) -> LoRAConfig:
+    """lora_config of options held by name (parse_args' namespace or an OptionView)."""
+    c = config_of(options)
+    return lora_config(c.lora, c.training.seed)
+
+
+def resolved_targets(spec: ModelSpec, lora: LoRAOptions, seed: int) -> tuple[list[str], dict]:
     """The adapted module names, and the adapter tensors they get: PEFT key -> shape (None
     where the module is not an nn.Linear and the shape is not derived here)."""
     meta = spec.meta_model()
     try:
-        targets = target_names(meta, lora_config_of(args))
+        targets = target_names(meta, lora_config(lora, seed))
     except ValueError as exc:
-        raise FinetuneError(f"--lora-targets {args.lora_targets}: {exc}") from exc
+        raise FinetuneError(f"--lora-targets {lora.lora_targets}: {exc}") from exc
     shapes = {}
     for name in targets:
         m = meta.get_submodule(name)
         linear = isinstance(m, nn.Linear)
-        shapes[f"base_model.model.{name}.lora_A.weight"] = (args.lora_r, m.in_features) if linear else None
-        shapes[f"base_model.model.{name}.lora_B.weight"] = (m.out_features, args.lora_r) if linear else None
+        shapes[f"base_model.model.{name}.lora_A.weight"] = (lora.lora_r, m.in_features) if linear else None
+        shapes[f"base_model.model.{name}.lora_B.weight"] = (m.out_features, lora.lora_r) if linear else None
     return targets, shapes

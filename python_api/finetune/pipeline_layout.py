@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from ..pipeline import PipelineError, PipelineLayout
 from ..pipeline.hf_packs import ARCHITECTURES
+from .by_name import config_of
+from .configuration import FinetuneConfig, PipelineConfig, PlannerConfig, TrainingConfig
 from .errors import FinetuneError
 
 
@@ -33,22 +35,24 @@ def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
     return [per_layer] * n_layers, 0.0, 2.0 * config.vocab_size * h
 
 
-def layout_of(args, world_size: int, pp: int, config, option: str = "--pp") -> tuple[PipelineLayout, int]:
-    """The pipeline layout the options describe, and the micro-batch size ([Note: the pipelined
-    run and the global batch]). Raises FinetuneError naming the option (`option`: --pp, or
-    --compare-pp for the comparison)."""
-    share = args.micro_batch * args.grad_accum * pp
-    m = args.micro_batches or args.grad_accum * pp
+def layout_of(training: TrainingConfig, pipeline: PipelineConfig, world_size: int, pp: int, config,
+              option: str = "--pp") -> tuple[PipelineLayout, int]:
+    """The pipeline layout the training and pipeline options describe, and the micro-batch size
+    ([Note: the pipelined run and the global batch]). Raises FinetuneError naming the option
+    (`option`: --pp, or --compare-pp for the comparison)."""
+    t, p = training, pipeline
+    share = t.micro_batch * t.grad_accum * pp
+    m = p.micro_batches or t.grad_accum * pp
     if share % m:
         raise FinetuneError(f"--micro-batches {m} does not divide the {share} sequences of each dp group's share of "
-                            f"the global batch (--micro-batch {args.micro_batch} x --grad-accum {args.grad_accum} x "
+                            f"the global batch (--micro-batch {t.micro_batch} x --grad-accum {t.grad_accum} x "
                             f"{option} {pp}); divisors: {[d for d in range(1, share + 1) if share % d == 0]}")
-    costs, first, last = layer_costs(config, args.seq_len)
+    costs, first, last = layer_costs(config, t.seq_len)
     try:
-        layout = PipelineLayout.build(world_size, pp, len(costs), args.schedule, m,
-                                      pack_size=None if args.pack_size == "auto" else args.pack_size,
+        layout = PipelineLayout.build(world_size, pp, len(costs), p.schedule, m,
+                                      pack_size=None if p.pack_size == "auto" else p.pack_size,
                                       layer_costs=costs, first_cost=first, last_cost=last,
-                                      residency=args.pack_residency, window=args.pack_window)
+                                      residency=p.pack_residency, window=p.pack_window)
     except PipelineError as exc:
         raise FinetuneError(f"{option} {pp}: {exc}") from exc
     return layout, share // m
@@ -64,27 +68,35 @@ def layout_of(args, world_size: int, pp: int, config, option: str = "--pp") -> t
 # (a refusal would reject every layer count the size does not divide) but said, as a notice on
 # rank 0 and in summary.json, with the packs that run.
 
-def pipeline_notices(args, world_size: int, config) -> list[str]:
-    """See [Note: the pipelines the options describe, checked in prepare]. Raises
-    FinetuneError naming the option whose layout cannot be built."""
+def pipeline_notices(cfg: FinetuneConfig, world_size: int, config) -> list[str]:
+    """See [Note: the pipelines the options describe, checked in prepare]: the configuration's
+    pipeline, planner and training groups. Raises FinetuneError naming the option whose layout
+    cannot be built."""
+    p = cfg.pipeline
     runs = []
-    if args.pp != "auto" and args.pp > 1 and args.plan != "auto":
-        runs.append(("--pp", args.pp))
-    if args.compare_pp is not None and not compare_pp_is_main(args):
-        runs.append(("--compare-pp", args.compare_pp))
+    if p.pp != "auto" and p.pp > 1 and cfg.planner.plan != "auto":
+        runs.append(("--pp", p.pp))
+    if p.compare_pp is not None and not compare_pp_repeats_main(p, cfg.planner):
+        runs.append(("--compare-pp", p.compare_pp))
     out = []
     for option, pp in runs:
-        layout, _ = layout_of(args, world_size, pp, config, option)
+        layout, _ = layout_of(cfg.training, p, world_size, pp, config, option)
         sizes = [layout.boundaries[k + 1] - layout.boundaries[k] for k in range(layout.n_packs)]
-        if args.pack_size != "auto" and set(sizes) != {args.pack_size}:
-            out.append(f"--pack-size {args.pack_size} with {option} {pp}: the {layout.boundaries[-1]} decoder layers "
+        if p.pack_size != "auto" and set(sizes) != {p.pack_size}:
+            out.append(f"--pack-size {p.pack_size} with {option} {pp}: the {layout.boundaries[-1]} decoder layers "
                        f"run as {layout.n_packs} packs of {'/'.join(map(str, sizes))} layers (a pack holds at most "
                        f"--pack-size layers; the layers are balanced over ceil(layers / --pack-size) packs)")
     return out
 
 
-def compare_pp_is_main(args) -> bool:
+def compare_pp_repeats_main(pipeline: PipelineConfig, planner: PlannerConfig) -> bool:
     """--compare-pp N with a main run of --pp N (not planned): the comparison would train the
-    same run again ([Note: options a run ignores]). `args`: the options by name (parse_args'
-    namespace or the configuration's OptionView)."""
-    return args.compare_pp is not None and args.plan != "auto" and args.pp == args.compare_pp
+    same run again ([Note: options a run ignores])."""
+    return pipeline.compare_pp is not None and planner.plan != "auto" and pipeline.pp == pipeline.compare_pp
+
+
+def compare_pp_is_main(options) -> bool:
+    """compare_pp_repeats_main of options held by name (parse_args' namespace or an
+    OptionView): what runner.comparison_builds still passes."""
+    c = config_of(options)
+    return compare_pp_repeats_main(c.pipeline, c.planner)

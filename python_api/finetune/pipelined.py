@@ -40,9 +40,9 @@ from .agreement import agree_error
 from .engine import Engine, steady
 from .engines import ElasticEngine, _collective_build, _collective_build_on_meta, _nonfinite_loaded
 from .errors import FinetuneError
-from .models import lora_config_of
+from .models import lora_config
 from .pipeline_layout import layout_of
-from .policy import policy_of
+from .policy import elastic_policy
 
 
 class PipelinedEngine(Engine):
@@ -57,9 +57,9 @@ class PipelinedEngine(Engine):
                  plan=None, option: str = "--pp"):
         """`layout` and `micro_batch_size`: a planned layout (`plan`, a PipelinePlan); else the
         options' (`layout_of`). `option`: the option that asked for it, named in errors."""
-        args, t = job.args, job.cfg.training
+        t = job.cfg.training
         if layout is None:
-            layout, mbs = layout_of(args, job.world_size, pp, job.spec.config, option)
+            layout, mbs = layout_of(t, job.cfg.pipeline, job.world_size, pp, job.spec.config, option)
         else:
             mbs = micro_batch_size
         self.layout, self.micro_batch_size, self.plan = layout, mbs, plan
@@ -72,7 +72,7 @@ class PipelinedEngine(Engine):
         else:
             lm, source = _collective_build_on_meta(job)
         try:
-            self.model = PipelinedModel(lm, lora_config_of(args), policy_of(args, None), layout, self.groups,
+            self.model = PipelinedModel(lm, lora_config(job.cfg.lora, t.seed), elastic_policy(job.cfg, None), layout, self.groups,
                                         micro_batch_size=mbs, seq_len=t.seq_len, source=source, device=job.device)
         except (PipelineError, LoadError) as exc:  # raised on every rank (agreed)
             raise FinetuneError(f"{option} {pp}: {exc}") from exc
@@ -217,7 +217,7 @@ def planned_engine(job):
     from .files import agreed_write, write_json
     from .planning import _host_memory_share
 
-    args, W = job.args, job.world_size
+    W = job.world_size
     t, pp_options, budget = job.cfg.training, job.cfg.pipeline, job.cfg.elastic.pool_budget
     memory_cap = job.cfg.planner.memory_cap
     cap = memory_cap if isinstance(memory_cap, int) else (
@@ -237,7 +237,7 @@ def planned_engine(job):
     if pp_options.micro_batches:
         restrict["micro_batches"] = pp_options.micro_batches
     try:
-        pprof = pipeline_profile(job.spec.meta_model(), lora_config_of(args), policy_of(args, None), profile,
+        pprof = pipeline_profile(job.spec.meta_model(), lora_config(job.cfg.lora, t.seed), elastic_policy(job.cfg, None), profile,
                                  world_size=W, seq_len=t.seq_len)
         pplan = plan_pipeline(pprof, cap, global_batch, pp1_step_s=pp1 if pp_options.pp == "auto" else None, **restrict)
     except PipelineError as exc:

@@ -1,40 +1,60 @@
-"""What the options make of a run's settings: the elastic policy (policy_of, quant_fields)
-and the learning rate (its defaults, resolve_training_defaults, and its schedule, lr_at)."""
+"""What the options make of a run's settings: the elastic policy (elastic_policy, format_fields;
+policy_of and quant_fields for options held by name) and the learning rate (its defaults,
+resolve_training_defaults, and its schedule, lr_at)."""
 
 from __future__ import annotations
 
 import math
 
 from ..config import ElasticPolicy
+from .by_name import config_of
+from .configuration import FinetuneConfig, WeightFormatConfig
 
 
-def host_fraction_used(args, world_size: int | None, weights_on: str) -> bool:
+def host_fraction_used(host, world_size: int | None, weights_on: str) -> bool:
     """Whether --host-fraction can take anything from the host store: not with the weights on
     host (every chunk comes from there), and not on one rank with the weights on the device
-    (nothing is ever missing: the local shard is the whole weight, so no store is built)."""
-    return weights_on == "device" and not (world_size == 1) and bool(args.host_fraction)
+    (nothing is ever missing: the local shard is the whole weight, so no store is built).
+    `host`: the host-tier options (a HostConfig; anything with `host_fraction` reads the same)."""
+    return weights_on == "device" and not (world_size == 1) and bool(host.host_fraction)
 
 
-def policy_of(args, budget, weights_on: str | None = None, world_size: int | None = None):
-    weights_on = weights_on or args.weights_on
+def elastic_policy(cfg: FinetuneConfig, budget, weights_on: str | None = None,
+                   world_size: int | None = None) -> ElasticPolicy:
+    """The ElasticPolicy of a run of the job: its elastic, host-tier and weight-format groups,
+    at pool budget `budget` (bytes; anything else: the whole pool), with the weights on
+    `weights_on` (None: --weights-on) on `world_size` ranks (None: not known here)."""
+    e, h = cfg.elastic, cfg.host
+    weights_on = weights_on or h.weights_on
     return ElasticPolicy(
-        chunk_bytes=args.chunk_kib << 10, keep_ratio=args.keep_ratio, persist_ratio=args.persist_ratio,
-        pool_budget_bytes=budget if isinstance(budget, int) else None, prefetch_depth=args.prefetch_depth,
-        collective_bytes=args.collective_kib << 10, collective_timeout_s=args.timeout_s,
+        chunk_bytes=e.chunk_kib << 10, keep_ratio=e.keep_ratio, persist_ratio=e.persist_ratio,
+        pool_budget_bytes=budget if isinstance(budget, int) else None, prefetch_depth=e.prefetch_depth,
+        collective_bytes=e.collective_kib << 10, collective_timeout_s=e.timeout_s,
         weights_on=weights_on,
-        host_fraction=args.host_fraction if host_fraction_used(args, world_size, weights_on) else None,
-        offload_activations=args.offload_activations, host_budget_bytes=args.host_budget,
-        **quant_fields(args),
+        host_fraction=h.host_fraction if host_fraction_used(h, world_size, weights_on) else None,
+        offload_activations=h.offload_activations, host_budget_bytes=h.host_budget,
+        **format_fields(cfg.weights),
     )
 
 
-def quant_fields(args) -> dict:
+def policy_of(options, budget, weights_on: str | None = None, world_size: int | None = None) -> ElasticPolicy:
+    """elastic_policy of options held by name (parse_args' namespace or an OptionView), for the
+    callers not yet converted to the typed configuration."""
+    return elastic_policy(config_of(options), budget, weights_on, world_size)
+
+
+def format_fields(weights: WeightFormatConfig) -> dict:
     """ElasticPolicy's weight-format fields from --weight-format / --quant-block / --quant-nested
     (none: today's defaults)."""
-    fmt = getattr(args, "weight_format", "none")
-    if fmt == "none":
+    if weights.weight_format == "none":
         return {}
-    return {"weight_format": fmt, "quant_block_size": args.quant_block, "quant_nested": bool(args.quant_nested)}
+    return {"weight_format": weights.weight_format, "quant_block_size": weights.quant_block,
+            "quant_nested": bool(weights.quant_nested)}
+
+
+def quant_fields(options) -> dict:
+    """format_fields of options held by name (parse_args' namespace or an OptionView)."""
+    return format_fields(config_of(options).weights)
 
 
 # [Note: learning-rate defaults]
@@ -63,16 +83,17 @@ def resolve_training_defaults(args, pretrained: bool) -> None:
         setattr(args, k, v)
 
 
-def lr_at(args, step: int) -> float:
+def lr_at(training, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): the linear warm-up ((step + 1) /
-    warmup of the peak), then --lr-schedule over the remaining steps."""
-    warmup = args.warmup_steps or 0
+    warmup of the peak), then --lr-schedule over the remaining steps. `training`: the training
+    options (a TrainingConfig, as the loop passes; parse_args' namespace reads the same)."""
+    warmup = training.warmup_steps or 0
     if warmup and step < warmup:
-        return args.lr * (step + 1) / warmup
-    schedule = getattr(args, "lr_schedule", None) or "constant"
+        return training.lr * (step + 1) / warmup
+    schedule = getattr(training, "lr_schedule", None) or "constant"
     if schedule == "constant":
-        return args.lr
-    progress = (step - warmup) / max(1, args.steps - warmup)
+        return training.lr
+    progress = (step - warmup) / max(1, training.steps - warmup)
     if schedule == "linear":
-        return args.lr * (1.0 - progress)
-    return args.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return training.lr * (1.0 - progress)
+    return training.lr * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -90,14 +90,18 @@ def cast_chunks(chunks: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Te
     return chunks if not chunks or chunks[0].dtype == dtype else [c.to(dtype) for c in chunks]
 
 
-def weight_chunks(et: ElasticTensor, chunks: list[torch.Tensor], dtype: torch.dtype,
-                  first_chunk: int = 0) -> list[torch.Tensor]:
-    """The use's chunks `first_chunk`, ... as [rows, cols] in the op dtype: cast (no-op when
-    they already are), or, for a quantized weight, its blobs dequantized once into the
-    runtime's workspace ([Note: quantized frozen weights] in python_api/quant/__init__.py)."""
+def dequantized_views(et: ElasticTensor, chunks: list[torch.Tensor], dtype: torch.dtype,
+                      first_chunk: int = 0) -> list[torch.Tensor]:
+    """What the GEMM reads for the use's chunks `first_chunk`, ...: [rows, cols] views in the
+    op dtype, not the pool's chunks: a full-precision chunk cast (itself when it already is in
+    that dtype), a quantized weight's blobs dequantized once into the runtime's workspace
+    ([Note: quantized frozen weights] in python_api/quant/__init__.py)."""
     if et.qlayout is None:
         return cast_chunks(chunks, dtype)
     return dequantize_use(et.qlayout, chunks, dtype, et.runtime.dequant_workspace, first_chunk)
+
+
+weight_chunks = dequantized_views  # the former name, kept for callers outside the library
 
 
 def refuse_conversion(module: nn.Module, fn) -> None:
@@ -134,7 +138,7 @@ class ElasticLinearFunction(torch.autograd.Function):
 
             def fwd_chunk(c, w):
                 r0, r1 = et.layout.chunk_rows(c)
-                w = weight_chunks(et, [w], dtype, c)[0]
+                w = dequantized_views(et, [w], dtype, c)[0]
                 y[:, r0:r1] = F.linear(x2, w.to(dtype), None if b is None else b[r0:r1])
 
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
@@ -166,7 +170,7 @@ class ElasticLinearFunction(torch.autograd.Function):
                         acc.append(torch.zeros(dy2.shape[0], et.shape[1], device=dy2.device,
                                                dtype=torch.float32 if low else dtype))
                     r0, r1 = et.layout.chunk_rows(c)
-                    w = weight_chunks(et, [w], dtype, c)[0]
+                    w = dequantized_views(et, [w], dtype, c)[0]
                     if low:
                         acc[0].add_(dy2[:, r0:r1] @ w.to(dtype))
                     else:

@@ -58,11 +58,11 @@ from ..runtime import ElasticRuntime, ElasticTensor, Phase, in_backward
 from .linear import (
     LOW_PRECISION,
     RUNTIME_ATTR,
+    dequantized_views,
     keeps_for_backward,
     no_autocast,
     op_dtype,
     refuse_conversion,
-    weight_chunks,
 )
 
 
@@ -239,7 +239,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             x2, lx2 = xc.reshape(-1, x.shape[-1]), lora_x.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                y, xa = paged_lora_linear_fwd(x2, weight_chunks(et, resident.table(), dtype), bias_c, lx2, a, b, scale)
+                y, xa = paged_lora_linear_fwd(x2, dequantized_views(et, resident.table(), dtype), bias_c, lx2, a, b, scale)
         if torch.compiler.is_compiling():
             # Only when a compiler traces this function (the layers' forward is compiler-
             # disabled, so not today): the reference op's xa is a no-op .to() of a traced
@@ -266,7 +266,7 @@ class ElasticLoRAFunction(torch.autograd.Function):
             lx2 = lora_x.reshape(-1, lora_x.shape[-1])
             if ctx.needs_input_grad[0]:
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    chunks = weight_chunks(et, resident.table(), dtype)
+                    chunks = dequantized_views(et, resident.table(), dtype)
                     if mask is None:
                         dx, dyb = paged_lora_linear_dgrad(dy2, chunks, a, b, s)
                     else:
@@ -581,7 +581,7 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             x2 = xc.reshape(-1, x.shape[-1])
             bias_c = None if bias is None else bias.to(dtype)
             with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
-                y, _ = paged_lora_linear_fwd(x2, weight_chunks(et, resident.table(), dtype), bias_c)
+                y, _ = paged_lora_linear_fwd(x2, dequantized_views(et, resident.table(), dtype), bias_c)
             # The rows by adapter: a fresh tensor ([Note: torch.compile]), or, when they already
             # are in adapter order (perm None), x's own rows, saved as xc (x itself or a cast).
             lora_x = x2 if perm is None else x2.index_select(0, perm)
@@ -627,7 +627,7 @@ class ElasticMultiLoRAFunction(torch.autograd.Function):
             need_dx = ctx.needs_input_grad[0]
             if need_dx:
                 with et.runtime.use(et, Phase.BACKWARD) as resident:
-                    dx, _ = paged_lora_linear_dgrad(dy2, weight_chunks(et, resident.table(), dtype))
+                    dx, _ = paged_lora_linear_dgrad(dy2, dequantized_views(et, resident.table(), dtype))
             das = dbs = []
             if ab:
                 dys = dy2 if perm is None else dy2.index_select(0, perm)

@@ -29,7 +29,8 @@ pack gets n_layers / n_packs layers; a heavy head takes layers off the last rank
 `pack_size` P asks for n_packs = ceil(n_layers / P).
 
 [Note: pack residency]
-How long a pack's frozen chunks stay in its pool (python_api/pipeline/residency.py does it):
+How long a pack's frozen chunks stay in its pool (python_api/pipeline/residency.py does it),
+in the lifetimes of the residency vocabulary (docs/architecture.md, "Residency"):
   persistent  kept across steps: loaded once, then never again (0 loads per step)
   step        loaded at the pack's first action of the step, kept for every micro-batch's
               forward and backward, released after its last backward (1 load per step)
@@ -37,6 +38,8 @@ How long a pack's frozen chunks stay in its pool (python_api/pipeline/residency.
               per step: a forward-only load and a load of the weights that have a backward use)
   transient   every chunk gathered for each use and dropped after it (the runtime's
               TRANSIENT class: m loads of forward weights and m of backward weights per step)
+The runtime's micro-batch lifetime (Residency.PEAK) is no pack mode: it would drop a pack's
+chunks after every backward ([Note: one runtime per pack]).
 `window` W is how many upcoming loads are prefetched (issued while earlier packs compute);
 0 loads each pack when its first action starts.
 """

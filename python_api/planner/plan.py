@@ -36,6 +36,11 @@ class PlanningError(ValueError):
 
 @dataclass(frozen=True)
 class WeightPlan:
+    """One weight's residency as chunk counts, in the lifetimes of docs/architecture.md
+    ("Residency"): its first `keep_chunks` chunks live at least a micro-batch (from forward to
+    backward), the first `persist_chunks` of those are persistent (across steps), the rest are
+    transient (gathered for each use): `ElasticRuntime.set_residency`'s arguments."""
+
     name: str
     keep_chunks: int
     persist_chunks: int

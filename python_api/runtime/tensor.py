@@ -13,6 +13,8 @@ higher-index chunks are still being gathered.
   right after forward when no backward will come: no_grad, or no input needs a gradient).
 - PERSISTENT: kept across iterations; the pool may still evict it under a shrinking budget,
   which only turns the next use into a miss.
+In the project's one residency vocabulary (docs/architecture.md, "Residency") these are the
+lifetimes transient, micro-batch and persistent; `Residency.MICRO_BATCH` is PEAK's other name.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from ..quant import PackedRows, fill_image_share, quantized_layout, quantized_sh
 
 
 class Residency(enum.IntEnum):
+    """How long a gathered chunk stays in the pool ([Note: residency classes]; the lifetimes of
+    docs/architecture.md, "Residency"). MICRO_BATCH is an alias of PEAK (same member)."""
     TRANSIENT = 0
     PEAK = 1
     PERSISTENT = 2
+    MICRO_BATCH = 1  # the lifetime's name in the residency vocabulary: an alias of PEAK
 
 
 class Phase(enum.Enum):

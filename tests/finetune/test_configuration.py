@@ -130,8 +130,8 @@ def test_the_typed_resume_comparison_refuses_what_the_run_configuration_refuses(
 
     a, b = _config(saved), _config(current)
     data = {"tokens": 1, "sha256": "x"}
-    run_a = run_configuration(a.options(), _Spec, data, ["q_proj"], 2)
-    run_b = run_configuration(b.options(), _Spec, data, ["q_proj"], 2)
+    run_a = run_configuration(a, _Spec, data, ["q_proj"], 2)
+    run_b = run_configuration(b, _Spec, data, ["q_proj"], 2)
     typed = resume_differences(a, b)
     assert bool(configuration_differences(run_a, run_b)) == refused  # the reference refuses what the case says
     assert bool(typed) == refused, typed

@@ -253,7 +253,7 @@ def _rss_worker(rank, world_size, path):
 
     job = prepare(parse_args(["--model", path, "--seq-len", "8", "--lora-targets", "all-linear", "--save-dir",
                               os.path.join(os.path.dirname(path), "out")]), rank, world_size, 0)
-    _, shapes = resolved_targets(job.spec, job.args)
+    _, shapes = resolved_targets(job.spec, job.cfg.lora, job.cfg.training.seed)
     job.initial_adapters = {k: torch.full(v, 0.01) for k, v in shapes.items()}
     base = reset_rss_peak()
     engine = FSDP2Engine(job, None)

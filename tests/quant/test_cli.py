@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from elastic_kernels.api.finetune.options import parse_args
+from elastic_kernels.api.finetune.options import parse_args, parse_config
 from elastic_kernels.api.finetune.policy import policy_of
 
 BASE = ["--model", "tiny", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
@@ -55,8 +55,8 @@ def test_run_configuration_carries_the_format():
         embedded, seed, tokenizer = True, 0, type("T", (), {"fingerprint": "t"})()
 
     data = {"tokens": 1, "sha256": "x"}
-    none = run_configuration(parse_args(BASE), _Spec, data, ["q_proj"], 2)
-    nf4 = run_configuration(parse_args(BASE + ["--weight-format", "nf4"]), _Spec, data, ["q_proj"], 2)
+    none = run_configuration(parse_config(BASE), _Spec, data, ["q_proj"], 2)
+    nf4 = run_configuration(parse_config(BASE + ["--weight-format", "nf4"]), _Spec, data, ["q_proj"], 2)
     assert "weight_format" not in none["policy"]
     assert nf4["policy"]["weight_format"] == "nf4" and nf4["policy"]["quant_block_size"] is None
     diffs = configuration_differences(nf4, none)
@@ -106,8 +106,8 @@ def test_every_block_fits_every_row(extra, tmp_path):
     from elastic_kernels.api.finetune.formats import check_weight_formats
     from elastic_kernels.api.finetune.models import resolve_model
 
-    args = parse_args(BASE + ["--save-dir", str(tmp_path / "out")] + extra)
-    check_weight_formats(resolve_model(args), args)
+    cfg = parse_config(BASE + ["--save-dir", str(tmp_path / "out")] + extra)
+    check_weight_formats(resolve_model(cfg), cfg)
 
 
 def test_a_weight_a_format_cannot_store_names_the_option(tmp_path, monkeypatch):
@@ -123,8 +123,8 @@ def test_a_weight_a_format_cannot_store_names_the_option(tmp_path, monkeypatch):
             self.proj = nn.Linear(4, 4)
             self.proj.weight = nn.Parameter(self.proj.weight.detach().reshape(2, 2, 4))
 
-    args = parse_args(BASE + ["--save-dir", str(tmp_path / "out"), "--weight-format", "nf4"])
-    spec = resolve_model(args)
+    cfg = parse_config(BASE + ["--save-dir", str(tmp_path / "out"), "--weight-format", "nf4"])
+    spec = resolve_model(cfg)
 
     class Spec:
         dtype = spec.dtype
@@ -132,8 +132,8 @@ def test_a_weight_a_format_cannot_store_names_the_option(tmp_path, monkeypatch):
         def meta_model(self):
             return Odd()
 
-    monkeypatch.setattr(fmts, "elastic_weights", lambda meta, a, itemsize: ["proj"])
+    monkeypatch.setattr(fmts, "elastic_weights", lambda meta, c, itemsize: ["proj"])
     with pytest.raises(FinetuneError, match=r"^--weight-format nf4: proj: weight_format='nf4' stores 2-D weights "
                                             r".* shape \(2, 2, 4\); run without --weight-format nf4$"):
-        fmts.check_weight_formats(Spec(), args)
+        fmts.check_weight_formats(Spec(), cfg)
 

@@ -83,7 +83,7 @@ def _reference_losses(job, dequantize=None, steps: int = STEPS, accum: int = ACC
     args, W = job.args, job.world_size
     base = job.spec.build()
     with torch.no_grad():
-        for name in elastic_weights(base, args, 4):
+        for name in elastic_weights(base, job.cfg, 4):
             w = base.get_submodule(name).weight
             w.copy_(dequantize(w))
     model = peft_with_initial_adapters(job, base)

@@ -96,6 +96,7 @@ import torch.nn.functional as F
 
 from ...config import ElasticPolicy
 from ...nn.convert import resolve_quant_skip
+from ..configuration import FinetuneConfig
 from ..engines import (
     FSDP2Engine,
     _collective_build,
@@ -132,20 +133,20 @@ def import_to_nf4():
     return to_nf4
 
 
-def nf4_block(args) -> int:
+def nf4_block(cfg: FinetuneConfig) -> int:
     """The peer's NF4 block: the job's --quant-block where an elastic run of the job is nf4 (the
-    same codebook settings), else 64."""
-    formats = [args.weight_format] + list(getattr(args, "compare_formats", []) or [])
-    if "nf4" in formats and args.quant_block is not None:
-        return args.quant_block
+    same codebook settings: --weight-format or --compare-format), else 64."""
+    formats = [cfg.weights.weight_format] + list(cfg.peers.compare_formats)
+    if "nf4" in formats and cfg.weights.quant_block is not None:
+        return cfg.weights.quant_block
     return DEFAULT_BLOCK
 
 
-def nf4_weights(model: nn.Module, args, itemsize: int) -> list[str]:
+def nf4_weights(model: nn.Module, cfg: FinetuneConfig, itemsize: int) -> list[str]:
     """The weights this peer stores as torchao NF4: those an nf4 elastic run of the job
     quantizes (its elastic weights but the full-precision output layer: [Note: what QLoRA
     keeps in full precision] in python_api/nn/convert.py)."""
-    names = elastic_weights(model, args, itemsize)
+    names = elastic_weights(model, cfg, itemsize)
     policy = resolve_quant_skip(model, ElasticPolicy(weight_format="nf4"), names)
     return [n for n in names if policy.quantizes(n)]
 
@@ -244,14 +245,14 @@ def shape_error(job: Job) -> str | None:
     """Why torchao's NF4 under FSDP2 cannot hold this job's quantized weights on its world size
     ([Note: FSDP2-NF4 as a peer]: the limit), or None. From the model's structure on the meta
     device: the same on every rank, before anything is built."""
-    W, block = job.world_size, nf4_block(job.args)
+    W, block = job.world_size, nf4_block(job.cfg)
     if W < 2:
         return ("--baseline fsdp2-nf4 needs at least 2 ranks: on a one-rank mesh FSDP2 (torch 2.14) copies only the "
                 "first of a tensor subclass's all-gather inputs into the unsharded parameter, and torchao's NF4 has "
                 "three (its fsdp_post_all_gather fails: 'expected 3, got 1')")
     meta = job.spec.meta_model()
     bad, kinds = [], []
-    for name in nf4_weights(meta, job.args, job.spec.dtype.itemsize):
+    for name in nf4_weights(meta, job.cfg, job.spec.dtype.itemsize):
         m = meta.get_submodule(name)
         if not isinstance(m, nn.Linear):
             kinds.append(f"{name} ({type(m).__name__})")
@@ -289,8 +290,8 @@ class FSDP2NF4Engine(FSDP2Engine):
         if error:
             raise FinetuneError(error)
         base = _collective_build(job)
-        self.block = nf4_block(job.args)
-        self.nf4_weights = nf4_weights(base, job.args, job.spec.dtype.itemsize)
+        self.block = nf4_block(job.cfg)
+        self.nf4_weights = nf4_weights(base, job.cfg, job.spec.dtype.itemsize)
         self.nf4_numel = 0
         self.padded = {}  # name -> (elements, padded elements): [Note: NF4 weights torchao cannot split]
         for name in self.nf4_weights:
