@@ -385,7 +385,7 @@ def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
 def _static_bytes(parameters, buffers, rt) -> int:
     """The tensors alive at a step's start: of the runtime `rt`, and `parameters` and `buffers`
     (the whole model's, also while profiling runs a model cut to a few layers)."""
-    shards = sum(et.shard.numel() * et.shard.element_size() for et in rt.tensors if et.shard is not None)
+    shards = sum(et.shard_bytes for et in rt.tensors)  # a run's own elements where held as a run
     params = 0
     for p in parameters:
         b = p.numel() * p.element_size()

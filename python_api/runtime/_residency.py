@@ -161,7 +161,7 @@ class _Residency:
         evicted, so a run changes no byte of traffic). Otherwise none."""
         if self._local_only() or self.policy.weights_on != "device" or not self.policy.resident_runs:
             return []
-        out = [et for et in self.tensors if et.shard is not None and et.run_layout_ok and not any(et.from_host)
+        out = [et for et in self.tensors if et.on_device and et.run_layout_ok and not any(et.from_host)
                and all(r is Residency.PERSISTENT for r in et.residency)]
         if out and self._cache_budget is not None:
             kept = sum(et.keep_chunks for et in self.tensors) * self.page_bytes()

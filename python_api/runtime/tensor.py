@@ -111,10 +111,12 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 
 
 class Run:
-    """The whole weight of one rank in one tensor ([Note: resident runs]): `buffer` holds
-    num_chunks * world_size * slice_numel elements in chunk-major padded order, `whole` is its
-    first rows * cols elements viewed [rows, cols] (the weight itself), `chunks[c]` chunk c's
-    [rows_c, cols] view, `own[c]` this rank's slice of chunk c (where the shard lives).
+    """The whole weight of one rank in one tensor ([Note: resident runs]): `buffer` holds the
+    weight's elements and nothing else (numel of them, in row order: chunk c at
+    c * world_size * slice_numel, the ragged last chunk unpadded), `whole` is `buffer` viewed
+    [rows, cols], `chunks[c]` chunk c's [rows_c, cols] view, `own[c]` this rank's real
+    elements of chunk c (where the shard lives: slice_numel elements, or fewer, possibly none,
+    of the ragged last chunk, whose padding a run does not hold).
     `filled`: every peer's slices have arrived (until then only `own` holds data)."""
 
     __slots__ = ("buffer", "whole", "chunks", "own", "filled")
@@ -122,11 +124,14 @@ class Run:
     def __init__(self, et: ElasticTensor):
         st, w, r = et.storage, et.storage.world_size, et.runtime.rank
         n, s = st.num_chunks, st.slice_numel
-        self.buffer = torch.empty(n * w * s, dtype=et.storage_dtype, device=et.device)
-        self.whole = self.buffer[: st.numel].view(et.shape)
+        self.buffer = torch.empty(st.numel, dtype=et.storage_dtype, device=et.device)
+        self.whole = self.buffer.view(et.shape)
         self.chunks = [self.buffer[c * w * s : c * w * s + st.chunk_numel_of(c)].view(et.chunk_shape(c))
                        for c in range(n)]
-        self.own = [self.buffer[(c * w + r) * s : (c * w + r + 1) * s] for c in range(n)]
+        self.own = []
+        for c in range(n):
+            base, real = c * w * s, st.chunk_numel_of(c)
+            self.own.append(self.buffer[base + min(r * s, real) : base + min((r + 1) * s, real)])
         self.filled = False
 
     @property
@@ -186,8 +191,8 @@ class ElasticTensor:
                 self._reader = rows
             # weights_on="host": no device shard at all, every chunk comes from the host store.
             self.shard = None
-            # Held as a run ([Note: resident runs]): the shard then lives in it, `shard` is its
-            # view [num_chunks, slice_numel] of the run's own slices.
+            # Held as a run ([Note: resident runs]): the shard then lives in it (`run.own`, its
+            # real elements only) and `shard` is None; `on_device` is true for both.
             self.run: Run | None = None
             if policy.weights_on == "device":
                 if rows is None:
@@ -214,34 +219,84 @@ class ElasticTensor:
 
     @property
     def run_bytes(self) -> int:
-        """Bytes of this weight held as a run: every chunk's padded slices."""
+        """Bytes of this weight held as a run: the weight's own bytes, nothing more (the ragged
+        last chunk is not padded in a run)."""
+        return self.storage.numel * self.element_size
+
+    @property
+    def on_device(self) -> bool:
+        """Whether this rank holds its share of the weight on the device: a shard, or a run."""
+        return self.shard is not None or self.run is not None
+
+    def own_parts(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's share as it is held now: [the shard] (its last
+        slice zero-padded), or a run's own elements chunk by chunk (no padding); [] with
+        weights_on="host"."""
+        if self.run is not None:
+            return list(self.run.own)
+        return [] if self.shard is None else [self.shard]
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's share as held now (`own_parts`)."""
+        return sum(t.numel() for t in self.own_parts()) * self.element_size
+
+    def padded_shard(self) -> torch.Tensor:
+        """This rank's shard in the layout ([Note: chunk-major shard layout]: num_chunks *
+        slice_numel elements, the ragged last slice zero-padded): the shard itself, or for a
+        run a new tensor built from its own elements."""
+        if self.run is None:
+            return self.shard
         st = self.storage
-        return st.num_chunks * st.world_size * st.slice_numel * self.element_size
+        n, s = st.num_chunks, st.slice_numel
+        shard = torch.zeros(st.shard_numel, dtype=self.storage_dtype, device=self.device)
+        if n > 1:
+            shard[: (n - 1) * s].view(n - 1, s).copy_(self._run_full_own(self.run))
+        last = self.run.own[n - 1]
+        shard[(n - 1) * s : (n - 1) * s + last.numel()].copy_(last)
+        return shard
+
+    def _run_full_own(self, run: Run) -> torch.Tensor:
+        """The run's own slices of the full chunks 0..n-2, one [n - 1, slice_numel] view (they
+        are world_size slices apart)."""
+        st = self.storage
+        n, w, s = st.num_chunks, st.world_size, st.slice_numel
+        return run.buffer[: (n - 1) * w * s].view(n - 1, w, s)[:, self.runtime.rank, :]
 
     def to_run(self) -> None:
-        """Hold the weight as a run: its own slices move into it, the separate shard is freed
+        """Hold the weight as a run: its own elements move into it, the separate shard is freed
         (nothing of the peers' slices yet: `run.filled` is False)."""
         st = self.storage
+        n, s = st.num_chunks, st.slice_numel
         run = Run(self)
-        view = run.buffer.view(st.num_chunks, st.world_size, st.slice_numel)[:, self.runtime.rank, :]
-        view.copy_(self.shard.view(st.num_chunks, st.slice_numel))
-        self.run, self.shard = run, view
+        if n > 1:
+            self._run_full_own(run).copy_(self.shard[: (n - 1) * s].view(n - 1, s))
+        last = run.own[n - 1]
+        last.copy_(self.shard[(n - 1) * s : (n - 1) * s + last.numel()])
+        self.run, self.shard = run, None
 
     def to_shard(self) -> None:
         """Back to a shard of its own (a fresh tensor, the run freed): the inverse of `to_run`."""
-        shard = torch.empty(self.storage.shard_numel, dtype=self.storage_dtype, device=self.device)
-        shard.view(self.storage.num_chunks, self.storage.slice_numel).copy_(self.shard)
+        shard = self.padded_shard()
         self.run, self.shard = None, shard
 
     def send_parts(self, begin: int, end: int) -> tuple[list[torch.Tensor], list[int], list[int], list[int]]:
         """This rank's slices of chunks [begin, end) as `pack_shards` takes them (shards,
         slice sizes, chunk begins, chunk ends): one contiguous range of the shard, or, held as
-        a run, one slice per chunk (in the run they are world_size slices apart)."""
+        a run, one slice per chunk (in the run they are world_size slices apart), the ragged
+        last chunk's slice as a new zero-padded copy (a run holds no padding)."""
         s = self.storage.slice_numel
         if self.run is None:
             return [self.shard], [s], [begin], [end]
         k = end - begin
-        return self.run.own[begin:end], [s] * k, [0] * k, [1] * k
+        parts = self.run.own[begin:end]
+        if end == self.num_chunks and parts[-1].numel() < s:
+            padded = torch.zeros(s, dtype=self.storage_dtype, device=self.device)
+            padded[: parts[-1].numel()].copy_(parts[-1])
+            if self.runtime.comm_stream is not None:  # packed there: not reused before it is done
+                padded.record_stream(self.runtime.comm_stream)
+            parts[-1] = padded
+        return parts, [s] * k, [0] * k, [1] * k
 
     def chunk_shape(self, c: int) -> tuple[int, ...]:
         """Shape of chunk c as the layers get it from the runtime: [rows, cols], or a quantized

@@ -28,9 +28,12 @@ VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "as_strided", "alias
          "unsqueeze", "reshape", "select", "permute", "_reshape_alias"}
 
 
-def run_numel(rows: int, cols: int, world_size: int, chunk_bytes: int = CHUNK) -> int:
-    """Analytic elements of one weight held as a run: every chunk padded to W equal slices
-    ([Note: chunk-major shard layout]); only the ragged last chunk carries padding."""
+def padded_numel(rows: int, cols: int, world_size: int, chunk_bytes: int = CHUNK) -> int:
+    """Analytic elements of one weight in the chunk-major layout, every chunk padded to W equal
+    slices ([Note: chunk-major shard layout]; only the ragged last chunk carries padding): what
+    the ranks' shards hold together, what gathering every chunk receives, and the shard at
+    world size 1. A run holds rows * cols, no padding ([Note: resident runs]). Of DIMS, the
+    33-row layer's last chunk is ragged (1 row of 8): 168 padding elements at any W."""
     rpc = min(rows, max(1, chunk_bytes // (cols * FP32)))
     chunks = -(-rows // rpc)
     slice_numel = -(-rpc * cols // world_size)
@@ -76,7 +79,10 @@ def _memory_worker(rank, world_size):
         p.grad = None
     held = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
         {b.untyped_storage().data_ptr() for b in model.buffers()}
-    analytic = sum(run_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    if world_size == 1:  # the shard is the padded weight ([Note: single process])
+        analytic = sum(padded_numel(b, a, 1) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    else:  # each weight once, unpadded: its run
+        analytic = sum(b * a for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     # Once in about five runs beside the full suite a rank counted 2,220 bytes more (13,740 vs
     # 11,520), not reproduced in 16 steps alone: read again, a little later, while it differs
     # (a buffer released late goes away; memory that stays fails the test with every reading;
@@ -90,16 +96,21 @@ def _memory_worker(rank, world_size):
     static = static[-1] if static[-1] == analytic else static
     if world_size == 1:  # no pool and no run: the shard is the padded weight ([Note: single process])
         return static, analytic, analytic, 0, rt.pool is None, analytic
-    shard_in_run = all(et.shard.untyped_storage().data_ptr() == et.run.buffer.untyped_storage().data_ptr()
-                       for et in rt.tensors)
+    # No shard beside the run: this rank's elements are views of it (none of the ragged last
+    # chunk's padding: the last own part is shorter than a slice, or empty).
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    shard_in_run = all(et.shard is None and all(ptr(o) == ptr(et.run.buffer) for o in et.run.own)
+                       and et.run.buffer.numel() == b * a
+                       for et, a, b in zip(rt.tensors, DIMS[:-1], DIMS[1:]))
     return static, analytic, rt.run_bytes(), rt.pool.stats()["reserved_bytes"], shard_in_run, rt.stats()["pool_peak_bytes"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_budget_all_holds_each_weight_once(world_size):
-    """Budget all: what the runtime keeps is its runs, exactly (no shard beside them, no page,
-    no page rounding: the pool never allocated a segment); padding only in ragged last chunks.
-    World size 1 holds its shards, the padded weights, and nothing else."""
+    """Budget all: what the runtime keeps is its runs, exactly: each weight's bytes once (no
+    shard beside them, no page, no page rounding: the pool never allocated a segment; no
+    padding of the ragged last chunk). World size 1 holds its shards, the padded weights, and
+    nothing else."""
     for static, analytic, run_bytes, reserved, shard_in_run, peak in run_distributed(_memory_worker, world_size,
                                                                                        timeout=120):
         assert shard_in_run, "the shard is not a view of the run (world size 1: a pool was made)"
@@ -242,7 +253,7 @@ def test_budget_all_equals_budget_zero_and_is_deterministic(world_size):
     again = run_distributed(_compare_worker, world_size, None, iters, timeout=180)
     zero = run_distributed(_compare_worker, world_size, 0, iters, timeout=180)
     frac = (world_size - 1) / world_size
-    whole = sum(run_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    whole = sum(padded_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     for (out, runs), (out2, _), (out0, runs0) in zip(full, again, zero):
         assert all(runs) and not any(runs0)
         # Budget all: every chunk gathered once, in the first step (its padded slices), never again.
