@@ -883,7 +883,8 @@ def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, 
             WeightProfile(name=et.name, chunks=et.num_chunks, slice_bytes=et.slice_bytes,
                           chunk_bytes=et.page_bytes, backward=et.wid in backward_wids,
                           last_chunk_bytes=(None if et.chunk_bytes_of(et.num_chunks - 1) == et.page_bytes
-                                            else et.chunk_bytes_of(et.num_chunks - 1)))
+                                            else et.chunk_bytes_of(et.num_chunks - 1)),
+                          run_bytes=et.run_bytes if rt.can_hold_as_run(et) else None)
             for et in weights_of[u])
         recomputable = not u.startswith("weight:")
         a = measured["act"][i] / tokens

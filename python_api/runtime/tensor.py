@@ -63,13 +63,17 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 # shard twice (the shard, and its rows inside the pool's full chunks), page rounding, and one
 # pin / view / unpin and one GEMM per chunk on every use (issue 27: budget all ran at 0.84x
 # DDP's tokens/s at +290..320 MiB of tensor peak on SmolLM2-135M). Such a weight is instead
-# held as a *run*: one tensor of num_chunks * world_size * slice_numel elements in the
-# chunk-major padded order of [Note: chunk-major shard layout]. When every full chunk's
-# elements are a multiple of the world size, the padded chunks lie back to back, so the run's
-# first rows * cols elements ARE the weight ([rows, cols], `Run.whole`), rank r's slice of
-# chunk c is run[(c*W + r)*S : (c*W + r + 1)*S], and that is where the shard lives: the
-# separate shard tensor is freed and `ElasticTensor.shard` becomes the run's [num_chunks, S]
-# view of its own slices (no second copy). A use of a filled run is O(1) Python (no pool
+# held as a *run*: one tensor of exactly rows * cols elements, the weight in row order
+# (`Run.whole`). When every full chunk's elements are a multiple of the world size (W slices
+# of S = chunk_numel / W, no padding), chunk c starts at c*W*S and rank r's slice of a full
+# chunk c is run[(c*W + r)*S : (c*W + r + 1)*S], exactly as in the padded chunk-major order
+# of [Note: chunk-major shard layout]; only the ragged last chunk is padded in that layout,
+# and a run does not hold its padding: rank r's share of it is its slice's real elements,
+# run[base + min(r*S, L) : base + min((r+1)*S, L)] (base = (n-1)*W*S, L the last chunk's
+# elements: S of them, fewer, or none). That is where the shard lives: the separate shard
+# tensor is freed, `ElasticTensor.shard` is None, `run.own[c]` are this rank's elements
+# (`own_parts()`, `shard_bytes`; `padded_shard()` rebuilds the padded shard, e.g. to demote:
+# the padding is zeros). No second copy, no padding. A use of a filled run is O(1) Python (no pool
 # call, nothing to wait for) and one GEMM: `Resident.whole()` / `Resident.table()` give the
 # layers one [rows, cols] tensor (nn/linear.py: one F.linear / one mm; nn/lora.py: the paged
 # op with a single chunk).
@@ -83,13 +87,19 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
 #   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
 #   with strided views was needed.
+# - The ragged last chunk: the layout (shards, gathers, pages, every byte count) keeps its
+#   equal padded slices; only a run drops the padding. Filling a run sends this rank's slice
+#   of the last chunk as a new zero-padded tensor of S elements (`send_parts`, one per weight,
+#   alive for that one gather), and the gathered last chunk is unpacked into the run's chunk
+#   view, whose padding `unpack_gathered` drops as for a page. So a run costs the weight's
+#   bytes, nothing more, and the traffic is unchanged to the byte. Not chosen: a slice size
+#   of its own for the last chunk in the layout (ceil(L / W)): it would also trim the shard
+#   at every budget and the last chunk's gathers, but changes every byte count of the
+#   gathers, the planner's profile and the pack arithmetic; for a run it saves nothing more.
 # - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
-#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP; tokens/s 1.065x DDP's
-#   (median of per-round ratios, spread 0.78-1.27) and 1.07x paged budget all's. What is left
-#   above DDP is the padding of each weight's ragged last chunk, which a run holds whole (all
-#   chunks are W slices of ceil(chunk_numel / W)): 26.10 MiB by the layout's arithmetic over
-#   the 210 linears, the measured 26.1 MiB gap. Trimming it needs the last chunk's own slice
-#   outside the run (or a last-chunk slice size of its own in the layout): not done.
+#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP with the padded last
+#   chunk in each run (26.10 MiB over the 210 linears by the layout's arithmetic, the
+#   measured gap). Without it (bench/results/2026-12-03_ragged.md): RAGGED_FIGURES.
 # - Filling: the first use after a weight became a run gathers every chunk through the usual
 #   coalesced gathers (headers, prefetch, byte counts unchanged), whose pages are the run's
 #   chunk views: the received slices are unpacked into the run, own slice included (same
@@ -98,10 +108,12 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   the usual one (at most collective_bytes * W) and lives only during that one step.
 #   `run.filled` is set once every gather of the use completed; a failed gather leaves it
 #   unfilled and the next use gathers again.
-# - Accounting: a run's bytes (padding of the ragged last chunk included, no page rounding)
-#   are charged against the cache budget: the pool's budget is the cache budget less the runs'
+# - Accounting: a run's bytes (the weight's, no padding, no page rounding) are charged
+#   against the cache budget: the pool's budget is the cache budget less the runs'
 #   bytes, its working set and its cap count only the weights held in pages, and `stats()`
-#   reports `run_bytes` and adds the runs to `pool_peak_bytes`.
+#   reports `run_bytes` and adds the runs to `pool_peak_bytes`. The planner's memory model
+#   counts runs the same way ([Note: what the memory model counts] in
+#   python_api/planner/memory.py; a measured profile's `run_bytes`, from `can_hold_as_run`).
 # - Changes (on every rank alike, like every residency change): a budget, residency or source
 #   change that no longer admits a run demotes it at once (its own slices copied out to a fresh
 #   shard, the run freed; the chunks still PERSISTENT of a filled run copied into pages while
