@@ -99,7 +99,9 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 # - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
 #   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP with the padded last
 #   chunk in each run (26.10 MiB over the 210 linears by the layout's arithmetic, the
-#   measured gap). Without it (bench/results/2026-12-03_ragged.md): RAGGED_FIGURES.
+#   measured gap). Without it (bench/results/2026-12-03_ragged.md, 2 and 4 ranks): 784.387
+#   MiB, 0.0012 MiB below DDP's 784.389 at both; tokens/s 0.990x DDP's at 2 ranks and 1.001x
+#   at 4 (median of per-round ratios; spread 0.79-1.29 on the loaded VM).
 # - Filling: the first use after a weight became a run gathers every chunk through the usual
 #   coalesced gathers (headers, prefetch, byte counts unchanged), whose pages are the run's
 #   chunk views: the received slices are unpacked into the run, own slice included (same
