@@ -318,3 +318,39 @@ def test_demotion_keeps_results():
         # Weight 1's last chunk (PEAK: gathered in each forward, kept for backward; one slice
         # from the peer) is all a step gathers: its other chunks went into pages at demotion.
         assert steps[5][1] == steps[6][1] == partial[2] * FP32
+
+
+# ------------------------------------------------------------------ the unpadded last chunk
+
+def _own_worker(rank, world_size):
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, set_pool_budget
+
+    weights = {tuple(t.shape): t.clone() for t in make_model().state_dict().values() if t.dim() == 2}
+    model = make_model()
+    elasticize(model, ElasticPolicy(chunk_bytes=CHUNK))
+    rt = runtime_of(model)
+    model(torch.randn(3, DIMS[0])).sum().backward()
+    out = []
+    for et in rt.tensors:
+        w = weights[et.shape]
+        ref = et.layout.shard(w, rank)  # the layout's own reference: padded, zeros in the padding
+        last = et.run.own[-1].numel()
+        out.append((torch.equal(et.run.whole, w), torch.equal(et.padded_shard(), ref), last,
+                    et.shard_bytes == (et.num_chunks - 1) * et.storage.slice_numel * FP32 + last * FP32))
+    set_pool_budget(model, 0)  # demoted: a fresh padded shard from the run's own elements
+    out.append([torch.equal(et.shard, et.layout.shard(weights[et.shape], rank)) for et in rt.tensors])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_run_holds_its_share_of_the_ragged_chunk_unpadded(world_size):
+    """The 33-row layer's last chunk (1 row of 24: slices of 96 / 48 elements at 2 / 4 ranks)
+    is in rank 0's slice only: rank 0 holds its 24 real elements in the run, the others none;
+    the padded shard rebuilt from the run (a fill's send buffer, full_weight, demotion) is
+    the layout's reference shard, padding zeros included."""
+    for rank, out in enumerate(run_distributed(_own_worker, world_size, timeout=120)):
+        *per_weight, demoted = out
+        assert all(whole and padded and counted for whole, padded, _, counted in per_weight), (rank, per_weight)
+        # (40, 24) and (24, 40): full last chunks of 192 and 160 elements, a slice each rank
+        assert [last for _, _, last, _ in per_weight] == [192 // world_size, 160 // world_size, 24 if rank == 0 else 0]
+        assert all(demoted), (rank, demoted)
