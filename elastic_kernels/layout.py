@@ -12,8 +12,10 @@ of slice r of each chunk:
 
 so the shard has ``num_chunks * slice_numel`` elements and the slices of any range of chunks
 are one contiguous range of the shard (a send buffer needs no gather). Using the same
-slice_numel for the ragged chunk wastes at most one chunk of padding per weight and keeps all
-index math a multiply-add; `pack_shards` / `unpack_gathered` and their kernels use exactly this
+slice_numel for the ragged chunk wastes at most one chunk of padding per weight (in the
+shards together, and in what gathering that chunk moves) and keeps all index math a
+multiply-add; a weight the runtime keeps whole holds none of it (python_api/runtime/tensor.py,
+[Note: resident runs]); `pack_shards` / `unpack_gathered` and their kernels use exactly this
 arithmetic (csrc/include/elastic/chunk_layout.h is its C++ twin).
 """
 

@@ -371,7 +371,7 @@ def _nonfinite_loaded(model: nn.Module, runtime, spec: ModelSpec) -> str | None:
         node = runtime.host_node.layout if runtime.host_node is not None else None
         local_rank, local_world = (node.local_rank, node.local_world) if node is not None else (0, 1)
         for et in runtime.tensors:
-            parts = [et.shard] if et.shard is not None else \
+            parts = et.own_parts() if et.on_device else \
                 [et.host_chunk(c) for c in range(local_rank, et.num_chunks, local_world)]
             if et.qlayout is not None:  # its shard is the quantized image: the rows it was made of
                 bad = et.nonfinite_read

@@ -301,8 +301,8 @@ def nonfinite_weights(model: nn.Module, group=None) -> dict[str, tuple[int, int]
         numel[name] = math.prod(et.shape)
         if et.qlayout is not None:
             parts = et.nonfinite_parts()
-        elif et.shard is not None:
-            parts = {("shard", rt.rank): _count_nonfinite(et.shard)}
+        elif et.on_device:  # a shard, or its own elements in a run
+            parts = {("shard", rt.rank): sum(_count_nonfinite(t) for t in et.own_parts())}
         else:
             parts = {("chunk", c): _count_nonfinite(et.host_chunk(c)) for c in range(local_rank, et.num_chunks, local_world)}
         parts = {k: n for k, n in parts.items() if n}

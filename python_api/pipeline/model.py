@@ -495,8 +495,7 @@ class PipelinedModel:
         total = 0
         for rt in self.runtimes.values():
             for et in rt.tensors:
-                if et.shard is not None:
-                    total += et.shard.numel() * et.shard.element_size()
+                total += et.shard_bytes  # its shard, or its own elements in a run
         return total
 
     def frozen_bytes_of_packs(self) -> int:

@@ -22,8 +22,10 @@ At each point (a use, and the end of forward), with T = micro_batch x seq_len to
 num_adapters: [Note: several adapters in the models]):
     reserved + static                      constant (not ours; plan-independent per rank)
   + (num_adapters - 1) x 4 x adapter_grad_bytes   the other adapters' state (same Note)
+  + runs: sum over the weights held as runs of (run_bytes - shard_bytes)   constant
   + pool                                   constant: min(all chunks, sum_w k_w + working set)
-                                           pages. The PagePool adds segments lazily and gives
+                                           pages, over the weights not held as runs. The
+                                           PagePool adds segments lazily and gives
                                            none back, so after the first iteration it holds
                                            its high-water mark, which is reached at the end
                                            of forward, where every kept chunk is alive.
@@ -53,6 +55,15 @@ peer chunk (+ gloo's scratch). With weights_on="host" static_bytes holds no shar
 profile measures static as it is). Everything is for ONE micro-batch: gradient accumulation keeps only adapter
 gradients across micro-batches, and those are in `static_bytes`.
 The peak is the maximum over the points.
+A weight is held as a run ([Note: resident runs] in python_api/runtime/tensor.py) when its
+profile has `run_bytes` (the runtime can hold it so), every chunk persists (p = n) and none
+comes from the host store: the runtime's condition, whose last part (a cache budget that
+holds every kept chunk in pages) a plan's budget always meets (`pool_budget_bytes`). Its
+shard lives in the run (static_bytes counted it: chunks x slice_bytes, replaced by
+run_bytes), and it has no page: neither among the kept chunks nor in the working set (the
+runtime's `_working_set_pages` counts the weights held in pages only). It misses nothing, as
+any weight with p = n. Until 2026-12-03 the model counted shard + n pages for it, and
+over-predicted plans that keep weights whole (+15.3% on the demo model's "keep half").
 
 [Note: several adapters in the models]
 A job may train K adapters on one base at once (issue 29: `Choices.num_adapters`, default 1,
@@ -374,11 +385,34 @@ def offload_served(profile: Profile, tokens: int, recompute, offload: bool) -> O
     return Offload(tuple(moved), tuple(credit), restored_bytes(served), tuple(served))
 
 
+def held_as_runs(profile: Profile, choices: Choices) -> tuple[tuple[bool, ...], ...]:
+    """Per layer and weight, whether the runtime holds the weight as a run under `choices`
+    ([Note: what the memory model counts]): run_bytes known, every chunk persistent, no host
+    chunk."""
+    f = effective_host_fraction(profile, choices.host_fraction)
+    return tuple(tuple(w.run_bytes is not None and p == w.chunks and host_chunk_count(w.chunks, 0, f) == 0
+                       for w, p in zip(layer.weights, ps))
+                 for layer, ps in zip(profile.layers, choices.persist))
+
+
+def run_extra_bytes(profile: Profile, choices: Choices) -> int:
+    """What the runs add to static_bytes: run_bytes - shard_bytes per weight held as a run (at
+    most 0: a run holds the shard's real elements and the peers', no padding)."""
+    runs = held_as_runs(profile, choices)
+    return sum(w.run_bytes - w.shard_bytes for layer, rs in zip(profile.layers, runs)
+               for w, r in zip(layer.weights, rs) if r)
+
+
 def pool_pages(profile: Profile, choices: Choices) -> int:
     """Pages the runtime's pool reaches: the plan's budget (every kept chunk) plus the working
-    set, at most every chunk ([Note: pool budget and working set] in python_api/runtime/)."""
-    kept = sum(sum(ks) for ks in choices.keep)
-    return min(profile.total_chunks, kept + profile.working_set_pages(choices.prefetch_depth))
+    set, at most every chunk ([Note: pool budget and working set] in python_api/runtime/),
+    counting the weights not held as runs only."""
+    runs = held_as_runs(profile, choices)
+    paged = [sum(w.chunks for w, r in zip(layer.weights, rs) if not r) for layer, rs in zip(profile.layers, runs)]
+    kept = sum(k for ks, rs in zip(choices.keep, runs) for k, r in zip(ks, rs) if not r)
+    counts = sorted(paged, reverse=True)
+    working_set = sum(counts[: 1 + choices.prefetch_depth])
+    return min(sum(paged), kept + working_set)
 
 
 def pool_budget_bytes(profile: Profile, choices: Choices) -> int:
@@ -410,6 +444,7 @@ def memory_curve(profile: Profile, choices: Choices) -> MemoryCurve:
     d = choices.prefetch_depth
     # static holds one adapter's state; each further adapter adds its own
     fixed = profile.reserved_bytes + profile.static_bytes + (choices.num_adapters - 1) * adapter_state_bytes(profile)
+    fixed += run_extra_bytes(profile, choices)  # the runs: their bytes in place of their shards
     pool = pool_pages(profile, choices) * profile.page_bytes
     base = fixed + pool + int(profile.outside.act_bytes_per_token * T)
     layers = profile.layers
@@ -466,6 +501,6 @@ def peak_bytes(profile: Profile, choices: Choices) -> int:
 
 
 __all__ = ["BACKWARD", "Choices", "FORWARD", "MemoryCurve", "Offload", "ProfileError", "RECOMPUTE", "Use",
-           "adapter_state_bytes", "effective_host_fraction", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
-           "offload_served", "peak_bytes", "per_linear", "restored_bytes", "pool_budget_bytes", "pool_pages", "rows_per_micro_batch", "timeline",
+           "adapter_state_bytes", "effective_host_fraction", "held_as_runs", "host_chunk_count", "is_host_chunk", "is_segment", "memory_curve",
+           "offload_served", "peak_bytes", "per_linear", "restored_bytes", "pool_budget_bytes", "pool_pages", "rows_per_micro_batch", "run_extra_bytes", "timeline",
            "window_buffers"]

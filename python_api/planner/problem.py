@@ -12,7 +12,15 @@ from itertools import accumulate
 from operator import add
 
 from .cost import ActivationEvents, activation_events, simulate_micro_batch
-from .memory import Choices, Offload, adapter_state_bytes, offload_served, per_linear
+from .memory import (
+    Choices,
+    Offload,
+    adapter_state_bytes,
+    effective_host_fraction,
+    host_chunk_count,
+    offload_served,
+    per_linear,
+)
 from .profile import Profile
 from .proxy import Unit, proxy_runs
 
@@ -62,6 +70,15 @@ class SearchProblem:
         self.page = profile.page_bytes
         self.fixed = (profile.reserved_bytes + profile.static_bytes
                       + (num_adapters - 1) * adapter_state_bytes(profile))
+        # Every chunk kept (p = k = n): the weights the runtime can hold as runs are runs, the
+        # rest are pages; memory.memory_curve's fixed + pool then, exactly ([Note: what the
+        # memory model counts]). Below that the chunk budget counts a page per kept chunk
+        # (a run costs less: the bound stays conservative).
+        f = effective_host_fraction(profile, host_fraction)
+        runs = [w for layer in profile.layers for w in layer.weights
+                if w.run_bytes is not None and host_chunk_count(w.chunks, 0, f) == 0]
+        self.all_kept_bytes = (sum(w.run_bytes - w.shard_bytes for w in runs)
+                               + (self.total - sum(w.chunks for w in runs)) * self.page)
         self.rec_order = _recompute_order(profile, self.rows(1))
         self.run_cache: dict = {}
         self._order: dict = {}  # micro-batch -> (per unit (rec, windows), sorted run entries)
@@ -288,7 +305,7 @@ class SearchProblem:
         (0: it may fit): the budget's two conditions ([Note: the search]) with end for act."""
         avail = limit - self.fixed - end
         min_pool = min(self.ws, self.total) * self.page
-        all_kept = self.fixed + self.total * self.page + end
+        all_kept = self.fixed + self.all_kept_bytes + end
         if self.keep_only is not None and sum(sum(ks) for ks in self.keep_only) < self.total:
             return max(0, min_pool - avail) if avail < min_pool else 0
         return max(0, min(min_pool - avail, all_kept - limit))
@@ -301,7 +318,7 @@ class SearchProblem:
         avail = limit - self.fixed - act
         min_pool = min(self.ws, self.total) * self.page
         # Exact, not bounded: with every chunk kept nothing is gathered and no buffer exists.
-        all_kept = self.fixed + self.total * self.page + act_no_buffers
+        all_kept = self.fixed + self.all_kept_bytes + act_no_buffers
         if self.keep_only is not None:
             kept = sum(sum(ks) for ks in self.keep_only)
             if kept < self.total:

@@ -36,6 +36,14 @@ LoRA linear), and `offload_freed_bytes_per_token` the device bytes that leaves f
 shared by q/k/v is copied three times but freed once). See [Note: chunk sources and the host
 link] in cost.py and [Note: activation offload in the memory model] in memory.py.
 
+Resident runs (optional; absent = never, and older documents load unchanged): per weight,
+`run_bytes` is what the weight costs when every chunk of it is kept across iterations and the
+runtime holds it as one run ([Note: resident runs] in python_api/runtime/tensor.py): its bytes
+once, no shard beside it, no page. Present only where the runtime can do so (a measured
+profile sets it for a weight on the device, not quantized, whose full chunks split evenly
+over the ranks, at world size > 1, with `ElasticPolicy.resident_runs`); the memory model
+counts it ([Note: what the memory model counts] in memory.py).
+
 Quantized frozen weights (optional; absent = stored as they are, and older documents load
 unchanged): `weight_format` ({"name": "nf4" | "int8", "block_size", "nested"}) records the
 format the runtime stores the weights in, the user's choice (ElasticPolicy.weight_format): the
@@ -201,6 +209,12 @@ class WeightProfile:
     backward: bool = True
     last_chunk_bytes: int | None = None  # None: chunk_bytes (the last chunk is full)
     dequant_s: float = 0.0  # one use's dequantization of every chunk (quantized weights; 0: none)
+    run_bytes: int | None = None  # held as a run when every chunk persists (None: never; module doc)
+
+    @property
+    def shard_bytes(self) -> int:
+        """This rank's shard of the weight as `static_bytes` counts it: chunks x slice_bytes."""
+        return self.chunks * self.slice_bytes
 
     @property
     def last_bytes(self) -> int:
@@ -214,8 +228,9 @@ class WeightProfile:
     @classmethod
     def from_dict(cls, where: str, d) -> WeightProfile:
         check_keys(where, d, ("name", "chunks", "slice_bytes", "chunk_bytes"),
-                   ("backward", "last_chunk_bytes", "dequant_s"))
+                   ("backward", "last_chunk_bytes", "dequant_s", "run_bytes"))
         last = d.get("last_chunk_bytes")
+        run = d.get("run_bytes")
         out = cls(
             name=check_str(f"{where}.name", d["name"]),
             chunks=check_int(f"{where}.chunks", d["chunks"], 1),
@@ -224,6 +239,7 @@ class WeightProfile:
             backward=check_bool(f"{where}.backward", d.get("backward", True)),
             last_chunk_bytes=None if last is None else check_int(f"{where}.last_chunk_bytes", last, 1),
             dequant_s=check_num(f"{where}.dequant_s", d.get("dequant_s", 0.0)),
+            run_bytes=None if run is None else check_int(f"{where}.run_bytes", run, 1),
         )
         if out.last_bytes > out.chunk_bytes:
             raise ProfileError(f"{where}.last_chunk_bytes ({out.last_bytes}) exceeds chunk_bytes ({out.chunk_bytes})")
@@ -235,6 +251,8 @@ class WeightProfile:
             del out["last_chunk_bytes"]
         if not self.dequant_s:
             del out["dequant_s"]
+        if self.run_bytes is None:
+            del out["run_bytes"]
         return out
 
 
@@ -497,6 +515,9 @@ class Profile:
                 if w.slice_bytes * self.world_size < w.chunk_bytes:
                     raise ProfileError(f"{where}.slice_bytes ({w.slice_bytes}) x world_size ({self.world_size}) is "
                                        f"less than chunk_bytes ({w.chunk_bytes}): the slices must cover a chunk")
+                if w.run_bytes is not None and (self.weights_on == "host" or self.weight_format is not None):
+                    raise ProfileError(f"{where}.run_bytes is set, but a weight {'on the host' if self.weights_on == 'host' else 'stored quantized'} "
+                                       "is never held as a run")
                 if self.world_size == 1 and w.slice_bytes != w.chunk_bytes:
                     raise ProfileError(f"{where}.slice_bytes ({w.slice_bytes}) must equal chunk_bytes "
                                        f"({w.chunk_bytes}) at world_size 1")

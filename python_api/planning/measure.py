@@ -385,7 +385,7 @@ def _run_step(model, batch, forward_loss, probe: _StepProbe | None, device):
 def _static_bytes(parameters, buffers, rt) -> int:
     """The tensors alive at a step's start: of the runtime `rt`, and `parameters` and `buffers`
     (the whole model's, also while profiling runs a model cut to a few layers)."""
-    shards = sum(et.shard.numel() * et.shard.element_size() for et in rt.tensors if et.shard is not None)
+    shards = sum(et.shard_bytes for et in rt.tensors)  # a run's own elements where held as a run
     params = 0
     for p in parameters:
         b = p.numel() * p.element_size()
@@ -883,7 +883,8 @@ def _profile_of(rt, names, weights_of, backward_wids, measured, owners, tokens, 
             WeightProfile(name=et.name, chunks=et.num_chunks, slice_bytes=et.slice_bytes,
                           chunk_bytes=et.page_bytes, backward=et.wid in backward_wids,
                           last_chunk_bytes=(None if et.chunk_bytes_of(et.num_chunks - 1) == et.page_bytes
-                                            else et.chunk_bytes_of(et.num_chunks - 1)))
+                                            else et.chunk_bytes_of(et.num_chunks - 1)),
+                          run_bytes=et.run_bytes if rt.can_hold_as_run(et) else None)
             for et in weights_of[u])
         recomputable = not u.startswith("weight:")
         a = measured["act"][i] / tokens

@@ -116,13 +116,13 @@ class _Gathers:
         if self._local_only():
             for d, src in zip(dests, et._local_chunks):
                 d.copy_(src)
-        elif et.shard is None:  # weights_on="host": the store holds the whole weight
-            for c, d in enumerate(dests):
-                d.copy_(et.host_chunk(c))
         elif et.run is not None and et.run.filled:  # every rank holds it whole: nothing to gather
             out.copy_(et.run.whole)
+        elif not et.on_device:  # weights_on="host": the store holds the whole weight
+            for c, d in enumerate(dests):
+                d.copy_(et.host_chunk(c))
         else:
-            shard = et.shard if et.run is None else et.shard.reshape(-1)  # a run's own slices, copied
+            shard = et.padded_shard()  # a run's own elements, copied and padded
             gathered = shard.new_empty(self.world_size * shard.numel())
             with record_function("elastic::gather_full"):
                 all_gather_into(gathered, shard, self.group, async_op=False)

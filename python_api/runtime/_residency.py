@@ -159,15 +159,21 @@ class _Residency:
         and a cache budget that holds every kept chunk of the model in pages (None, or at
         least sum(keep_chunks) pages: the condition under which no kept chunk is ever
         evicted, so a run changes no byte of traffic). Otherwise none."""
-        if self._local_only() or self.policy.weights_on != "device" or not self.policy.resident_runs:
-            return []
-        out = [et for et in self.tensors if et.shard is not None and et.run_layout_ok and not any(et.from_host)
+        out = [et for et in self.tensors if self.can_hold_as_run(et) and not any(et.from_host)
                and all(r is Residency.PERSISTENT for r in et.residency)]
         if out and self._cache_budget is not None:
             kept = sum(et.keep_chunks for et in self.tensors) * self.page_bytes()
             if kept > self._cache_budget:
                 return []
         return out
+
+    def can_hold_as_run(self, et: ElasticTensor) -> bool:
+        """The conditions of a run that do not depend on residency, sources or budget: a
+        runtime that gathers, the weights on the device, `resident_runs`, and a layout whose
+        padded chunks lie back to back (not quantized). What the planner's profile records
+        as `run_bytes` (python_api/planning/measure.py)."""
+        return (not self._local_only() and self.policy.weights_on == "device" and self.policy.resident_runs
+                and et.on_device and et.run_layout_ok)
 
     def _sync_runs(self, promote: bool) -> None:
         """Demote the runs that are no longer wanted (at once: their memory goes back now);

@@ -68,13 +68,17 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 # shard twice (the shard, and its rows inside the pool's full chunks), page rounding, and one
 # pin / view / unpin and one GEMM per chunk on every use (issue 27: budget all ran at 0.84x
 # DDP's tokens/s at +290..320 MiB of tensor peak on SmolLM2-135M). Such a weight is instead
-# held as a *run*: one tensor of num_chunks * world_size * slice_numel elements in the
-# chunk-major padded order of [Note: chunk-major shard layout]. When every full chunk's
-# elements are a multiple of the world size, the padded chunks lie back to back, so the run's
-# first rows * cols elements ARE the weight ([rows, cols], `Run.whole`), rank r's slice of
-# chunk c is run[(c*W + r)*S : (c*W + r + 1)*S], and that is where the shard lives: the
-# separate shard tensor is freed and `ElasticTensor.shard` becomes the run's [num_chunks, S]
-# view of its own slices (no second copy). A use of a filled run is O(1) Python (no pool
+# held as a *run*: one tensor of exactly rows * cols elements, the weight in row order
+# (`Run.whole`). When every full chunk's elements are a multiple of the world size (W slices
+# of S = chunk_numel / W, no padding), chunk c starts at c*W*S and rank r's slice of a full
+# chunk c is run[(c*W + r)*S : (c*W + r + 1)*S], exactly as in the padded chunk-major order
+# of [Note: chunk-major shard layout]; only the ragged last chunk is padded in that layout,
+# and a run does not hold its padding: rank r's share of it is its slice's real elements,
+# run[base + min(r*S, L) : base + min((r+1)*S, L)] (base = (n-1)*W*S, L the last chunk's
+# elements: S of them, fewer, or none). That is where the shard lives: the separate shard
+# tensor is freed, `ElasticTensor.shard` is None, `run.own[c]` are this rank's elements
+# (`own_parts()`, `shard_bytes`; `padded_shard()` rebuilds the padded shard, e.g. to demote:
+# the padding is zeros). No second copy, no padding. A use of a filled run is O(1) Python (no pool
 # call, nothing to wait for) and one GEMM: `Resident.whole()` / `Resident.table()` give the
 # layers one [rows, cols] tensor (nn/linear.py: one F.linear / one mm; nn/lora.py: the paged
 # op with a single chunk).
@@ -88,13 +92,21 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
 #   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
 #   with strided views was needed.
+# - The ragged last chunk: the layout (shards, gathers, pages, every byte count) keeps its
+#   equal padded slices; only a run drops the padding. Filling a run sends this rank's slice
+#   of the last chunk as a new zero-padded tensor of S elements (`send_parts`, one per weight,
+#   alive for that one gather), and the gathered last chunk is unpacked into the run's chunk
+#   view, whose padding `unpack_gathered` drops as for a page. So a run costs the weight's
+#   bytes, nothing more, and the traffic is unchanged to the byte. Not chosen: a slice size
+#   of its own for the last chunk in the layout (ceil(L / W)): it would also trim the shard
+#   at every budget and the last chunk's gathers, but changes every byte count of the
+#   gathers, the planner's profile and the pack arithmetic; for a run it saves nothing more.
 # - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
-#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP; tokens/s 1.065x DDP's
-#   (median of per-round ratios, spread 0.78-1.27) and 1.07x paged budget all's. What is left
-#   above DDP is the padding of each weight's ragged last chunk, which a run holds whole (all
-#   chunks are W slices of ceil(chunk_numel / W)): 26.10 MiB by the layout's arithmetic over
-#   the 210 linears, the measured 26.1 MiB gap. Trimming it needs the last chunk's own slice
-#   outside the run (or a last-chunk slice size of its own in the layout): not done.
+#   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP with the padded last
+#   chunk in each run (26.10 MiB over the 210 linears by the layout's arithmetic, the
+#   measured gap). Without it (bench/results/2026-12-03_ragged.md, 2 and 4 ranks): 784.387
+#   MiB, 0.0012 MiB below DDP's 784.389 at both; tokens/s 0.990x DDP's at 2 ranks and 1.001x
+#   at 4 (median of per-round ratios; spread 0.79-1.29 on the loaded VM).
 # - Filling: the first use after a weight became a run gathers every chunk through the usual
 #   coalesced gathers (headers, prefetch, byte counts unchanged), whose pages are the run's
 #   chunk views: the received slices are unpacked into the run, own slice included (same
@@ -103,10 +115,12 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   the usual one (at most collective_bytes * W) and lives only during that one step.
 #   `run.filled` is set once every gather of the use completed; a failed gather leaves it
 #   unfilled and the next use gathers again.
-# - Accounting: a run's bytes (padding of the ragged last chunk included, no page rounding)
-#   are charged against the cache budget: the pool's budget is the cache budget less the runs'
+# - Accounting: a run's bytes (the weight's, no padding, no page rounding) are charged
+#   against the cache budget: the pool's budget is the cache budget less the runs'
 #   bytes, its working set and its cap count only the weights held in pages, and `stats()`
-#   reports `run_bytes` and adds the runs to `pool_peak_bytes`.
+#   reports `run_bytes` and adds the runs to `pool_peak_bytes`. The planner's memory model
+#   counts runs the same way ([Note: what the memory model counts] in
+#   python_api/planner/memory.py; a measured profile's `run_bytes`, from `can_hold_as_run`).
 # - Changes (on every rank alike, like every residency change): a budget, residency or source
 #   change that no longer admits a run demotes it at once (its own slices copied out to a fresh
 #   shard, the run freed; the chunks still PERSISTENT of a filled run copied into pages while
@@ -116,10 +130,12 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 
 
 class Run:
-    """The whole weight of one rank in one tensor ([Note: resident runs]): `buffer` holds
-    num_chunks * world_size * slice_numel elements in chunk-major padded order, `whole` is its
-    first rows * cols elements viewed [rows, cols] (the weight itself), `chunks[c]` chunk c's
-    [rows_c, cols] view, `own[c]` this rank's slice of chunk c (where the shard lives).
+    """The whole weight of one rank in one tensor ([Note: resident runs]): `buffer` holds the
+    weight's elements and nothing else (numel of them, in row order: chunk c at
+    c * world_size * slice_numel, the ragged last chunk unpadded), `whole` is `buffer` viewed
+    [rows, cols], `chunks[c]` chunk c's [rows_c, cols] view, `own[c]` this rank's real
+    elements of chunk c (where the shard lives: slice_numel elements, or fewer, possibly none,
+    of the ragged last chunk, whose padding a run does not hold).
     `filled`: every peer's slices have arrived (until then only `own` holds data)."""
 
     __slots__ = ("buffer", "whole", "chunks", "own", "filled")
@@ -127,11 +143,14 @@ class Run:
     def __init__(self, et: ElasticTensor):
         st, w, r = et.storage, et.storage.world_size, et.runtime.rank
         n, s = st.num_chunks, st.slice_numel
-        self.buffer = torch.empty(n * w * s, dtype=et.storage_dtype, device=et.device)
-        self.whole = self.buffer[: st.numel].view(et.shape)
+        self.buffer = torch.empty(st.numel, dtype=et.storage_dtype, device=et.device)
+        self.whole = self.buffer.view(et.shape)
         self.chunks = [self.buffer[c * w * s : c * w * s + st.chunk_numel_of(c)].view(et.chunk_shape(c))
                        for c in range(n)]
-        self.own = [self.buffer[(c * w + r) * s : (c * w + r + 1) * s] for c in range(n)]
+        self.own = []
+        for c in range(n):
+            base, real = c * w * s, st.chunk_numel_of(c)
+            self.own.append(self.buffer[base + min(r * s, real) : base + min((r + 1) * s, real)])
         self.filled = False
 
     @property
@@ -191,8 +210,8 @@ class ElasticTensor:
                 self._reader = rows
             # weights_on="host": no device shard at all, every chunk comes from the host store.
             self.shard = None
-            # Held as a run ([Note: resident runs]): the shard then lives in it, `shard` is its
-            # view [num_chunks, slice_numel] of the run's own slices.
+            # Held as a run ([Note: resident runs]): the shard then lives in it (`run.own`, its
+            # real elements only) and `shard` is None; `on_device` is true for both.
             self.run: Run | None = None
             if policy.weights_on == "device":
                 if rows is None:
@@ -219,34 +238,84 @@ class ElasticTensor:
 
     @property
     def run_bytes(self) -> int:
-        """Bytes of this weight held as a run: every chunk's padded slices."""
+        """Bytes of this weight held as a run: the weight's own bytes, nothing more (the ragged
+        last chunk is not padded in a run)."""
+        return self.storage.numel * self.element_size
+
+    @property
+    def on_device(self) -> bool:
+        """Whether this rank holds its share of the weight on the device: a shard, or a run."""
+        return self.shard is not None or self.run is not None
+
+    def own_parts(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's share as it is held now: [the shard] (its last
+        slice zero-padded), or a run's own elements chunk by chunk (no padding); [] with
+        weights_on="host"."""
+        if self.run is not None:
+            return list(self.run.own)
+        return [] if self.shard is None else [self.shard]
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's share as held now (`own_parts`)."""
+        return sum(t.numel() for t in self.own_parts()) * self.element_size
+
+    def padded_shard(self) -> torch.Tensor:
+        """This rank's shard in the layout ([Note: chunk-major shard layout]: num_chunks *
+        slice_numel elements, the ragged last slice zero-padded): the shard itself, or for a
+        run a new tensor built from its own elements."""
+        if self.run is None:
+            return self.shard
         st = self.storage
-        return st.num_chunks * st.world_size * st.slice_numel * self.element_size
+        n, s = st.num_chunks, st.slice_numel
+        shard = torch.zeros(st.shard_numel, dtype=self.storage_dtype, device=self.device)
+        if n > 1:
+            shard[: (n - 1) * s].view(n - 1, s).copy_(self._run_full_own(self.run))
+        last = self.run.own[n - 1]
+        shard[(n - 1) * s : (n - 1) * s + last.numel()].copy_(last)
+        return shard
+
+    def _run_full_own(self, run: Run) -> torch.Tensor:
+        """The run's own slices of the full chunks 0..n-2, one [n - 1, slice_numel] view (they
+        are world_size slices apart)."""
+        st = self.storage
+        n, w, s = st.num_chunks, st.world_size, st.slice_numel
+        return run.buffer[: (n - 1) * w * s].view(n - 1, w, s)[:, self.runtime.rank, :]
 
     def to_run(self) -> None:
-        """Hold the weight as a run: its own slices move into it, the separate shard is freed
+        """Hold the weight as a run: its own elements move into it, the separate shard is freed
         (nothing of the peers' slices yet: `run.filled` is False)."""
         st = self.storage
+        n, s = st.num_chunks, st.slice_numel
         run = Run(self)
-        view = run.buffer.view(st.num_chunks, st.world_size, st.slice_numel)[:, self.runtime.rank, :]
-        view.copy_(self.shard.view(st.num_chunks, st.slice_numel))
-        self.run, self.shard = run, view
+        if n > 1:
+            self._run_full_own(run).copy_(self.shard[: (n - 1) * s].view(n - 1, s))
+        last = run.own[n - 1]
+        last.copy_(self.shard[(n - 1) * s : (n - 1) * s + last.numel()])
+        self.run, self.shard = run, None
 
     def to_shard(self) -> None:
         """Back to a shard of its own (a fresh tensor, the run freed): the inverse of `to_run`."""
-        shard = torch.empty(self.storage.shard_numel, dtype=self.storage_dtype, device=self.device)
-        shard.view(self.storage.num_chunks, self.storage.slice_numel).copy_(self.shard)
+        shard = self.padded_shard()
         self.run, self.shard = None, shard
 
     def send_parts(self, begin: int, end: int) -> tuple[list[torch.Tensor], list[int], list[int], list[int]]:
         """This rank's slices of chunks [begin, end) as `pack_shards` takes them (shards,
         slice sizes, chunk begins, chunk ends): one contiguous range of the shard, or, held as
-        a run, one slice per chunk (in the run they are world_size slices apart)."""
+        a run, one slice per chunk (in the run they are world_size slices apart), the ragged
+        last chunk's slice as a new zero-padded copy (a run holds no padding)."""
         s = self.storage.slice_numel
         if self.run is None:
             return [self.shard], [s], [begin], [end]
         k = end - begin
-        return self.run.own[begin:end], [s] * k, [0] * k, [1] * k
+        parts = self.run.own[begin:end]
+        if end == self.num_chunks and parts[-1].numel() < s:
+            padded = torch.zeros(s, dtype=self.storage_dtype, device=self.device)
+            padded[: parts[-1].numel()].copy_(parts[-1])
+            if self.runtime.comm_stream is not None:  # packed there: not reused before it is done
+                padded.record_stream(self.runtime.comm_stream)
+            parts[-1] = padded
+        return parts, [s] * k, [0] * k, [1] * k
 
     def chunk_shape(self, c: int) -> tuple[int, ...]:
         """Shape of chunk c as the layers get it from the runtime: [rows, cols], or a quantized

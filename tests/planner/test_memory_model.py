@@ -16,10 +16,11 @@ byte counts; what it cannot see is allocator and gloo transients (gloo's scratch
 gather's output lives only while its collective runs, the model counts it for every gather in
 the window, an upper bound; the recompute's transients are one fitted per-token figure).
 Measured on this machine (2026-12-01, `pytest -s tests/planner/test_memory_model.py`): -3.0% to +6.0%.
-The device-weight model runs with `resident_runs=False`: the memory model does not count
-resident runs yet (a weight a plan keeps whole is one run, its shard inside it: [Note: resident
-runs]); it counts shard + pages for it, so with runs it over-predicts (+15.3% measured on the
-"keep half" regime on 2026-12-03), safe but not tight. The step time is
+The device-weight model holds the weights a plan keeps whole as runs ([Note: resident runs]):
+every 1-chunk weight (q/k/v/o at 256 KiB chunks) in "keep half", every weight in "keep
+everything", which the memory model counts as runs (run_bytes in place of shard + pages:
+[Note: what the memory model counts]); until 2026-12-03 it counted shard + pages and this test
+ran with `resident_runs=False` (+15.3% on "keep half" with runs). The step time is
 printed next to it, not asserted here (tests/planner/test_cost_model.py has the time model's
 checks; these shared CPUs make a single step time noise).
 """
@@ -74,7 +75,7 @@ def _worker(rank, world_size):
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, 4, 8, 4)
     model = convert_to_elastic(embedded_model(cfg, 0), LoRAConfig(r=8, alpha=16, target_modules=TARGETS),
-                               ElasticPolicy(chunk_bytes=256 << 10, resident_runs=False))
+                               ElasticPolicy(chunk_bytes=256 << 10))
     model.train()
     gen = torch.Generator().manual_seed(rank)
     profile = measure_profile(model, [torch.randint(0, cfg.vocab_size, (MB, SEQ), generator=gen)],

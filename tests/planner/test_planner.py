@@ -860,3 +860,72 @@ def test_prefetch_window_is_searched_and_monotone():
         plan_from_profile(prof, 40 * 10**9, 64, prefetch_depth=-1)
     with pytest.raises(PlanningError, match="prefetch_depth"):
         plan_from_profile(prof, 40 * 10**9, 64, prefetch_depth=())
+
+
+# ---------------------------------------------------------------- resident runs
+
+def _with_run(p: Profile, run_bytes: int = 1700) -> Profile:
+    """tiny_profile with wa (2 chunks of 1000 B, slices of 500 B: a 1000 B shard) held as a run
+    of `run_bytes` when every chunk of it persists (a ragged last chunk of 700 B: 1700 B)."""
+    import dataclasses
+
+    wa = dataclasses.replace(p.layers[0].weights[0], run_bytes=run_bytes)
+    return dataclasses.replace(p, layers=(dataclasses.replace(p.layers[0], weights=(wa,)), p.layers[1]))
+
+
+def test_memory_model_counts_runs_by_hand():
+    # [Note: what the memory model counts]: a weight held as a run costs run_bytes in place of
+    # its shard (in static_bytes) and its pages (kept and working set).
+    import dataclasses
+
+    from elastic_kernels.api.planner import pool_pages
+
+    paged, runs = tiny_profile(), _with_run(tiny_profile())
+    every = Choices.uniform(paged, 1, 1.0)
+    # Pages: wa 2 + wb 1 chunks all kept, working set = both units: min(3, 3 + 3) = 3 pages.
+    # Runs: wa is a run; wb's 1 page kept + working set (units of 0 and 1 paged chunks: 1).
+    assert pool_pages(paged, every) == 3 and pool_pages(runs, every) == 1
+    c0, c1 = memory_curve(paged, every), memory_curve(runs, every)
+    assert (c0.fixed_bytes, c0.pool_bytes) == (100 + 200, 3000)
+    assert (c1.fixed_bytes, c1.pool_bytes) == (100 + 200 - 1000 + 1700, 1000)
+    # Nothing else moves: activations and buffers at every point are the same.
+    assert [b - c1.fixed_bytes - c1.pool_bytes for _, b in c1.points] == \
+        [b - c0.fixed_bytes - c0.pool_bytes for _, b in c0.points]
+    assert c1.peak_bytes == c0.peak_bytes + 1700 - 1000 - 2 * 1000  # the run, less the shard and 2 pages
+    # Not a run: a chunk of wa not persistent (keep half: 1 of 2), or kept but not persisted,
+    # or a host chunk of it (host fraction 0.5: its chunk 1).
+    for ch in (Choices.uniform(paged, 1, 0.5), Choices(1, ((2,), (1,)), ((1,), (1,)), (False, False))):
+        assert memory_curve(runs, ch) == memory_curve(paged, ch)
+    hosted = dataclasses.replace(runs, h2d=Link(0.0, 1e6), host_store=True)
+    ch = Choices.uniform(hosted, 1, 1.0, host_fraction=0.5)
+    assert memory_curve(hosted, ch).pool_bytes == 3000
+    assert memory_curve(hosted, Choices.uniform(hosted, 1, 1.0)).pool_bytes == 1000
+
+
+def test_profile_run_bytes_json_and_validation():
+    import dataclasses
+
+    p = _with_run(tiny_profile())
+    back = Profile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back == p and back.layers[0].weights[0].run_bytes == 1700
+    assert "run_bytes" not in json.dumps(tiny_profile().to_dict())  # absent: never a run
+    with pytest.raises(ProfileError, match=r"run_bytes is set, but a weight on the host"):
+        dataclasses.replace(p, h2d=Link(0.0, 1e6), host_store=True, weights_on="host")
+    d = p.to_dict()
+    d["layers"][0]["weights"][0]["run_bytes"] = 0
+    with pytest.raises(ProfileError, match=r"run_bytes"):
+        Profile.from_dict(d)
+
+
+def test_search_keeps_everything_where_the_runs_fit():
+    # Everything kept costs fewer bytes with runs; the search counts them exactly there, so a
+    # cap of exactly that peak keeps everything (counting pages it would not: 2650 bytes here
+    # against 3950), and one byte less must keep less or recompute.
+    p = _with_run(tiny_profile())
+    need = memory_curve(p, Choices.uniform(p, 1, 1.0)).peak_bytes
+    assert need < memory_curve(tiny_profile(), Choices.uniform(p, 1, 1.0)).peak_bytes
+    plan = plan_from_profile(p, need, p.world_size, micro_batches=[1], margin=0.0)
+    assert plan.kept_chunks == p.total_chunks and plan.predicted_peak_bytes == need
+    less = plan_from_profile(p, need - 1, p.world_size, micro_batches=[1], margin=0.0)
+    assert less.predicted_peak_bytes <= need - 1
+    assert less.kept_chunks < p.total_chunks or any(lp.recompute for lp in less.layers)

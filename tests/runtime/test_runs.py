@@ -28,9 +28,12 @@ VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "as_strided", "alias
          "unsqueeze", "reshape", "select", "permute", "_reshape_alias"}
 
 
-def run_numel(rows: int, cols: int, world_size: int, chunk_bytes: int = CHUNK) -> int:
-    """Analytic elements of one weight held as a run: every chunk padded to W equal slices
-    ([Note: chunk-major shard layout]); only the ragged last chunk carries padding."""
+def padded_numel(rows: int, cols: int, world_size: int, chunk_bytes: int = CHUNK) -> int:
+    """Analytic elements of one weight in the chunk-major layout, every chunk padded to W equal
+    slices ([Note: chunk-major shard layout]; only the ragged last chunk carries padding): what
+    the ranks' shards hold together, what gathering every chunk receives, and the shard at
+    world size 1. A run holds rows * cols, no padding ([Note: resident runs]). Of DIMS, the
+    33-row layer's last chunk is ragged (1 row of 8): 168 padding elements at any W."""
     rpc = min(rows, max(1, chunk_bytes // (cols * FP32)))
     chunks = -(-rows // rpc)
     slice_numel = -(-rpc * cols // world_size)
@@ -76,7 +79,10 @@ def _memory_worker(rank, world_size):
         p.grad = None
     held = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
         {b.untyped_storage().data_ptr() for b in model.buffers()}
-    analytic = sum(run_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    if world_size == 1:  # the shard is the padded weight ([Note: single process])
+        analytic = sum(padded_numel(b, a, 1) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    else:  # each weight once, unpadded: its run
+        analytic = sum(b * a for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     # Once in about five runs beside the full suite a rank counted 2,220 bytes more (13,740 vs
     # 11,520), not reproduced in 16 steps alone: read again, a little later, while it differs
     # (a buffer released late goes away; memory that stays fails the test with every reading;
@@ -90,16 +96,21 @@ def _memory_worker(rank, world_size):
     static = static[-1] if static[-1] == analytic else static
     if world_size == 1:  # no pool and no run: the shard is the padded weight ([Note: single process])
         return static, analytic, analytic, 0, rt.pool is None, analytic
-    shard_in_run = all(et.shard.untyped_storage().data_ptr() == et.run.buffer.untyped_storage().data_ptr()
-                       for et in rt.tensors)
+    # No shard beside the run: this rank's elements are views of it (none of the ragged last
+    # chunk's padding: the last own part is shorter than a slice, or empty).
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    shard_in_run = all(et.shard is None and all(ptr(o) == ptr(et.run.buffer) for o in et.run.own)
+                       and et.run.buffer.numel() == b * a
+                       for et, a, b in zip(rt.tensors, DIMS[:-1], DIMS[1:]))
     return static, analytic, rt.run_bytes(), rt.pool.stats()["reserved_bytes"], shard_in_run, rt.stats()["pool_peak_bytes"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_budget_all_holds_each_weight_once(world_size):
-    """Budget all: what the runtime keeps is its runs, exactly (no shard beside them, no page,
-    no page rounding: the pool never allocated a segment); padding only in ragged last chunks.
-    World size 1 holds its shards, the padded weights, and nothing else."""
+    """Budget all: what the runtime keeps is its runs, exactly: each weight's bytes once (no
+    shard beside them, no page, no page rounding: the pool never allocated a segment; no
+    padding of the ragged last chunk). World size 1 holds its shards, the padded weights, and
+    nothing else."""
     for static, analytic, run_bytes, reserved, shard_in_run, peak in run_distributed(_memory_worker, world_size,
                                                                                        timeout=120):
         assert shard_in_run, "the shard is not a view of the run (world size 1: a pool was made)"
@@ -242,7 +253,7 @@ def test_budget_all_equals_budget_zero_and_is_deterministic(world_size):
     again = run_distributed(_compare_worker, world_size, None, iters, timeout=180)
     zero = run_distributed(_compare_worker, world_size, 0, iters, timeout=180)
     frac = (world_size - 1) / world_size
-    whole = sum(run_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    whole = sum(padded_numel(b, a, world_size) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     for (out, runs), (out2, _), (out0, runs0) in zip(full, again, zero):
         assert all(runs) and not any(runs0)
         # Budget all: every chunk gathered once, in the first step (its padded slices), never again.
@@ -307,3 +318,39 @@ def test_demotion_keeps_results():
         # Weight 1's last chunk (PEAK: gathered in each forward, kept for backward; one slice
         # from the peer) is all a step gathers: its other chunks went into pages at demotion.
         assert steps[5][1] == steps[6][1] == partial[2] * FP32
+
+
+# ------------------------------------------------------------------ the unpadded last chunk
+
+def _own_worker(rank, world_size):
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, set_pool_budget
+
+    weights = {tuple(t.shape): t.clone() for t in make_model().state_dict().values() if t.dim() == 2}
+    model = make_model()
+    elasticize(model, ElasticPolicy(chunk_bytes=CHUNK))
+    rt = runtime_of(model)
+    model(torch.randn(3, DIMS[0])).sum().backward()
+    out = []
+    for et in rt.tensors:
+        w = weights[et.shape]
+        ref = et.layout.shard(w, rank)  # the layout's own reference: padded, zeros in the padding
+        last = et.run.own[-1].numel()
+        out.append((torch.equal(et.run.whole, w), torch.equal(et.padded_shard(), ref), last,
+                    et.shard_bytes == (et.num_chunks - 1) * et.storage.slice_numel * FP32 + last * FP32))
+    set_pool_budget(model, 0)  # demoted: a fresh padded shard from the run's own elements
+    out.append([torch.equal(et.shard, et.layout.shard(weights[et.shape], rank)) for et in rt.tensors])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_run_holds_its_share_of_the_ragged_chunk_unpadded(world_size):
+    """The 33-row layer's last chunk (1 row of 24: slices of 96 / 48 elements at 2 / 4 ranks)
+    is in rank 0's slice only: rank 0 holds its 24 real elements in the run, the others none;
+    the padded shard rebuilt from the run (a fill's send buffer, full_weight, demotion) is
+    the layout's reference shard, padding zeros included."""
+    for rank, out in enumerate(run_distributed(_own_worker, world_size, timeout=120)):
+        *per_weight, demoted = out
+        assert all(whole and padded and counted for whole, padded, _, counted in per_weight), (rank, per_weight)
+        # (40, 24) and (24, 40): full last chunks of 192 and 160 elements, a slice each rank
+        assert [last for _, _, last, _ in per_weight] == [192 // world_size, 160 // world_size, 24 if rank == 0 else 0]
+        assert all(demoted), (rank, demoted)
