@@ -13,8 +13,7 @@ rows. Measured peak: `measure_peak_bytes` (tensor memory, as in test_memory_mode
 Tolerance 10%, two-sided: the issue's bound; what the model cannot see is the same allocator
 and gloo transients as with one adapter, plus the per-adapter grouping of the LoRA terms (the
 rows of each adapter gathered for its product: a transient of one adapter's rows).
-The policy is test_memory_model.py's (resident_runs=False): the memory model does not count
-resident runs yet.
+Neither regime keeps a weight whole, so no weight is a resident run.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def _worker(rank, world_size):
 
     torch.set_num_threads(1)
     cfg = embedded_config(256, 688, 4, 8, 4)
-    policy = ElasticPolicy(chunk_bytes=256 << 10, resident_runs=False)
+    policy = ElasticPolicy(chunk_bytes=256 << 10)
     lora = LoRAConfig(r=8, alpha=16, target_modules=TARGETS)
     gen = torch.Generator().manual_seed(rank)
 
