@@ -229,3 +229,18 @@ def test_a_sweep_on_two_ranks_gathers_what_one_adapter_does(tmp_path):
             assert json.load(f)["r"] == int(name[-1])
         if name != "seed0_r4":
             assert (_peft_logits(os.path.join(sweep, "adapters", name), ids) - ref).abs().max() > 1e-3
+
+
+def test_the_seed_changes_the_adapters_initialization():
+    """LoRAConfig.seed reaches the generator of every module's A (torch's CPU generator keeps
+    32 bits of its seed: seed << 32 was lost), seed 0 keeping its former values."""
+    import zlib
+
+    from elastic_kernels.api.nn.lora import _init_seed
+
+    name = "model.layers.0.self_attn.q_proj"
+    assert _init_seed(0, name) == zlib.crc32(name.encode())
+    seeds = [_init_seed(s, name) for s in (0, 1, 5, 2**32 - 1)]
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**32 for s in seeds)
+    draws = {torch.rand(4, generator=torch.Generator().manual_seed(s)).sum().item() for s in seeds}
+    assert len(draws) == 4
