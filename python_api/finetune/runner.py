@@ -95,7 +95,8 @@ def run(job: Job) -> dict:
             if sweep:  # K adapters in one job, no checkpoint ([Note: a sweep job] in sweep.py)
                 engine = SweepEngine(job, job.cfg.elastic.pool_budget)
                 result = train(job, engine, counter, primary=False)
-                result["losses_label"] = f"{engine.name}: the mean of the adapters' losses"
+                # the job's row: aggregate tokens/s; its losses the adapters' mean (one row each below it)
+                result["name"] = f"{engine.name} (losses: their mean)"
                 runs.append(result)
                 engine.save_adapter(job, os.path.join(job.save_dir, ADAPTERS_DIR), "the trained adapters were not saved")
             else:
