@@ -85,11 +85,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_frontier import PRESETS, REAL_MODEL, REAL_OPTIONS, Config, Runner, _mib, _pair_ratios, measure_memory  # noqa: E402
 from bench.harness import append_rows, context, results_dir, start_group  # noqa: E402
 from elastic_kernels.api.finetune.engine import Engine, model_inputs  # noqa: E402
+from elastic_kernels.api.finetune.sweep import PerAdapterAdamW, adapter_losses, repeat_rows  # noqa: E402  (the CLI's --sweep's)
 
 LOSS_TOL = 1e-5  # fp32 rounding over a few steps: bench_frontier's bound for its peers
 
@@ -163,25 +163,6 @@ def adapter_names(k: int) -> list[str]:
 # ------------------------------------------------------------------ the multi job
 
 
-class PerAdapterAdamW:
-    """One AdamW per adapter, stepped together (each with its own state and groups)."""
-
-    def __init__(self, opts: list[torch.optim.Optimizer]):
-        self.opts = opts
-
-    @property
-    def param_groups(self):
-        return [g for o in self.opts for g in o.param_groups]
-
-    def step(self):
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.opts:
-            o.zero_grad(set_to_none=set_to_none)
-
-
 class MultiEngine(Engine):
     """K named adapters on one elastic model: the step's sequence once per adapter, one
     forward and backward for all, the loss the sum of the per-adapter mean losses."""
@@ -220,18 +201,11 @@ class MultiEngine(Engine):
         k = len(self.names)
         inputs = model_inputs(batch, 0)
         labels = inputs.pop("labels")
-        # the micro-batch once per adapter: row r of adapter i at i * micro_batch + r
-        rows = {key: (torch.cat([v] * k) if torch.is_tensor(v) and v.dim() else v) for key, v in inputs.items()}
+        # the micro-batch once per adapter (row r of adapter i at i * micro_batch + r), each
+        # adapter's own token mean over its rows: the loss it has alone (finetune/sweep.py)
         names = [n for n in self.names for _ in range(labels.shape[0])]
-        out = self.model(**rows, adapter_names=names)
-        logits = out.logits.float()  # as transformers' ForCausalLMLoss upcasts
-        shifted = torch.cat([F.pad(labels, (0, 1), value=-100)[..., 1:]] * k)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100,
-                             reduction="none").view(shifted.shape)
-        valid = (shifted != -100)
-        # each adapter's own token mean over its rows: the loss it has alone
-        per = torch.stack([ce[i * labels.shape[0]:(i + 1) * labels.shape[0]].sum()
-                           / valid[i * labels.shape[0]:(i + 1) * labels.shape[0]].sum() for i in range(k)])
+        out = self.model(**repeat_rows(inputs, k), adapter_names=names)
+        per = adapter_losses(out.logits, labels, k)
         per.sum().backward()
         self.optimizer_step(opt)
         losses = per.detach().double()

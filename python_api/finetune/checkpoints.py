@@ -107,7 +107,19 @@ def find_checkpoint(path: str) -> str:
             f"--resume {path}: no {CKPT}/ folder, but {_CKPT_OLD}/ exists: a checkpoint swap was interrupted; "
             f"rename {os.path.join(path, _CKPT_OLD)} to {inner} to resume from the previous checkpoint"
         )
+    if _is_sweep_output(path):
+        raise FinetuneError(f"--resume {path}: a sweep job's output (--sweep): a sweep writes no checkpoint and is "
+                            "not resumed; run it again ([Note: a sweep job] in python_api/finetune/sweep.py)")
     raise FinetuneError(f"--resume {path}: no checkpoint there (expected {inner}/ written by --save-dir {path})")
+
+
+def _is_sweep_output(path: str) -> bool:
+    """Whether `path` holds a sweep job's configuration record (configuration.json with a sweep)."""
+    try:
+        with open(os.path.join(path, "configuration.json")) as f:
+            return bool(json.load(f).get("training", {}).get("sweep"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _read_json(path: str, what: str):

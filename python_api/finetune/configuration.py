@@ -64,6 +64,7 @@ class TrainingConfig:
     warmup_steps: int | None = None
     weight_decay: float = 0.0
     seed: int = 0
+    sweep: tuple = ()  # ((key, (value, ...)), ...): --sweep ([Note: the sweep's keys and adapter names])
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class PeersConfig:
     compare_format: str = ""
     compare_formats: tuple = ()
     compare_planned: bool = False
+    compare_sequential: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ def resume_fields(c: FinetuneConfig) -> dict:
            "training.lr_schedule": t.lr_schedule or "constant", "lora.lora_r": c.lora.lora_r,
            "lora.lora_alpha": c.lora.lora_alpha, "lora.lora_dropout": c.lora.lora_dropout,
            "elastic.chunk_kib": c.elastic.chunk_kib, "weights.weight_format": w.weight_format,
-           "pipeline.pp": p.pp}
+           "pipeline.pp": p.pp, "training.sweep": t.sweep}
     if out["training.lr_schedule"] != "constant":
         out["training.steps"] = t.steps
     if w.weight_format != "none":

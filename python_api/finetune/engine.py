@@ -11,7 +11,8 @@ the end evaluates the held-out probe and returns one result. What an engine prov
   built      its constructor sets `model`, `name`, `kind`, `micro_batch` and `grad_accum`;
              `optimizer` is the AdamW its framework owns (DeepSpeed), else None and the loop
              builds one (`adamw` in loop.py)
-  a step     `batch`: the step's input on the device; `run_step`: forward and backward over
+  a step     `set_learning_rate(opt, training, step)`: the step's learning rate on `opt`;
+             `batch`: the step's input on the device; `run_step`: forward and backward over
              the step's micro-batches and the optimizer step, returning the loss averaged
              over the world. Here: `accumulate(is_last)` around each micro-step's forward and
              `(loss / accum).backward()`, then `optimizer_step(opt)`; a pipeline runs
@@ -36,6 +37,7 @@ import torch.nn as nn
 from ..nn import load_adapter
 from .files import save_adapter_agreed
 from .option_values import budget_label
+from .policy import lr_at
 
 
 class Engine:
@@ -47,6 +49,7 @@ class Engine:
     weight_format = "none"  # the numerics its losses are compared within
     optimizer = None  # an AdamW the engine's framework steps itself ([Note: engines that own their optimizer step])
     measures_tensor_peak = True  # the tensor peak of [Note: what "peak memory" means here] in measure.py
+    sequence_copies = 1  # adapters trained on each sequence (a sweep's K): the tokens a step trains, per sequence
 
     # ------------------------------------------------------------ a step
 
@@ -57,6 +60,12 @@ class Engine:
     def train_mode(self) -> None:
         """Before the first step."""
         self.model.train()
+
+    def set_learning_rate(self, opt, training, step: int) -> None:
+        """Optimizer step `step`'s learning rate (`training`: the job's TrainingConfig) on every
+        parameter group of `opt`; a sweep sets each adapter's own (sweep.py)."""
+        for group in opt.param_groups:
+            group["lr"] = lr_at(training, step)  # [Note: learning-rate defaults] in policy.py
 
     def before_step(self, step: int) -> None:
         """At the start of optimizer step `step` (0-based), before its batch is built."""

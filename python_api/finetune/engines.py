@@ -45,11 +45,13 @@ class ElasticEngine(Engine):
     kind = "elastic"
 
     def __init__(self, job: Job, budget, weights_on: str | None = None, planned: bool = False,
-                 weight_format: str | None = None):
+                 weight_format: str | None = None, lora=None):
+        """`lora`: what convert_to_elastic takes (a sweep's {name: LoRAConfig}); None: the job's LoRAConfig."""
         model, source = _collective_build_on_meta(job)
         policy = with_format(policy_of(job.args, budget, weights_on, job.world_size), job.cfg.weights, weight_format)
         try:
-            self.model = convert_to_elastic(model, lora_config_of(job.args), policy, source=source)
+            self.model = convert_to_elastic(model, lora_config_of(job.args) if lora is None else lora, policy,
+                                            source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
             raise FinetuneError(str(exc)) from exc
         self.runtime = runtime_of(self.model)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn import ADAPTER_WEIGHTS, runtime_of, save_adapter
+from ..nn.adapters import adapters_of, is_multi_adapter
 from .agreement import agree_error
 from .errors import FinetuneError, OutputError
 
@@ -107,10 +108,14 @@ def save_adapter_agreed(job, model, folder: str, what: str) -> None:
         if job.rank == 0:
             weights = os.path.join(folder, ADAPTER_WEIGHTS)
             try:
-                os.chmod(weights, _file_mode())
-                tok = getattr(job.spec.tokenizer, "tok", None)
-                if tok is not None:  # beside the adapter: AutoPeftModelForCausalLM users find it there
-                    tok.save_pretrained(folder)
+                # a model with named adapters (a sweep) has one folder per adapter under `folder`
+                for one in ([os.path.join(folder, n) for n in adapters_of(model)] if is_multi_adapter(model)
+                            else [folder]):
+                    weights = os.path.join(one, ADAPTER_WEIGHTS)
+                    os.chmod(weights, _file_mode())
+                    tok = getattr(job.spec.tokenizer, "tok", None)
+                    if tok is not None:  # beside the adapter: AutoPeftModelForCausalLM users find it there
+                        tok.save_pretrained(one)
             except OSError as exc:
                 err = f"{what}: {OutputError(exc.filename or weights, exc)}"
     agree_error(err, job.world_size)

@@ -20,7 +20,6 @@ from .constants import ADAM_BETAS, ADAM_EPS
 from .engine import steady
 from .errors import FinetuneError
 from .job import Job
-from .policy import lr_at
 
 
 def _seed_rng(seed: int, rank: int, device: torch.device) -> None:
@@ -41,10 +40,6 @@ def _restore_rng(rng: dict, device: torch.device) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _lr_at(training, step: int) -> float:
-    return lr_at(training, step)  # [Note: learning-rate defaults] in policy.py
 
 
 # [Note: segments of a run]
@@ -97,8 +92,7 @@ def train_step(job: Job, engine, opt, step: int, counter) -> dict:
     ranks), the step's time and its traffic. What train() runs per step, and what
     bench/bench_frontier.py interleaves across engines."""
     device = job.device
-    for group in opt.param_groups:
-        group["lr"] = _lr_at(job.cfg.training, step)
+    engine.set_learning_rate(opt, job.cfg.training, step)
     # The split of this step's W x micro_batch x grad_accum sequences: the job's, or a
     # planned run's (which may change it at this step: the same global batch, the same
     # windows across the ranks, [Note: adaptive accumulation] in planning.py).
@@ -182,7 +176,7 @@ def train(job: Job, engine, counter, primary: bool) -> dict:
     profile_last = (engine.measures_tensor_peak and device.type == "cpu" and t.steps - start >= 3
                     and getattr(mem, "live_baseline", None) is not None)
     tensor_peak = rss_peak = None
-    tokens_per_step = W * t.micro_batch * t.grad_accum * t.seq_len
+    tokens_per_step = W * t.micro_batch * t.grad_accum * t.seq_len * engine.sequence_copies
     times, gathered, counted, h2d, splits = [], [], [], [], []
     per_step: dict[str, list] = {"calls": []}  # and the engine's own figures (Engine.step_figures)
 

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from ..config import ElasticPolicy
-from .option_values import DS_OPTIONS, _baselines, _budget, _compare_formats, budget_label, fmt_bytes
+from .option_values import DS_OPTIONS, SWEEP_KEYS, _baselines, _budget, _compare_formats, budget_label, fmt_bytes
 from .policy import host_fraction_used
 
 
@@ -59,6 +59,7 @@ def check_options(p: argparse.ArgumentParser, args) -> None:
         if args.quant_nested and args.weight_format != "nf4":
             p.error("--quant-nested is an nf4 option (double quantization of its scales)")
     _check_compare_formats(p, args)
+    _check_sweep(p, args)
     if args.host_budget is not None and 0 < args.host_budget < 512:
         p.error(f"argument --host-budget: {args.host_budget} bytes is less than one 512-byte page")
     steps = [s for s, _ in args.memory_cap_change]
@@ -88,6 +89,44 @@ def check_options(p: argparse.ArgumentParser, args) -> None:
         if not names or not all(names):
             p.error(f"argument --lora-targets: expected comma-separated module names or all-linear, got {args.lora_targets!r}")
         args.lora_targets = ",".join(names)
+
+
+def _check_sweep(p: argparse.ArgumentParser, args) -> None:
+    """--sweep's items as ((key, values), ...) in the order given, and what a sweep job cannot
+    serve, refused rather than run as something else ([Note: a sweep job] in sweep.py)."""
+    given = getattr(args, "_given", set())
+    keys = [k for k, _ in args.sweep]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        p.error(f"argument --sweep: key(s) {', '.join(twice)} given twice (give each key once, with all its values)")
+    args.sweep = [[k, list(v)] for k, v in args.sweep]
+    if not args.sweep:
+        if args.compare_sequential:
+            p.error("--compare-sequential needs --sweep (it compares a sweep with its adapters trained one by one)")
+        return
+    for key in keys:  # seed is not --seed's whole meaning in a sweep: the adapter's initialization only
+        dest = SWEEP_KEYS[key][2][2:].replace("-", "_")
+        if key == "seed":
+            continue
+        if dest in given:
+            p.error(f"{SWEEP_KEYS[key][2]} and --sweep {key}=... both set {key}: give it once")
+    refused = [(args.pp != 1, "--pp (a sweep is one elastic model on every rank)"),
+               (args.compare_pp is not None, "--compare-pp"),
+               (args.plan == "auto", "--plan auto (the planner profiles one adapter's model)"),
+               (args.compare_planned, "--compare-planned"),
+               (args.resume is not None, "--resume (a sweep job writes no checkpoint: rerun it)"),
+               (args.save_every > 0, "--save-every (a sweep job writes no checkpoint)"),
+               (bool(args.compare_budgets), "--compare-budgets"),
+               (bool(args.compare_formats), "--compare-format"),
+               (args.compare_host, "--compare-host"),
+               (args.save_probe, "--save-probe (one model's logits)"),
+               (bool(args.baselines) and not args.compare_sequential,
+                "--baseline without --compare-sequential (the peers train each adapter one after another)")]
+    refused.append((args.compare_sequential and args.steps < 2,
+                    "--compare-sequential with --steps 1 (round 1 warms up; the rounds after it are timed)"))
+    bad = [what for cond, what in refused if cond]
+    if bad:
+        p.error(f"--sweep cannot be combined with {'; '.join(bad)}")
 
 
 def _check_compare_formats(p: argparse.ArgumentParser, args) -> None:
@@ -148,6 +187,9 @@ def ignored_options(args, world_size: int) -> list[str]:
     if args.weights_on == "host" and args.compare_host:
         out.append("--compare-host is ignored: with --weights-on host the main run already has its weights in the host "
                    "store (the comparison would train the same run twice)")
+    if args.sweep and "sample_tokens" in given and args.sample_tokens:
+        out.append(f"--sample-tokens {args.sample_tokens} is ignored: a sweep job writes no samples (its adapters' "
+                   "held-out losses are in the report)")
     if world_size == 1 and args.weights_on == "device" and args.host_fraction:
         out.append(f"--host-fraction {args.host_fraction:g} is ignored on one rank: nothing is ever missing (the local "
                    "shard is the whole weight), so no chunk would come from the host store and none is built")

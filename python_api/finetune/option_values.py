@@ -221,3 +221,65 @@ def fmt_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:g}{unit}"
     return f"{n}B"
+
+
+# [Note: the sweep's keys and adapter names]
+# `--sweep KEY=V1,V2 ...` trains one adapter per combination of the values (the cartesian
+# product, in the order given: the last key varies fastest). Each key is an option of a solo
+# run, with that option's own range: lr (AdamW's peak learning rate, > 0), lora-r (>= 1),
+# lora-alpha (> 0), lora-dropout (in [0, 1)) and seed, which in a sweep is the adapter's
+# initialization only (the batches, the dropout masks and --model tiny's weights follow
+# --seed: every adapter trains on the same batches). An adapter's name says its swept values,
+# `lr0p001_r8` for lr=0.001 lora-r=8: the short name of each key followed by the value's
+# shortest round-trip text (Python's repr, so two distinct floats never share a name) with
+# '.' as 'p', '-' as 'm' and '+' dropped, so that the name is an identifier as the library
+# requires (normalize_adapters in python_api/nn/lora.py): it is the adapter's folder under
+# `--save-dir DIR/adapters/`.
+SWEEP_KEYS = {  # key -> (parse, short name in adapter names, the option it stands for)
+    "lr": (_positive_float, "lr", "--lr"),
+    "lora-r": (_positive_int, "r", "--lora-r"),
+    "lora-alpha": (_positive_float, "alpha", "--lora-alpha"),
+    "lora-dropout": (None, "dropout", "--lora-dropout"),  # _dropout, below
+    "seed": (_seed_int, "seed", "--seed"),
+}
+
+
+def _dropout(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return v
+
+
+def _sweep_item(text: str) -> tuple[str, tuple]:
+    """One `KEY=V1,V2,...` of --sweep: the key and its values, parsed by the key's own option
+    type, each once ([Note: the sweep's keys and adapter names])."""
+    key, eq, values = text.partition("=")
+    key = key.strip().lower()
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,... (e.g. lr=1e-4,3e-4), got {text!r}")
+    if key not in SWEEP_KEYS:
+        raise argparse.ArgumentTypeError(f"unknown key {key!r} in {text!r}: expected one of {', '.join(SWEEP_KEYS)}")
+    words = [w.strip() for w in values.split(",")]
+    if not all(words):
+        raise argparse.ArgumentTypeError(f"{key}: expected comma-separated values without empty ones, got {values!r}")
+    parse = SWEEP_KEYS[key][0] or _dropout
+    out = []
+    for w in words:
+        try:
+            out.append(parse(w))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{key}={w}: {exc}") from None
+    twice = sorted({repr(v) for v in out if out.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{key}: value(s) {', '.join(twice)} given twice (each would train the "
+                                         f"same adapter)")
+    return key, tuple(out)
+
+
+def sweep_label(value) -> str:
+    """A swept value as it appears in an adapter's name: repr, '.' -> 'p', '-' -> 'm', '+' dropped."""
+    return repr(value).replace("+", "").replace(".", "p").replace("-", "m")

@@ -35,6 +35,7 @@ from .option_values import (
     _reshard,
     _seed_int,
     _size,
+    _sweep_item,
     _timeout,
 )
 
@@ -113,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dropout on the adapter input (the FSDP2 comparison is exact only without it)")
     g.add_argument("--lora-targets", default=DEFAULT_TARGETS,
                    help="comma-separated module names (PEFT's matching: a name or a suffix), or all-linear")
+
+    g = p.add_argument_group("sweep: several adapters in one job (python_api/finetune/sweep.py)")
+    g.add_argument("--sweep", type=_sweep_item, nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
+                   help="train one adapter per combination of these values (the cartesian product) in one elastic "
+                        "job, every adapter on the same batches, each with its own AdamW and learning-rate schedule; "
+                        "keys: lr, lora-r, lora-alpha, lora-dropout, seed (the adapter's initialization only); "
+                        "adapters are named by their values (lr0p001_r8) and saved to --save-dir/adapters/NAME/")
+    g.add_argument("--compare-sequential", action="store_true",
+                   help="with --sweep: also train the same adapters one after another, each alone, with the elastic "
+                        "runtime at the same budget (and under the peers of --baseline), steps interleaved with the "
+                        "sweep's, and report the aggregate tokens/s ratio")
 
     g = p.add_argument_group("elastic policy")
     g.add_argument("--chunk-kib", type=_positive_int, default=256, help="chunk size of frozen weights, KiB")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import statistics
 
 from .peers.frontier import ELASTIC_KINDS, best_peer_at_or_below, plot_frontier, system_of
 
@@ -216,6 +217,8 @@ MEMORY_HOLDS = {
                "gradients and AdamW state",
     "planned": "what the plan keeps: shards, the pool at the plan's budget, the activations it does not recompute, "
                "adapters, gradients, AdamW state",
+    "sweep": "its shard of every frozen weight, the pool (up to its budget), the activations of every adapter's "
+             "rows, every adapter, its gradients and AdamW state",
     "fsdp2": "its shard of every weight, the decoder layers gathered at a time (kept to backward when not "
              "resharded), activations, adapters, gradients, AdamW state",
     "deepspeed": "its partition of every weight and adapter, the parameters gathered at a time (prefetched, "
@@ -357,3 +360,68 @@ def plot(runs: list[dict], path: str, caption: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ a sweep job (sweep.py)
+
+SWEEP_COLUMNS = ("adapter", "lr", "lora-r", "lora-alpha", "lora-dropout", "seed", "final train loss", "held-out loss")
+
+
+def sweep_summary(run: dict, comparison: dict | None) -> dict:
+    """summary.json's "sweep": one row per adapter (its name, settings, losses, final and
+    held-out loss), the job's aggregate tokens/s (every adapter's tokens) and, with
+    --compare-sequential, the comparison ([Note: the sweep's sequential comparison])."""
+    return {"adapters": run.get("adapters", []), "aggregate_tokens_per_s": run["tokens_per_s"],
+            "tokens_per_step": run["tokens_per_step"],
+            "allgather_bytes_per_step": run["allgather_bytes_per_step"], "compare_sequential": comparison}
+
+
+def sweep_rows(sweep: dict) -> list[dict]:
+    return [{"adapter": a["name"], **a["settings"], "final train loss": a["final_loss"],
+             "held-out loss": a["heldout_loss"]} for a in sweep["adapters"]]
+
+
+def _sweep_cell(column: str, v) -> str:
+    if v is None:
+        return "n/a"
+    if "loss" in column:
+        return f"{v:.4f}"
+    return v if isinstance(v, str) else f"{v:g}"
+
+
+def sweep_text(sweep: dict, markdown: bool = False) -> str:
+    """The per-adapter table and the aggregate figures (and the comparison's), as text or markdown."""
+    cells = [[_sweep_cell(c, row[c]) for c in SWEEP_COLUMNS] for row in sweep_rows(sweep)]
+    if markdown:
+        out = "| " + " | ".join(SWEEP_COLUMNS) + " |\n|---|" + "---:|" * (len(SWEEP_COLUMNS) - 1) + "\n"
+        out += "".join("| " + " | ".join(r) + " |\n" for r in cells)
+    else:
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(SWEEP_COLUMNS)]
+        out = "\n".join("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+                        for r in [list(SWEEP_COLUMNS)] + cells) + "\n"
+    k = len(sweep["adapters"])
+    tps = sweep["aggregate_tokens_per_s"]
+    lines = [f"sweep: {k} adapters in one job, aggregate {'n/a' if tps is None else format(tps, '.0f')} tokens/s "
+             f"(every adapter's tokens: {sweep['tokens_per_step']} per step)"]
+    c = sweep.get("compare_sequential")
+    if c is not None:
+        r = c["ratio_vs_sequential"]
+        lines.append(f"compare-sequential: sweep {c['sweep_tokens_per_s']:.0f} tokens/s vs the {k} adapters one after "
+                     f"another (elastic, same budget) {c['sequential_tokens_per_s']:.0f} tokens/s: "
+                     f"{r['median']:.3f}x (median of {c['rounds_timed']} interleaved rounds, "
+                     f"[{r['min']:.3f}, {r['max']:.3f}]; rounds {' '.join(f'{x:.3f}' for x in r['rounds'])})")
+        for kind, p in c["peers"].items():
+            lines.append(f"compare-sequential: sweep vs the {k} adapters one after another under {kind} "
+                         f"({p['tokens_per_s']:.0f} tokens/s): {p['ratio']['median']:.3f}x "
+                         f"[{p['ratio']['min']:.3f}, {p['ratio']['max']:.3f}]")
+        d = c["max_abs_loss_diff_vs_sequential"]
+        if d is not None:
+            lines.append(f"compare-sequential: largest |sweep adapter loss - its sequential loss| {d:.3g}; all-gather "
+                         f"bytes per step: sweep {statistics.median(c['sweep_allgather_bytes_per_step'][1:]):.0f}, one "
+                         f"sequential adapter {statistics.median(c['sequential_allgather_bytes_per_adapter_step'][1:]):.0f}")
+    return out + "".join(("\n" if markdown else "") + line + ("  \n" if markdown else "\n") for line in lines)
+
+
+def sweep_losses_csv(sweep: dict) -> str:
+    """step, then one column per adapter: its loss at every optimizer step (repr: exact floats)."""
+    return losses_csv([{"name": a["name"], "losses": a["losses"]} for a in sweep["adapters"]])

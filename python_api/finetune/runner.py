@@ -31,6 +31,7 @@ from .measure import AllGatherCounter, PeakMemory, device_name
 from .option_values import budget_label
 from .pipeline_layout import compare_pp_is_main
 from .pipelined import PipelinedEngine, primary_engine
+from .sweep import ADAPTERS_DIR, SweepEngine, compare_sequential, sweep_adapters
 
 
 def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) -> list[tuple[str, object]]:
@@ -64,6 +65,7 @@ def run(job: Job) -> dict:
     t, lora, out = job.cfg.training, job.cfg.lora, job.cfg.output
     job.memory = PeakMemory(job.device)
     runs: list[dict] = []
+    sweep, comparison, probe_logits = bool(t.sweep), None, None
     if job.run_id is None:  # a fresh run: rank 0's id for every rank ([Note: the checkpoint's manifest])
         job.run_id = exchange(uuid.uuid4().hex, what="the run's id")[0]
     if job.rank == 0:
@@ -75,6 +77,9 @@ def run(job: Job) -> dict:
               f"{t.lr_schedule}, warm-up {t.warmup_steps} steps; output {job.save_dir}",
               flush=True)
         _warn(job.notices)
+        if t.sweep:
+            names = [a.name for a in sweep_adapters(job.cfg)]
+            print(f"{PROG}: sweep of {len(names)} adapters on the same batches: {', '.join(names)}", flush=True)
         if job.resume is not None:
             print(f"{PROG}: resuming from {job.resume.path} at step {job.resume.step}", flush=True)
     # Before any run: peer settings no peer can run stop every rank; a peer not installed is
@@ -87,14 +92,22 @@ def run(job: Job) -> dict:
         with AllGatherCounter() as counter:
             # 1. the elastic run (checkpointed, its adapter exported)
             job.memory.set_baseline()
-            engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
-            job.initial_adapters = engine.adapters()  # a copy, what the comparisons start from
-            result = train(job, engine, counter, primary=True)
-            probe_logits = result.pop("probe_logits")
-            runs.append(result)
-            engine.save_adapter(job, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
+            if sweep:  # K adapters in one job, no checkpoint ([Note: a sweep job] in sweep.py)
+                engine = SweepEngine(job, job.cfg.elastic.pool_budget)
+                result = train(job, engine, counter, primary=False)
+                # the job's row: aggregate tokens/s; its losses the adapters' mean (one row each below it)
+                result["name"] = f"{engine.name} (losses: their mean)"
+                runs.append(result)
+                engine.save_adapter(job, os.path.join(job.save_dir, ADAPTERS_DIR), "the trained adapters were not saved")
+            else:
+                engine = primary_engine(job)  # pipelined with --pp > 1 (python_api/finetune/pipelined.py)
+                job.initial_adapters = engine.adapters()  # a copy, what the comparisons start from
+                result = train(job, engine, counter, primary=True)
+                probe_logits = result.pop("probe_logits")
+                runs.append(result)
+                engine.save_adapter(job, os.path.join(job.save_dir, "adapter"), "the trained adapter was not saved")
 
-            if out.sample_tokens:
+            if out.sample_tokens and not sweep:
                 agreed_write(job, lambda: _reload_and_sample(job), "the saved adapter could not be reloaded")
 
             def probe():
@@ -110,7 +123,10 @@ def run(job: Job) -> dict:
             del engine
             gc.collect()
             # 2. the comparisons, each from scratch
-            for _, build in comparison_builds(job, counter, skipped):
+            if sweep and job.cfg.peers.compare_sequential:
+                comparison = compare_sequential(job, counter, skipped, _rank0_print(job))
+                gc.collect()
+            for _, build in ([] if sweep else comparison_builds(job, counter, skipped)):
                 job.memory.set_baseline()
                 engine = build()
                 runs.append(train(job, engine, counter, primary=False))
@@ -123,6 +139,8 @@ def run(job: Job) -> dict:
         _write_failure_report(job, runs + ([partial] if partial is not None else []), exc, skipped)
         raise
     summary = _summary(job, runs, skipped)
+    if sweep:
+        summary["sweep"] = report.sweep_summary(runs[0], comparison)
 
     def write():
         if job.rank == 0:
@@ -162,6 +180,13 @@ def _reload_and_sample(job: Job) -> None:
     for smp in s["samples"]:
         print(f"{PROG}: sample ({s['sample_tokens']} greedy tokens) {smp['prompt']!r}\n  before: {smp['before']!r}\n"
               f"  after:  {smp['after']!r}", flush=True)
+
+
+def _rank0_print(job: Job):
+    def show(line: str) -> None:
+        if job.rank == 0:
+            print(f"{PROG}: {line}", flush=True)
+    return show
 
 
 def _warn(lines: list[str]) -> None:
@@ -290,6 +315,8 @@ def _markdown(job: Job, runs: list[dict], summary: dict) -> str:
     if summary["status"] == "failed":
         md += f"**FAILED**: {summary['error']} (the table shows what was trained before it)\n\n"
     md += report.markdown_table(report.table_rows(runs))
+    if summary.get("sweep"):
+        md += "\n" + report.sweep_text(summary["sweep"], markdown=True)
     for line in _gap_lines(runs):
         md += f"\n{line}  "
     md += report.peer_notes(runs, summary["skipped_baselines"])
@@ -339,12 +366,17 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
                f"tokens/step · LoRA r={args.lora_r}")
     write_text_atomic(os.path.join(d, "results.md"), _markdown(job, runs, summary))
     write_text_atomic(os.path.join(d, "results.csv"), report.csv_text(rows))
-    write_text_atomic(os.path.join(d, "losses.csv"), report.losses_csv(runs))
+    sweep = summary.get("sweep")
+    write_text_atomic(os.path.join(d, "losses.csv"),
+                      report.sweep_losses_csv(sweep) if sweep else report.losses_csv(runs))
     write_json(os.path.join(d, "summary.json"), summary)
     png = os.path.join(d, "finetune.png")
     write_bytes_atomic(png, lambda p: report.plot(runs, p, caption))
     print()
     print(report.text_table(rows), end="")
+    if sweep:
+        print()
+        print(report.sweep_text(sweep), end="")
     for line in _gap_lines(runs):
         print(line)
     for w in summary["warnings"][len(job.notices):]:
@@ -354,6 +386,12 @@ def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
         print(notes.replace("  \n", "\n").strip())
     print(f"\ntable:   {os.path.join(d, 'results.md')} (and results.csv)")
     print(f"picture: {png}")
+    if sweep:
+        print(f"adapters: {os.path.join(d, ADAPTERS_DIR)}/NAME/ for each (PEFT format: "
+              f"PeftModel.from_pretrained(base, DIR) loads one)")
+        print(f"losses (one column per adapter): {os.path.join(d, 'losses.csv')}; all figures: "
+              f"{os.path.join(d, 'summary.json')} (no checkpoint: a sweep job is not resumed)")
+        return
     print(f"adapter: {os.path.join(d, 'adapter')} (PEFT format, with the tokenizer: "
           f"AutoPeftModelForCausalLM.from_pretrained(DIR) loads it)")
     print(f"checkpoint: {os.path.join(d, CKPT)}; losses: {os.path.join(d, 'losses.csv')}; all figures: {os.path.join(d, 'summary.json')}")

@@ -7,6 +7,11 @@ Adapters follow PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 
 B = 0, scaling = alpha / r (alpha / sqrt(r) with use_rslora). Each A is drawn from a generator
 seeded with (LoRAConfig.seed, crc32 of the module name), so every rank builds identical
 adapters without a broadcast, and a module's adapter does not depend on which others exist.
+The generator's seed is the crc32 of the name started from the seed folded to 32 bits
+(`_init_seed`): torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so the
+former (seed << 32) ^ crc32(name) gave every seed the adapters of seed 0 (found by the CLI's
+`--sweep seed=0,5`, whose adapters trained alike). Seed 0 keeps its former values; distinct
+seeds below 2**32 give distinct generator seeds per module (a CRC's start value maps one to one).
 
 [Note: adapter dtype]
 With `LoRAConfig.autocast_adapter_dtype` (PEFT's name, meaning and default) the adapters of a
@@ -290,6 +295,12 @@ class ElasticLoRAFunction(torch.autograd.Function):
         )
 
 
+def _init_seed(seed: int, name: str) -> int:
+    """The 32-bit generator seed of module `name`'s A under LoRAConfig.seed `seed`
+    ([Note: initialisation and replication])."""
+    return zlib.crc32(name.encode(), (seed ^ (seed >> 32)) & 0xFFFFFFFF)
+
+
 class ElasticLoRALinear(nn.Module):
     """Drop-in for `nn.Linear` (same call, `in_features`, `out_features`, `bias`) with a frozen
     elastic weight and trainable LoRA adapters `lora_A` [r, in], `lora_B` [out, r]."""
@@ -310,7 +321,7 @@ class ElasticLoRALinear(nn.Module):
         dtype = torch.float32 if lora.autocast_adapter_dtype and et.dtype in LOW_PRECISION else et.dtype
         self.lora_A = nn.Linear(self.in_features, self.r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(self.r, self.out_features, bias=False, device=device, dtype=dtype)
-        gen = torch.Generator().manual_seed((lora.seed << 32) ^ zlib.crc32(name.encode()))
+        gen = torch.Generator().manual_seed(_init_seed(lora.seed, name))
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
             a = torch.rand(self.lora_A.weight.shape, generator=gen, dtype=torch.float64) * (2 * bound) - bound

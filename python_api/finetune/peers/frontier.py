@@ -16,7 +16,7 @@ this memory level, and a slower one at less memory is beaten.
 
 from __future__ import annotations
 
-ELASTIC_KINDS = ("elastic", "planned")
+ELASTIC_KINDS = ("elastic", "planned", "sweep")
 SYSTEM_NAMES = {"elastic": "elastic", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3", "ddp": "DDP",
                 "fsdp2-nf4": "FSDP2-NF4", "elastic nf4": "elastic nf4", "elastic int8": "elastic int8"}
 
