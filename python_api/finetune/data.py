@@ -20,7 +20,7 @@ grad_accum windows whose starts are drawn by a generator seeded with (seed, s) a
 a of rank r takes windows [(a*W + r)*M, (a*W + r + 1)*M). So a step's data is independent of
 any RNG state (a resumed run sees the very batches an uninterrupted one saw) and the global
 batch of a step depends only on the global batch size, not on how it is split into ranks,
-micro-batches and accumulation steps.
+micro-batches and accumulation steps. `--seed` changes every step's batch (`_step_seed`).
 """
 
 from __future__ import annotations
@@ -117,9 +117,19 @@ def token_digest(tokens: torch.Tensor) -> str:
     return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
 
 
+# An odd multiplier (2**32 / the golden ratio): seeds that differ by at most 1000 map to offsets
+# at least 1,954,453 apart modulo 2**32 (computed), so their runs share no batch within that
+# many steps.
+_SEED_MIX = 0x9E3779B1
+
+
 def _step_seed(seed: int, step: int) -> int:
-    # A generator per (seed, step); distinct pairs give distinct seeds (step < 2**32).
-    return ((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)
+    """The seed of step `step`'s generator (an epoch's in sft.py). torch's CPU generator
+    (mt19937) keeps only the low 32 bits of a seed, so the pair is folded into 32 bits:
+    (seed x _SEED_MIX + step) mod 2**32. The steps of one seed get distinct generators (step <
+    2**32); seed 0 gives step, as before. The former (seed << 32) | step lost the seed in
+    those bits: every --seed drew the batches of seed 0."""
+    return (seed * _SEED_MIX + step) & 0xFFFFFFFF
 
 
 class TokenWindows:

@@ -86,7 +86,7 @@ def _pack_size(text: str):
 # [Note: option ranges]
 # Every number an option takes ends up in a fixed-width C/C++ or torch integer, a timedelta or
 # a float computation: counts and sizes are capped at 2**31 - 1 (they index tensors and step
-# seeds, see data._step_seed), the seed at 2**32 - 1 (data._step_seed keeps 32 bits of it:
+# seeds, see data._step_seed), the seed at 2**32 - 1 (data._step_seed folds it into 32 bits:
 # larger seeds would repeat smaller ones' batches), byte sizes below 2**63, the timeout at
 # _MAX_TIMEOUT_S (a timedelta in milliseconds must fit the backends' int64 and stay
 # meaningful), and floats must be finite. Out of range is an option error, before anything runs.

@@ -266,3 +266,26 @@ def test_a_compared_budget_that_repeats_a_run_is_refused(capsys):
         assert re.search(said, capsys.readouterr().err), argv
     assert parse_args(["--model", "tiny", "--pool-budget", "0", "--compare-budgets", "50%,all"]).compare_budgets == [
         ("fraction", 0.5), None]
+
+
+def test_the_seed_changes_the_batches():
+    """--seed reaches the batches: torch's CPU generator keeps only the low 32 bits of a seed,
+    and the former (seed << 32) | step lost the seed there (every seed drew seed 0's batches).
+    Seed 0 keeps its batches (its generator of step s is seeded with s)."""
+    from elastic_kernels.api.finetune.data import TokenWindows, _step_seed
+
+    windows = TokenWindows(torch.arange(100_000), seq_len=16, probe_seqs=2, source="arange")
+    starts = {seed: [windows.global_starts(seed, step, 8).tolist() for step in range(4)] for seed in (0, 1, 2, 3)}
+    assert len({str(s) for s in starts.values()}) == 4, starts  # every seed its own batches
+    assert starts[1] == [windows.global_starts(1, step, 8).tolist() for step in range(4)]  # and the same again
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        assert starts[0][step] == torch.randint(0, windows.n_train - 15, (8,), generator=gen).tolist()
+    # a step's seed differs from every other step's of any seed within 1000 of it, for the
+    # first 10,000 steps
+    seen = {}
+    for seed in range(0, 1001, 250):
+        for step in range(10_000):
+            key = _step_seed(seed, step)
+            assert key not in seen, (seed, step, seen.get(key))
+            seen[key] = (seed, step)
