@@ -362,23 +362,31 @@ def test_attach_failure_is_an_error_on_every_rank():
     assert all(o and "size mismatch" in o and "on rank 1" in o for o in out), out
 
 
-def _slow_fill_worker(rank, world_size, timeout_s, sleep_s):
+def _slow_fill_worker(rank, world_size, timeout_s, sleep_s, gave_up):
+    """Rank 1's fill is stuck for `sleep_s`, or until rank 0 has given up (it writes the file
+    `gave_up` after its timeout): the rest of the sleep proves nothing."""
     def fill(store, local_rank, local_world):
         if rank == 1:
-            time.sleep(sleep_s)
+            until = time.monotonic() + sleep_s
+            while time.monotonic() < until and not os.path.exists(gave_up):
+                time.sleep(0.05)
 
     dist.barrier()  # the ranks start together: the short collectives' timeout is tight on purpose
     t0 = time.monotonic()
     try:
         node_host_store(PAGE, fill=fill, timeout_s=timeout_s)
     except HostStoreSetupError as exc:
-        return time.monotonic() - t0, str(exc)
+        elapsed = time.monotonic() - t0
+        if rank == 0:
+            with open(gave_up, "w") as f:
+                f.write(str(elapsed))
+        return elapsed, str(exc)
     return time.monotonic() - t0, None
 
 
 @pytest.mark.distributed
-def test_a_rank_stuck_in_its_fill_is_an_error_after_the_timeout():
-    out = run_distributed(_slow_fill_worker, 2, 2.0, 10.0, timeout=120)
+def test_a_rank_stuck_in_its_fill_is_an_error_after_the_timeout(tmp_path):
+    out = run_distributed(_slow_fill_worker, 2, 2.0, 10.0, str(tmp_path / "rank0_gave_up"), timeout=120)
     elapsed, err = out[0]
     # The default set-up bound of a one-page store is timeout_s (plus 16 us).
     assert err is not None and "timed out" in err and "page-locking and filling every rank's share" in err, err
