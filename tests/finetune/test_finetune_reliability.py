@@ -259,7 +259,8 @@ def test_failed_checkpoint_write_stops_every_rank(tmp_path, fault, pattern):
 def test_stopped_rank_ends_its_peers_with_a_clear_error(tmp_path):
     """Rank 1 is SIGSTOPped during training: rank 0 waits --timeout-s in its collective, then
     stops with one line naming the cause (today: a gloo traceback). (The stopped rank itself is
-    ended by its torchrun agent here, one node; across nodes see [Note: a rank that stops].)"""
+    ended by the test once rank 0 has ended, sparing the torchrun agent's 30 s shutdown grace;
+    across nodes see [Note: a rank that stops].)"""
     import time
 
     out = str(tmp_path / "out")
@@ -272,17 +273,28 @@ def test_stopped_rank_ends_its_peers_with_a_clear_error(tmp_path):
         while not os.path.exists(os.path.join(out, "checkpoint", "trainer_state.json")):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 1"
             time.sleep(0.5)
-        rank1 = None
+        rank0 = rank1 = None
         for child in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
             with open(f"/proc/{child}/environ", "rb") as f:
-                if b"RANK=1" in f.read().split(b"\0"):
-                    rank1 = int(child)
-        assert rank1 is not None
+                env = f.read().split(b"\0")
+            if b"RANK=0" in env:
+                rank0 = int(child)
+            if b"RANK=1" in env:
+                rank1 = int(child)
+        assert rank0 is not None and rank1 is not None
         os.kill(rank1, signal.SIGSTOP)
+        deadline = time.monotonic() + 120  # the 10 s timeout, with room for a loaded machine
+        while _alive(rank0):
+            if time.monotonic() > deadline:
+                pytest.fail("rank 0 did not end after its peer stopped")
+            time.sleep(0.2)
+        # Rank 0 has ended, its error line written. The agent would now wait its 30 s shutdown
+        # grace for the stopped rank's SIGTERM before killing it: the test ends it at once.
+        os.kill(rank1, signal.SIGKILL)
         try:
-            _, err = proc.communicate(timeout=150)  # 10 s timeout + the agent's 30 s shutdown grace
+            _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 did not end after its peer stopped")
+            pytest.fail("the launcher did not end after both ranks ended")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

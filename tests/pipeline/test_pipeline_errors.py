@@ -124,7 +124,12 @@ def _failing_worker(rank, world_size, init_file, out_dir, pp, fail_rank, fail_fa
         result["error"] = error_text(exc)
         result["t_error"] = time.time()
         if rank == fail_rank:
-            time.sleep(linger_s)  # stays alive: its sockets stay open, only the timeout can end the others
+            # Stays alive, its sockets open, so only the timeout can end the others: until every
+            # other rank has written its result, or linger_s.
+            others = [os.path.join(out_dir, f"rank{r}.json") for r in range(world_size) if r != rank]
+            until = time.monotonic() + linger_s
+            while time.monotonic() < until and not all(os.path.exists(p) for p in others):
+                time.sleep(0.1)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)

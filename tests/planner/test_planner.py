@@ -458,21 +458,41 @@ def _cli(*args):
                           text=True, timeout=120)
 
 
+def _cli_here(*args):
+    """The module run as `python -m` runs it (runpy as __main__, sys.argv, the exit status of
+    sys.exit or argparse's error), in this process: no interpreter start and import of torch
+    per call (~4 s of CPU each). `_cli` runs the real command once in test_cli."""
+    import contextlib
+    import io
+    import runpy
+
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = ["elastic_kernels.api.planner", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_module("elastic_kernels.api.planner", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_cli():
     out = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GB", "--seq-len", "2048")
     assert out.returncode == 0, out.stderr
     assert "micro-batch" in out.stdout and "model.layers.31" in out.stdout and "planning_seconds" in out.stdout
-    js = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GiB", "--global-batch", "16", "--json")
+    js = _cli_here("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GiB", "--global-batch", "16", "--json")
     assert js.returncode == 0, js.stderr
     plan = Plan.from_json(js.stdout)
     assert plan.memory_bytes == 40 << 30 and plan.global_batch == 16 and "planning_seconds" in js.stderr
-    bad = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "forty")
+    bad = _cli_here("--shape", "llama2-7b", "--ranks", "8", "--memory", "forty")
     assert bad.returncode == 2 and "argument --memory: 'forty' is not a size" in bad.stderr
-    small = _cli("--shape", "llama2-70b", "--ranks", "8", "--memory", "4000000000")
+    small = _cli_here("--shape", "llama2-70b", "--ranks", "8", "--memory", "4000000000")
     assert small.returncode == 2 and "short by" in small.stderr
-    odd = _cli("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GB", "--global-batch", "12")
+    odd = _cli_here("--shape", "llama2-7b", "--ranks", "8", "--memory", "40GB", "--global-batch", "12")
     assert odd.returncode == 2 and "not a multiple of world_size 8" in odd.stderr
-    host = _cli("--shape", "llama2-13b", "--ranks", "8", "--memory", "40GB", "--weights-on", "host", "--json")
+    host = _cli_here("--shape", "llama2-13b", "--ranks", "8", "--memory", "40GB", "--weights-on", "host", "--json")
     assert host.returncode == 0, host.stderr
     plan = Plan.from_json(host.stdout)
     assert plan.host_fraction == 1.0 and plan.predicted_allgather_bytes_per_step == 0

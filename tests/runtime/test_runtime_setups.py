@@ -11,6 +11,7 @@ the feature under test (same ranks, same data).
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -316,7 +317,7 @@ def test_no_grad_forward_keeps_no_peak_chunks():
     assert run_distributed(_no_grad_worker, 2, timeout=120) == [0, 0]
 
 
-def _hung_peer_worker(rank, world_size, timeout_s):
+def _hung_peer_worker(rank, world_size, timeout_s, failed):
     from elastic_kernels.api import ElasticPolicy, elasticize
 
     model = make_model()
@@ -326,20 +327,27 @@ def _hung_peer_worker(rank, world_size, timeout_s):
     model(torch.randn(3, DIMS[0])).sum()
     dist.barrier()
     if rank == 1:
-        time.sleep(4 * timeout_s)  # a hung peer: never joins the next gather
+        # A hung peer: never joins the next gather, for 4 timeouts or until rank 0 has failed
+        # (it writes the file `failed`): the rest of the wait proves nothing.
+        until = time.monotonic() + 4 * timeout_s
+        while time.monotonic() < until and not os.path.exists(failed):
+            time.sleep(0.05)
         return None
     start = time.monotonic()
     try:
         model(torch.randn(3, DIMS[0]))
     except RuntimeError as e:
-        return time.monotonic() - start, str(e)
+        elapsed = time.monotonic() - start
+        with open(failed, "w") as f:
+            f.write(str(elapsed))
+        return elapsed, str(e)
     raise AssertionError("rank 0 did not fail while its peer hung")
 
 
 @pytest.mark.distributed
-def test_hung_peer_costs_one_timeout():
+def test_hung_peer_costs_one_timeout(tmp_path):
     timeout_s = 3.0
-    elapsed, msg = run_distributed(_hung_peer_worker, 2, timeout_s, timeout=120)[0]
+    elapsed, msg = run_distributed(_hung_peer_worker, 2, timeout_s, str(tmp_path / "rank0_failed"), timeout=120)[0]
     assert "timed out" in msg or "failed" in msg
     assert elapsed < 2 * timeout_s, f"rank 0 took {elapsed:.1f} s to fail with a {timeout_s} s timeout"
 
