@@ -164,14 +164,26 @@ def test_bounded_profile_plans_like_the_unbounded_one(reports):
     assert [{k: v for k, v in x.items() if k not in strip} for x in r["unbounded"]["layers"]] == \
         [{k: v for k, v in x.items() if k not in strip} for x in r["bounded"]["layers"]]
     assert unbounded.static_bytes == bounded.static_bytes
+    timing = ("fwd_s_per_token", "bwd_s_per_token")
+    assert {k: v for k, v in r["unbounded"]["outside"].items() if k not in timing} == \
+        {k: v for k, v in r["bounded"]["outside"].items() if k not in timing}
     G = 2 * MB
     pairs = list(zip(_durations(unbounded, (1, 2)), _durations(bounded, (1, 2))))
     d = max(abs(a - b) / max(a, b) for (_, a), (_, b) in pairs if max(a, b) > 0)
     worst = max(pairs, key=lambda p: abs(p[0][1] - p[1][1]) / max(p[0][1], p[1][1], 1e-300))
     lo = least_memory(unbounded, G, prefetch_depth=None)
-    assert least_memory(bounded, G, prefetch_depth=None) == lo  # feasibility is a function of the bytes
+    # Feasibility is a function of the bytes and of the order in which the search adds
+    # recomputed layers, which follows the measured times (bytes freed per second of recompute:
+    # problem._recompute_order); under load two profiles' times can order layer 0 (it saves one
+    # more tensor on rank 1) differently and the least memories differ by that layer's bytes
+    # (13,197,207 vs 13,214,453 seen). With the unbounded profile's layer times, the bounded
+    # profile's bytes give the same least memory.
+    same_times = dataclasses.replace(bounded, layers=tuple(
+        dataclasses.replace(b, **{k: getattr(u, k) for k in strip}) for u, b in zip(unbounded.layers, bounded.layers)))
+    assert least_memory(same_times, G, prefetch_depth=None) == lo
     keys = ("micro_batch", "prefetch_depth", "host_fraction", "offload_activations", "layers")
     same, ratios = 0, []
+    lo = max(lo, least_memory(bounded, G, prefetch_depth=None))  # both fit (their own times' order)
     for mem in (lo, lo * 11 // 10, lo * 13 // 10, 1 << 30):
         pu = plan_from_profile(unbounded, mem, G, prefetch_depth=None)
         pb = plan_from_profile(bounded, mem, G, prefetch_depth=None)
