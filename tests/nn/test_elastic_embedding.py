@@ -71,8 +71,14 @@ def _peft(model, kind):
 
 def _parity_worker(rank, world_size, kind, policy):
     from elastic_kernels.api import ElasticPolicy
-    from elastic_kernels.api.nn import ElasticEmbedding, ElasticLinear, LoRAConfig, convert_to_elastic, lora_layers
-    from elastic_kernels.api.nn import runtime_of
+    from elastic_kernels.api.nn import (
+        ElasticEmbedding,
+        ElasticLinear,
+        LoRAConfig,
+        convert_to_elastic,
+        lora_layers,
+        runtime_of,
+    )
 
     model = tiny(kind)
     tables = {n: model.get_submodule(n).weight.detach().clone() for n in TABLES[kind]}
