@@ -322,3 +322,23 @@ def test_policy_switch_and_bad_ids():
         emb(torch.tensor([[1.0]]))
     with pytest.raises(RuntimeError, match="cannot move or cast an elastic layer"):
         emb.to(torch.float64)
+
+
+def test_tables_stay_full_precision_under_a_weight_format():
+    """weight_format="nf4" with every linear quantized (quant_skip_modules=()): the tables, and
+    the head tied to one, stay in full precision ([Note: embeddings under the runtime]); the
+    other linears are quantized; a lookup is the table's rows, bit for bit."""
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, runtime_of
+
+    for kind in ("llama_tied", "gpt2"):
+        plain = tiny(kind)
+        model = convert_to_elastic(tiny(kind), LoRAConfig(r=4, alpha=8, target_modules=TARGETS[kind]),
+                                   ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0, weight_format="nf4",
+                                                 quant_skip_modules=()))
+        formats = {et.name: et.weight_format for et in runtime_of(model).tensors}
+        assert {formats[n] for n in TABLES[kind]} == {None}, formats
+        assert {f for n, f in formats.items() if n not in TABLES[kind]} == {"nf4"}, formats
+        assert model.get_output_embeddings().et is model.get_input_embeddings().et
+        ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(model.get_input_embeddings()(ids), plain.get_input_embeddings()(ids))
