@@ -18,10 +18,10 @@ elastic run's initial adapters, batches and AdamW, through the same loop) from s
 - elastic, paged (`--paged-budgets`, none by default): the pool budget at each of them with
   every weight in pool pages beside its shard, none held as a run (the layout before
   [Note: resident runs]), for a same-run A/B of runs;
-- elastic, replicated embeddings (`--replicated-embedding-budgets`, none by default): the
-  pool budget at each of them with ElasticPolicy(shard_embeddings=False) (the embedding
-  table, and an output layer tied to it, replicated as before [Note: embeddings under the
-  runtime]), for a same-run A/B of sharded embeddings;
+- elastic, other embeddings (`--other-embedding-budgets`, none by default): the pool budget
+  at each of them with ElasticPolicy.shard_embeddings flipped from its default (the embedding
+  tables, and an output layer tied to one, sharded under the runtime or replicated: [Note:
+  embeddings under the runtime]), for a same-run A/B;
 - elastic, legacy sync (`--legacy-budgets`, none by default): the pool budget at each of them
   with the runtime's synchronization as it was before issue 27 (the blocking header exchange
   on the runtime's group before each gather, the adapter gradients in one all-reduce at the
@@ -134,8 +134,8 @@ def _parse(argv):
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
     p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
-    p.add_argument("--replicated-embedding-budgets", default="",
-                   help="pool budgets run with the embeddings (and a tied output layer) replicated (A/B)")
+    p.add_argument("--other-embedding-budgets", default="",
+                   help="pool budgets run with ElasticPolicy.shard_embeddings flipped from its default (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
@@ -157,7 +157,7 @@ def _parse(argv):
     # process group or model exists (not a traceback once the runs are being built).
     from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
-    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets", "replicated_embedding_budgets"):
+    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets", "other_embedding_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
             try:
                 _budget(b)
@@ -253,6 +253,7 @@ def _planned_caps(job, n: int) -> list[int]:
 
 
 def configurations(opts, job, counter) -> list[Config]:
+    from elastic_kernels.api import ElasticPolicy
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
     from elastic_kernels.api.finetune.option_values import _budget, _reshard, budget_label, fmt_bytes
     from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
@@ -275,10 +276,11 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"paged budget {budget_label(budget)}",
                           lambda budget=budget: paged_only(ElasticEngine(job, budget)), fmt))
-    for b in (x for x in opts.replicated_embedding_budgets.split(",") if x.strip()):
+    flipped = not ElasticPolicy().shard_embeddings
+    for b in (x for x in opts.other_embedding_budgets.split(",") if x.strip()):
         budget = _budget(b)
-        out.append(Config(elastic, f"replicated embeddings budget {budget_label(budget)}",
-                          lambda budget=budget: replicated_embeddings(job, budget), fmt))
+        out.append(Config(elastic, f"{'sharded' if flipped else 'replicated'} embeddings budget {budget_label(budget)}",
+                          lambda budget=budget: other_embeddings(job, budget, flipped), fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
         out.append(Config(elastic, f"host, budget {budget_label(budget)}",
@@ -334,16 +336,16 @@ def paged_only(engine):
     return engine
 
 
-def replicated_embeddings(job, budget):
-    """The elastic engine with ElasticPolicy(shard_embeddings=False): the embedding table (and
-    an output layer tied to it) replicated, as before [Note: embeddings under the runtime], for
-    an A/B in one run. The CLI's policy with that one field changed."""
+def other_embeddings(job, budget, shard: bool):
+    """The elastic engine with ElasticPolicy(shard_embeddings=shard), the other value than the
+    default ([Note: embeddings under the runtime]), for an A/B in one run: the CLI's policy
+    with that one field changed."""
     import dataclasses
 
     from elastic_kernels.api.finetune import engines
 
     plain = engines.policy_of
-    engines.policy_of = lambda *a, **k: dataclasses.replace(plain(*a, **k), shard_embeddings=False)
+    engines.policy_of = lambda *a, **k: dataclasses.replace(plain(*a, **k), shard_embeddings=shard)
     try:
         return engines.ElasticEngine(job, budget)
     finally:

@@ -12,12 +12,13 @@ python_api/hf/).
   (sharded, gathered into pool pages), trainable adapters A [r, in] and B [out, r] replicated.
 - Other frozen `nn.Linear` layers (lm_head, say) become `ElasticLinear` when their weight has
   at least `ElasticPolicy.replicate_below_bytes` bytes, else stay plain and replicated.
-- `nn.Embedding` tables of at least `replicate_below_bytes` bytes become `ElasticEmbedding`
-  (`ElasticPolicy.shard_embeddings`, default True), and a frozen linear tied to one (a tied
-  lm_head) an `ElasticLinear` on the same elastic tensor: one copy ([Note: embeddings under the
-  runtime] in embedding.py). Any other linear whose weight is shared with another module stays
-  replicated: sharding one user of a tensor that another keeps whole saves nothing. A LoRA
-  target tied to another module is refused.
+- With `ElasticPolicy.shard_embeddings=True` (default False), `nn.Embedding` tables of at
+  least `replicate_below_bytes` bytes become `ElasticEmbedding`, and a frozen linear tied to
+  one (a tied lm_head) an `ElasticLinear` on the same elastic tensor: one copy ([Note:
+  embeddings under the runtime] in embedding.py). Otherwise embeddings stay replicated, and
+  so does any linear whose weight is shared with another module: sharding one user of a
+  tensor that another keeps whole saves nothing. A LoRA target tied to another module is
+  refused.
 - Norms and every other parameter stay replicated and frozen.
 Everything but the adapters is frozen.
 

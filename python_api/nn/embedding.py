@@ -2,24 +2,23 @@
 embeddings under the runtime (and a tied output layer with them): convert.py.
 
 [Note: embeddings under the runtime]
-An `nn.Embedding` of a converted model (`ElasticPolicy.shard_embeddings`, default True; at
-least `replicate_below_bytes` bytes, like the other non-target linears) becomes an
-`ElasticEmbedding`: its table [num_embeddings, embedding_dim] is registered with the runtime
-like a linear's weight [out, in] (rows = token ids), so it is sharded, gathered into pool pages
-or a resident run, budgeted, prefetched in the learned order and held in the host tier like
-every frozen weight.
+With `ElasticPolicy.shard_embeddings=True` (default False, see the last item) an
+`nn.Embedding` of a converted model of at least `replicate_below_bytes` bytes (like the other
+non-target linears) becomes an `ElasticEmbedding`: its table [num_embeddings, embedding_dim]
+is registered with the runtime like a linear's weight [out, in] (rows = token ids), so it is
+sharded, gathered into pool pages or a resident run, budgeted, prefetched in the learned
+order and held in the host tier like every frozen weight.
 - A lookup gathers the whole table through the runtime (`rt.use`) and reads its rows from the
   gathered chunks: `F.embedding` on the run when the table is held whole (a resident run,
   [Note: resident runs] in python_api/runtime/tensor.py), else an index_select per chunk the
   ids fall in, copied into the output: the same bytes as `F.embedding` (a copy of rows, no
   arithmetic), so the output is bit for bit the plain layer's. Gathering only the rows a batch
   reads was not built: the runtime's unit is a chunk whose rows are split across ranks at
-  element granularity (chunk-major slices, not whole rows), the rows each rank reads differ
+  element granularity (chunk-major slices, not whole rows) and the rows each rank reads differ
   (the ids are per rank), so it needs an id exchange and a row-addressed collective outside
-  the pool and the learned prefetch, and the table is then never resident (budget all would
-  gather rows every step). Measured on SmolLM2-135M (bench/results/2026-12-03_embeddings.md):
-  the whole-table gather is what FSDP2 does too (its root unit holds the embedding), and the
-  prefetch hides it behind the previous step's backward.
+  the pool and the learned prefetch; and with a tied output layer (SmolLM2) the head's forward
+  and backward need the whole table anyway, so rows alone would save one of three gathers,
+  not the peak (below).
 - Tied output layer: a frozen `nn.Linear` (not a LoRA target) whose weight IS the embedding's
   (`tie_word_embeddings`, GPT-2's wte/lm_head) becomes an `ElasticLinear` on the *same*
   `ElasticTensor`: one registration, one shard, one copy in the pool, used three times a
@@ -39,8 +38,19 @@ every frozen weight.
   a tied output layer stays in full precision with it.
 - Bytes: at budget 0 the table is gathered once per step for the lookup ((W-1)/W of its padded
   bytes on each rank), and a tied table twice more (head forward and backward), where before
-  nothing of it was gathered: the replicated table (its whole bytes on every rank) is what the
-  step no longer holds.
+  nothing of it was gathered (tests/nn/test_elastic_embedding.py counts them exactly).
+- Why the default is False: measured on SmolLM2-135M (tied, vocab 49152 x 576, fp32; 2 gloo
+  ranks, budget 0, bench/results/2026-12-03_embeddings.md), sharding the table takes the
+  static tensors per rank from 333.0 to 279.0 MiB (FSDP2: 261.2; what is left above it is
+  the shards' ragged-chunk padding, 13.1 MiB, and the replicated adapters, 9.3 MiB against
+  FSDP2's 4.7) but the tensor peak from 623.8 to 861.8 MiB (FSDP2: 635.7): a use gathers the
+  whole table at once, into 435 pool pages (the pool's working set grows from two decoder
+  layers to the table plus one) through coalesced all-gathers that are all in flight
+  together, each with its W-slice receive buffer and its packed send buffer, where FSDP2
+  lands the table in one flat buffer. Until a table is gathered in bounded pieces (e.g. row
+  blocks registered as separate tensors, each its own unit, prefetched one ahead like the
+  decoder layers; or a cap on one use's bytes in flight in the runtime), sharding it lowers
+  static memory and raises the peak, so it is opt-in.
 """
 
 from __future__ import annotations

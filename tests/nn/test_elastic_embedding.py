@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 TOL = dict(rtol=1e-4, atol=1e-4)
 FP32 = 4
 CHUNK = 32 * FP32 * 5  # 5 rows of a 32-wide table per chunk: 13 chunks of 64 rows, the last ragged
-BUDGET0 = dict(chunk_bytes=CHUNK, keep_ratio=0.0, persist_ratio=0.0, pool_budget_bytes=0, replicate_below_bytes=0)
-ALL = dict(chunk_bytes=CHUNK, replicate_below_bytes=0)  # every weight a resident run at 2 ranks
+BUDGET0 = dict(chunk_bytes=CHUNK, keep_ratio=0.0, persist_ratio=0.0, pool_budget_bytes=0, replicate_below_bytes=0,
+               shard_embeddings=True)
+ALL = dict(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=True)  # every weight a resident run at 2 ranks
 
 
 def tiny(kind: str, seed: int = 0) -> nn.Module:
@@ -200,7 +201,7 @@ def _static_worker(rank, world_size, shard_embeddings):
 
     base = live_tensor_bytes()
     model = convert_to_elastic(tiny("llama_tied"), LoRAConfig(r=4, alpha=8, target_modules=TARGETS["llama_tied"]),
-                               ElasticPolicy(**BUDGET0, shard_embeddings=shard_embeddings))
+                               ElasticPolicy(**{**BUDGET0, "shard_embeddings": shard_embeddings}))
     rt = runtime_of(model)
     replicated = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                   for t in list(model.parameters()) + list(model.buffers())}
@@ -305,15 +306,20 @@ def test_policy_switch_and_bad_ids():
 
     with pytest.raises(ValueError, match="shard_embeddings must be True or False"):
         ElasticPolicy(shard_embeddings="yes")
+    assert ElasticPolicy().shard_embeddings is False  # the default: [Note: embeddings under the runtime]
+    default = convert_to_elastic(tiny("llama_tied"), LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
+                                 ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0))
+    assert type(default.get_input_embeddings()) is nn.Embedding
     off = convert_to_elastic(tiny("llama_tied"), LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
                              ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=False))
     assert type(off.get_input_embeddings()) is nn.Embedding and type(off.get_output_embeddings()) is nn.Linear
     assert off.get_input_embeddings().weight is off.get_output_embeddings().weight
     small = convert_to_elastic(tiny("llama_tied"), LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
-                               ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=64 * 32 * FP32 + 1))
+                               ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=64 * 32 * FP32 + 1,
+                                             shard_embeddings=True))
     assert type(small.get_input_embeddings()) is nn.Embedding  # below replicate_below_bytes
     on = convert_to_elastic(tiny("llama_tied"), LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)),
-                            ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0))
+                            ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=True))
     emb = on.get_input_embeddings()
     assert isinstance(emb, ElasticEmbedding)
     with pytest.raises(IndexError, match="token id 64 is out of range for an embedding of 64 rows"):
@@ -335,7 +341,7 @@ def test_tables_stay_full_precision_under_a_weight_format():
         plain = tiny(kind)
         model = convert_to_elastic(tiny(kind), LoRAConfig(r=4, alpha=8, target_modules=TARGETS[kind]),
                                    ElasticPolicy(chunk_bytes=CHUNK, replicate_below_bytes=0, weight_format="nf4",
-                                                 quant_skip_modules=()))
+                                                 quant_skip_modules=(), shard_embeddings=True))
         formats = {et.name: et.weight_format for et in runtime_of(model).tensors}
         assert {formats[n] for n in TABLES[kind]} == {None}, formats
         assert {f for n, f in formats.items() if n not in TABLES[kind]} == {"nf4"}, formats
