@@ -18,6 +18,10 @@ elastic run's initial adapters, batches and AdamW, through the same loop) from s
 - elastic, paged (`--paged-budgets`, none by default): the pool budget at each of them with
   every weight in pool pages beside its shard, none held as a run (the layout before
   [Note: resident runs]), for a same-run A/B of runs;
+- elastic, other embeddings (`--other-embedding-budgets`, none by default): the pool budget
+  at each of them with ElasticPolicy.shard_embeddings flipped from its default (the embedding
+  tables, and an output layer tied to one, sharded under the runtime or replicated: [Note:
+  embeddings under the runtime]), for a same-run A/B;
 - elastic, legacy sync (`--legacy-budgets`, none by default): the pool budget at each of them
   with the runtime's synchronization as it was before issue 27 (the blocking header exchange
   on the runtime's group before each gather, the adapter gradients in one all-reduce at the
@@ -130,6 +134,8 @@ def _parse(argv):
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
     p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
+    p.add_argument("--other-embedding-budgets", default="",
+                   help="pool budgets run with ElasticPolicy.shard_embeddings flipped from its default (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
@@ -151,7 +157,7 @@ def _parse(argv):
     # process group or model exists (not a traceback once the runs are being built).
     from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
-    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets"):
+    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets", "other_embedding_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
             try:
                 _budget(b)
@@ -180,6 +186,7 @@ class Config:
         self.weight_format = weight_format  # the numerics its losses are compared within
         self.passes: list[dict] = []  # bench_quant's sequential passes (_run)
         self.tensor_peak: int | None = None  # GPU: max_memory_allocated ([Note: what the frontier's memory is])
+        self.static: int | None = None  # CPU: live tensor bytes once built, before its first step
         self.rss_growth: int | None = None  # CPU, at a fixed mmap threshold
         self.steps_run: list[dict] = []  # interleaved steps: loss, time, traffic
         self.times: list[float] = []  # the slowest rank's time of each interleaved step
@@ -246,6 +253,7 @@ def _planned_caps(job, n: int) -> list[int]:
 
 
 def configurations(opts, job, counter) -> list[Config]:
+    from elastic_kernels.api import ElasticPolicy
     from elastic_kernels.api.finetune.engines import ElasticEngine, FSDP2Engine
     from elastic_kernels.api.finetune.option_values import _budget, _reshard, budget_label, fmt_bytes
     from elastic_kernels.api.finetune.peers import DDPEngine, ZeRO3Engine, import_deepspeed
@@ -268,6 +276,11 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"paged budget {budget_label(budget)}",
                           lambda budget=budget: paged_only(ElasticEngine(job, budget)), fmt))
+    flipped = not ElasticPolicy().shard_embeddings
+    for b in (x for x in opts.other_embedding_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"{'sharded' if flipped else 'replicated'} embeddings budget {budget_label(budget)}",
+                          lambda budget=budget: other_embeddings(job, budget, flipped), fmt))
     for b in (x for x in opts.host_budgets.split(",") if x.strip()):
         budget = _budget(b)
         out.append(Config(elastic, f"host, budget {budget_label(budget)}",
@@ -321,6 +334,22 @@ def paged_only(engine):
     rt.policy = dataclasses.replace(rt.policy, resident_runs=False)
     rt._sync_runs(promote=False)
     return engine
+
+
+def other_embeddings(job, budget, shard: bool):
+    """The elastic engine with ElasticPolicy(shard_embeddings=shard), the other value than the
+    default ([Note: embeddings under the runtime]), for an A/B in one run: the CLI's policy
+    with that one field changed."""
+    import dataclasses
+
+    from elastic_kernels.api.finetune import engines
+
+    plain = engines.policy_of
+    engines.policy_of = lambda *a, **k: dataclasses.replace(plain(*a, **k), shard_embeddings=shard)
+    try:
+        return engines.ElasticEngine(job, budget)
+    finally:
+        engines.policy_of = plain
 
 
 def legacy_sync(engine):
@@ -422,6 +451,8 @@ def measure_memory(job, cfg: Config, counter) -> tuple[int | None, int | None]:
     before = 0 if gpu else live_tensor_bytes()
     rss0 = None if gpu else reset_rss_peak()
     run = Runner(job, cfg, counter)
+    if not gpu:
+        cfg.static = _tensor_bytes_excluding(run.engine)[0] - before
     try:
         run.step(0)
         run.step(1)
@@ -533,6 +564,7 @@ def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[
             "peak_memory_mib": None if cfg.tensor_peak is None else cfg.tensor_peak / 2**20,
             "memory_measure": "max_memory_allocated" if gpu else "tensor peak (CPU)",
             "peak_tensor_mib": None if gpu or cfg.tensor_peak is None else cfg.tensor_peak / 2**20,
+            "static_tensor_mib": None if cfg.static is None else cfg.static / 2**20,
             "peak_rss_mib": None if gpu or cfg.rss_growth is None else cfg.rss_growth / 2**20,
             "allgather_mib_per_step": statistics.median(s["counted"] for s in steps[1:]) / 2**20,
             "allgather_calls_per_step": statistics.median(s["calls"] for s in steps[1:]),
@@ -640,6 +672,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"  memory: {cfg.system:9s} {cfg.label:50s} {_mib(cfg.tensor_peak)} MiB "
                       f"{'max_memory_allocated' if device.type == 'cuda' else 'tensor peak'}"
+                      + ("" if cfg.static is None else f", static {_mib(cfg.static)} MiB (built, before a step)")
                       + ("" if cfg.rss_growth is None else f", RSS growth {_mib(cfg.rss_growth)} MiB"), flush=True)
         interleave(job, configs, counter, rounds, rank)
         refs = {}  # the first configuration of each weight format: the others of it are set against it

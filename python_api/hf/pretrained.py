@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..distributed.agree import rank0_then_agree
 from ..nn.adapters import merge_into, split_state_dict, write_adapter
+from ..nn.embedding import ElasticEmbedding
 from ..nn.linear import RUNTIME_ATTR
 from ..nn.state_dict import gather_only
 from .guard import is_hf_model, refuse_plain_trainer
@@ -36,7 +37,10 @@ class ElasticPreTrainedMixin:
         n = super().num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
         rt = getattr(self, RUNTIME_ATTR, None)
         if rt is not None and not only_trainable:
-            n += sum(math.prod(et.shape) for et in rt.tensors)
+            # exclude_embeddings: transformers leaves out the nn.Embedding tables (and a head
+            # tied to one: the same Parameter); an ElasticEmbedding's table is its tensor.
+            skip = {m.et.wid for m in self.modules() if isinstance(m, ElasticEmbedding)} if exclude_embeddings else set()
+            n += sum(math.prod(et.shape) for et in rt.tensors if et.wid not in skip)
         return n
 
     @property

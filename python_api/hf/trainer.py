@@ -59,7 +59,8 @@ def _check_trl_head(cls, model) -> None:
             f"{cls.__name__}: TRL computes the loss with a fused LM head that reads the output layer's weight whole, "
             f"and this model's output layer is under the elastic runtime (sharded, {nbytes} bytes). Keep it "
             f"replicated: convert with ElasticPolicy(replicate_below_bytes > {nbytes}) (also keeps smaller frozen "
-            f"linears replicated), or use a model whose output layer is tied to its embeddings")
+            f"linears and embeddings replicated), or, for an output layer tied to the embeddings, "
+            f"ElasticPolicy(shard_embeddings=False)")
 
 
 def _check_no_sharding_plugin(cls, model, args) -> None:

@@ -1,5 +1,7 @@
 """The layers of the library and putting a model under the runtime:
 
+  embedding.py   ElasticEmbedding (a frozen embedding table on an elastic tensor; a tied
+                 output layer shares it)
   linear.py      ElasticLinear (a frozen linear on an elastic tensor) and what every elastic
                  layer shares: the op dtype under autocast, per-use casts, refusing .to()
   lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets; several
@@ -33,6 +35,7 @@ from .convert import (
     set_pool_budget,
     stats,
 )
+from .embedding import ElasticEmbedding
 from .linear import ElasticLinear, ElasticLinearFunction
 from .lora import (
     ElasticLoRAFunction,
@@ -47,7 +50,7 @@ from .lora import (
 from .state_dict import gather_only, load_full_weight
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticLinear", "ElasticLinearFunction",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticEmbedding", "ElasticLinear", "ElasticLinearFunction",
     "ElasticLoRAFunction", "ElasticLoRALinear", "ElasticMultiLoRAFunction", "ElasticMultiLoRALinear", "LoRAConfig",
     "adapter_parameters", "adapter_state_dict", "close", "convert_to_elastic",
     "elasticize", "gather_only", "load_adapter", "load_full_weight", "lora_layers", "merge_adapters",

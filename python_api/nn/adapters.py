@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..distributed.agree import rank0_then_agree
 from .convert import runtime_of
+from .embedding import ElasticEmbedding
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
     DEFAULT_ADAPTER,
@@ -118,9 +119,34 @@ def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
     if multi:
         slots = {n: (sc, a, b) for n, _, _, sc, a, b in adapter_slots(model, adapter)}
     warn_quantized_merge(model)
+    # An embedding and its tied output layer share one elastic tensor: gathered once, and the
+    # merged layers share one Parameter ([Note: embeddings under the runtime] in embedding.py).
+    plain_of: dict[int, nn.Parameter] = {}
     for name, module in [(n, m) for n, m in model.named_modules()
-                         if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear))]:
+                         if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear, ElasticEmbedding))]:
+        parent_name, _, child = name.rpartition(".")
+        tied = plain_of.get(module.et.wid)
+        if tied is not None and name not in slots:
+            if isinstance(module, ElasticEmbedding):
+                plain = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                                     device="meta", dtype=tied.dtype)
+                plain.weight = tied
+            else:
+                plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=tied.dtype)
+                plain.weight = tied
+                plain.bias = module.bias
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+            continue
         weight = rt.full_weight(module.et)
+        if isinstance(module, ElasticEmbedding):
+            plain = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                                 device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                plain.weight.copy_(weight)
+            plain.requires_grad_(False)
+            plain_of[module.et.wid] = plain.weight
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+            continue
         if name in slots:
             scaling, lora_a, lora_b = slots[name]
             with torch.no_grad():
@@ -139,7 +165,8 @@ def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
             elif module.fan_in_fan_out:
                 plain.bias.zero_()
         plain.requires_grad_(False)
-        parent_name, _, child = name.rpartition(".")
+        if name not in slots and not module.fan_in_fan_out:
+            plain_of[module.et.wid] = plain.weight
         setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
     object.__setattr__(model, RUNTIME_ATTR, None)
     return model

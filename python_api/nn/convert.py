@@ -11,11 +11,15 @@ python_api/hf/).
 - Linear layers matched by `target_modules` become `ElasticLoRALinear`: frozen weight elastic
   (sharded, gathered into pool pages), trainable adapters A [r, in] and B [out, r] replicated.
 - Other frozen `nn.Linear` layers (lm_head, say) become `ElasticLinear` when their weight has
-  at least `ElasticPolicy.replicate_below_bytes` bytes, else stay plain and replicated. A
-  linear whose weight is shared with another module (tied lm_head/embeddings) stays replicated:
-  sharding one user of a tensor that another keeps whole saves nothing.
-- Embeddings, norms and every other parameter stay replicated and frozen: an embedding lookup
-  reads arbitrary rows, which the chunked GEMM path does not serve.
+  at least `ElasticPolicy.replicate_below_bytes` bytes, else stay plain and replicated.
+- With `ElasticPolicy.shard_embeddings=True` (default False), `nn.Embedding` tables of at
+  least `replicate_below_bytes` bytes become `ElasticEmbedding`, and a frozen linear tied to
+  one (a tied lm_head) an `ElasticLinear` on the same elastic tensor: one copy ([Note:
+  embeddings under the runtime] in embedding.py). Otherwise embeddings stay replicated, and
+  so does any linear whose weight is shared with another module: sharding one user of a
+  tensor that another keeps whole saves nothing. A LoRA target tied to another module is
+  refused.
+- Norms and every other parameter stay replicated and frozen.
 Everything but the adapters is frozen.
 
 [Note: what QLoRA keeps in full precision]
@@ -47,6 +51,7 @@ from ..distributed.agree import agree
 from ..distributed.launch import ensure_default_group
 from ..runtime import ElasticRuntime
 from . import ddp, state_dict  # submodules (hooks installed by attach)
+from .embedding import ElasticEmbedding, can_shard_embedding
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
     AdapterSelection,
@@ -79,6 +84,36 @@ def _shared_params(model: nn.Module) -> set[int]:
         for p in module.parameters(recurse=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
     return {pid for pid, n in seen.items() if n > 1}
+
+
+def _embeddings_to_shard(model: nn.Module, policy: ElasticPolicy, targets: set[str],
+                         shared: set[int]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The embeddings to put under the runtime ({name: [names of the frozen linears tied to
+    it]}) and those tied heads ({head: embedding}): [Note: embeddings under the runtime] in
+    embedding.py. An embedding whose table another module uses otherwise stays replicated."""
+    if not policy.shard_embeddings:
+        return {}, {}
+    users: dict[int, list[tuple[str, nn.Module]]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            users.setdefault(id(p), []).append((n, m))
+    embeddings, heads = {}, {}
+    for name, m in model.named_modules():
+        if not name or not can_shard_embedding(m):
+            continue
+        if m.weight.numel() * m.weight.element_size() < policy.replicate_below_bytes:
+            continue
+        tied = []
+        if id(m.weight) in shared:
+            others = [(n, u) for n, u in users[id(m.weight)] if u is not m]
+            ok = all(isinstance(u, nn.Linear) and not is_conv1d(u) and n not in targets and u.weight is m.weight
+                     for n, u in others)
+            if not ok or len({id(u) for _, u in others}) != len(others):
+                continue  # used some other way: stays replicated
+            tied = sorted({n for n, _ in others})
+        embeddings[name] = tied
+        heads.update({t: name for t in tied})
+    return embeddings, heads
 
 
 def _output_layer(model: nn.Module) -> str:
@@ -134,19 +169,9 @@ def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None
     union = set().union(*targets_of.values())
     targets = [n for n, _ in model.named_modules() if n in union]
     shared = _shared_params(model)
-    others = [
-        n for n, m in model.named_modules()
-        if n and is_linear(m) and n not in targets and id(m.weight) not in shared
-        and m.weight.numel() * m.weight.element_size() >= policy.replicate_below_bytes
-    ]
     tied = [n for n in targets if id(model.get_submodule(n).weight) in shared]
     if tied:
         raise ValueError(f"convert_to_elastic: target linears {tied} share their weight with another module (tied)")
-    chosen = set(targets) | set(others)
-    policy = resolve_quant_skip(model, policy, chosen, source)
-    for name in sorted(chosen):  # before anything is read, sharded or gathered
-        m = model.get_submodule(name)
-        policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
     device = source.device if source is not None else model.get_submodule(targets[0]).weight.device
     # Under torchrun, before TrainingArguments made the group:
     # [Note: converting under a launcher creates the process group] in python_api/distributed/launch.py
@@ -154,16 +179,42 @@ def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None
         ensure_default_group(device, "convert_to_elastic")
     if source is not None:
         source.check(model, group=group)  # every rank, before anything is read
+        # Files that hold a tied pair as different tensors untie it (materialize would do it
+        # below): the ties are decided on what will be loaded.
+        source.untie_differing(model)
+        shared = _shared_params(model)
+    embeddings, tied_heads = _embeddings_to_shard(model, policy, set(targets), shared)
+    others = [
+        n for n, m in model.named_modules()
+        if n and is_linear(m) and n not in targets and id(m.weight) not in shared
+        and m.weight.numel() * m.weight.element_size() >= policy.replicate_below_bytes
+    ]
+    chosen = set(targets) | set(others)
+    policy = resolve_quant_skip(model, policy, chosen, source)
+    if embeddings and policy.weight_format is not None:
+        # Never quantized, nor a tied head with them: [Note: embeddings under the runtime]
+        skip = tuple(policy.quant_skip_modules or ())
+        policy = dataclasses.replace(policy, quant_skip_modules=skip + tuple(e for e in embeddings if e not in skip))
+    for name in sorted(chosen):  # before anything is read, sharded or gathered
+        m = model.get_submodule(name)
+        policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
     selection = None if single else AdapterSelection(tuple(adapters))
-    units = assign_units(model, sorted(chosen), unit_modules)
-    if source is not None:
-        source.materialize(model, skip_modules=chosen)  # biases and every replicated tensor
-    for name, module in [(n, m) for n, m in model.named_modules() if n in chosen]:
+    units = assign_units(model, sorted(chosen | set(embeddings)), unit_modules)
+    if source is not None:  # biases and every replicated tensor
+        source.materialize(model, skip_modules=chosen | set(embeddings) | set(tied_heads))
+    ets = {}  # embedding name -> its elastic tensor (a tied head uses it too)
+    for name, module in [(n, m) for n, m in model.named_modules() if n in chosen or n in embeddings]:
         rows = None if source is None else source.rows(f"{name}.weight", transpose=is_conv1d(module))
         et = runtime.register(frozen_weight(module), name, units[name], rows=rows)
+        if name in embeddings:
+            ets[name] = et
+            if embeddings[name]:
+                et.uses_per_forward = 2  # lookup and tied head: [Note: embeddings under the runtime]
+            replacements.append((name, ElasticEmbedding(et, module.padding_idx)))
+            continue
         conv = is_conv1d(module)
         if name not in union:
             new = ElasticLinear(et, module.bias, fan_in_fan_out=conv)
@@ -173,6 +224,8 @@ def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None
             new = ElasticMultiLoRALinear(et, module.bias, {a: c for a, c in adapters.items() if name in targets_of[a]},
                                          name, selection, fan_in_fan_out=conv)
         replacements.append((name, new))
+    for name, emb in tied_heads.items():  # the embedding's tensor: one copy ([Note: embeddings under the runtime])
+        replacements.append((name, ElasticLinear(ets[emb], model.get_submodule(name).bias)))
     runtime.finish_registration()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")

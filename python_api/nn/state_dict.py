@@ -34,6 +34,7 @@ of a model with its weights on the host must be called on every rank, like `stat
 from __future__ import annotations
 
 import datetime
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -115,17 +116,42 @@ def gather_only():
         _gather_only = previous
 
 
+# id(state dict being built) -> {wid: the weight gathered for it}; an entry goes with its dict.
+_exported: dict[int, dict[int, torch.Tensor | None]] = {}
+
+
+def _exported_of(state_dict: dict) -> dict[int, torch.Tensor | None]:
+    key = id(state_dict)
+    out = _exported.get(key)
+    if out is None:
+        out = _exported[key] = {}
+        try:
+            weakref.finalize(state_dict, _exported.pop, key, None)
+        except TypeError:  # a plain dict cannot be weakly referenced: nothing is shared across calls
+            del _exported[key]
+    return out
+
+
+
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     et: ElasticTensor = module.et
     rt = et.runtime
-    _rendezvous(rt, f"state_dict() ({et.name})")
-    weight = rt.full_weight(et)
+    # A tensor used by two modules (an embedding and its tied output layer: [Note: embeddings
+    # under the runtime] in embedding.py) is gathered once per state dict, on every rank alike,
+    # and both keys get that one tensor, as a plain tied model's state dict has.
+    exported = _exported_of(state_dict)
+    if et.wid in exported:
+        weight = exported[et.wid]
+    else:
+        _rendezvous(rt, f"state_dict() ({et.name})")
+        weight = rt.full_weight(et)
+        if weight.device.type != "cpu" and not _gather_only:
+            weight = weight.cpu()  # one weight at a time on the device: see [Note: the full state dict is a collective]
+        exported[et.wid] = None if _gather_only else weight
     if _gather_only:
         return
     if getattr(module, "fan_in_fan_out", False):
         weight = weight.t().contiguous()  # Conv1D stores [in, out]; the runtime holds [out, in]
-    if weight.device.type != "cpu":
-        weight = weight.cpu()  # one weight at a time on the device: see [Note: the full state dict is a collective]
     # This module's keys are the last ones (its subtree was just saved): re-add them after the
     # weight so the order is nn.Linear's (weight, bias, then the adapters).
     own = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}

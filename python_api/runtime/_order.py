@@ -66,7 +66,8 @@ class _Order:
             order = self._order[Phase.FORWARD]
             new_pass = self.phase is not Phase.FORWARD or (
                 order is not None and self._cursor >= len(order)
-            ) or (order is None and self._observed and self._observed[0] == et.wid)
+            ) or (order is None and self._observed and self._observed[0] == et.wid
+                  and self._observed.count(et.wid) >= et.uses_per_forward)
             if new_pass:
                 self._finish_phase()
                 if self._runs_dirty and self.pool is not None:

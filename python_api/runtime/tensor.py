@@ -171,6 +171,9 @@ class ElasticTensor:
         self.wid = wid
         self.name = name
         self.unit = unit if unit is not None else f"weight:{name}"
+        # Uses of this weight in one forward pass: 2 for an embedding table its output layer
+        # is tied to (python_api/nn/embedding.py); read where a pass is learned (_order.py).
+        self.uses_per_forward = 1
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype  # the weight's own dtype (a quantized weight dequantizes to it)
         row_bytes = (weight.shape[1] if weight.dim() == 2 else 1) * weight.element_size()
