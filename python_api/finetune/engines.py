@@ -33,10 +33,10 @@ from .checkpoints import nonfinite
 from .engine import Engine
 from .errors import FinetuneError
 from .job import Job
-from .models import ModelSpec, lora_config_of, target_list
+from .models import ModelSpec, lora_config, target_list
 from .option_values import budget_label, fmt_bytes
 from .planning import JobPlanner
-from .policy import policy_of
+from .policy import elastic_policy
 
 
 class ElasticEngine(Engine):
@@ -48,9 +48,10 @@ class ElasticEngine(Engine):
                  weight_format: str | None = None, lora=None):
         """`lora`: what convert_to_elastic takes (a sweep's {name: LoRAConfig}); None: the job's LoRAConfig."""
         model, source = _collective_build_on_meta(job)
-        policy = with_format(policy_of(job.args, budget, weights_on, job.world_size), job.cfg.weights, weight_format)
+        policy = with_format(elastic_policy(job.cfg, budget, weights_on, job.world_size), job.cfg.weights, weight_format)
         try:
-            self.model = convert_to_elastic(model, lora_config_of(job.args) if lora is None else lora, policy,
+            self.model = convert_to_elastic(model, lora_config(job.cfg.lora, job.cfg.training.seed) if lora is None
+                                            else lora, policy,
                                             source=source)
         except LoadError as exc:  # raised on every rank (the ranks agree in source.check); names the files
             raise FinetuneError(str(exc)) from exc
@@ -114,15 +115,16 @@ class ElasticEngine(Engine):
         self.runtime.close()
 
 
-def with_format(policy, args, weight_format: str | None):
+def with_format(policy, weights, weight_format: str | None):
     """`policy` with the weight format `weight_format` ("none", "nf4", "int8"; None: the job's
-    own, unchanged), its block and nesting from --quant-block / --quant-nested (--compare-format)."""
+    own, unchanged), its block and nesting from --quant-block / --quant-nested (`weights`: the
+    weight-format group, WeightFormatConfig; --compare-format)."""
     if weight_format is None:
         return policy
     if weight_format == "none":
         return dataclasses.replace(policy, weight_format=None, quant_block_size=None, quant_nested=False)
-    return dataclasses.replace(policy, weight_format=weight_format, quant_block_size=args.quant_block,
-                               quant_nested=bool(args.quant_nested) and weight_format == "nf4")
+    return dataclasses.replace(policy, weight_format=weight_format, quant_block_size=weights.quant_block,
+                               quant_nested=bool(weights.quant_nested) and weight_format == "nf4")
 
 
 def _check_cap_schedule(job: Job, planner: JobPlanner, model: nn.Module) -> None:

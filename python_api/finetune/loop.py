@@ -69,8 +69,7 @@ def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> 
     read, so: a non-finite loss on the first step of this process, before any update, is the
     forward pass overflowing in the model's dtype; a later one is training diverging (or,
     in float16, an update that overflowed)."""
-    args = job.args
-    dtype = args.dtype
+    dtype = job.cfg.model.dtype
     broken = [n for n, p in named if nonfinite(p.detach())]
     head = f"{engine.name}: the loss is {loss} at step {step + 1}"
     if step == start:
@@ -83,7 +82,7 @@ def nan_message(job: Job, engine, loss: float, step: int, start: int, named) -> 
                 else "the adapters are still finite")
     fp16 = "; in float16, also try --dtype bfloat16" if dtype == "float16" else ""
     return (f"{head}, after {updates} update{'s' if updates > 1 else ''} from finite weights ({adapters}): training "
-            f"diverged; lower --lr (now {args.lr:g}) or add --warmup-steps{fp16}")
+            f"diverged; lower --lr (now {job.cfg.training.lr:g}) or add --warmup-steps{fp16}")
 
 
 def train_step(job: Job, engine, opt, step: int, counter) -> dict:

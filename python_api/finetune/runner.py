@@ -29,7 +29,7 @@ from .job import Job
 from .loop import train
 from .measure import AllGatherCounter, PeakMemory, device_name
 from .option_values import budget_label
-from .pipeline_layout import compare_pp_is_main
+from .pipeline_layout import compare_pp_repeats_main
 from .pipelined import PipelinedEngine, primary_engine
 from .sweep import ADAPTERS_DIR, SweepEngine, compare_sequential, sweep_adapters
 
@@ -40,19 +40,20 @@ def comparison_builds(job: Job, counter, skipped: dict[str, str] | None = None) 
     at the main and those budgets), the weights in the host store (not
     when the main run has them there already: [Note: options a run ignores]), a planned run,
     the peers of --baseline (same seed, initial adapters and batches)."""
-    args = job.args  # by name: the suite calls this with parse_args' namespace in a job of its own
-    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in args.compare_budgets]
-    for fmt in args.compare_formats:  # the job in another weight format, at the main and the compared budgets
+    pc, budget, pipeline = job.cfg.peers, job.cfg.elastic.pool_budget, job.cfg.pipeline
+    builds = [(f"elastic, budget {budget_label(b)}", lambda b=b: ElasticEngine(job, b)) for b in pc.compare_budgets]
+    for fmt in pc.compare_formats:  # the job in another weight format, at the main and the compared budgets
         builds += [(f"elastic {fmt}, budget {budget_label(b)}", lambda b=b, fmt=fmt: ElasticEngine(job, b, weight_format=fmt))
-                   for b in [args.pool_budget] + list(args.compare_budgets)]
-    if args.compare_host and args.weights_on != "host":
-        builds.append(("weights on host", lambda: ElasticEngine(job, args.pool_budget, weights_on="host")))
-    if args.compare_planned:
-        builds.append(("planned", lambda: ElasticEngine(job, args.pool_budget, weights_on="device", planned=True)))
-    if args.compare_pp is not None and not compare_pp_is_main(args):  # the same run: [Note: options a run ignores]
-        builds.append((f"pipelined, pp {args.compare_pp}",
-                       lambda: PipelinedEngine(job, args.compare_pp, option="--compare-pp")))
-    for kind in args.baselines:  # the peers, in the order given; those not installed left out
+                   for b in [budget] + list(pc.compare_budgets)]
+    if pc.compare_host and job.cfg.host.weights_on != "host":
+        builds.append(("weights on host", lambda: ElasticEngine(job, budget, weights_on="host")))
+    if pc.compare_planned:
+        builds.append(("planned", lambda: ElasticEngine(job, budget, weights_on="device", planned=True)))
+    # --compare-pp of the main run's degree is the same run: [Note: options a run ignores]
+    if pipeline.compare_pp is not None and not compare_pp_repeats_main(pipeline, job.cfg.planner):
+        builds.append((f"pipelined, pp {pipeline.compare_pp}",
+                       lambda: PipelinedEngine(job, pipeline.compare_pp, option="--compare-pp")))
+    for kind in pc.baselines:  # the peers, in the order given; those not installed left out
         if kind not in (skipped or {}):
             builds.append((kind, lambda kind=kind: peers.build(job, kind, counter)))
     return builds
@@ -241,7 +242,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
     tolerance ([Note: the NF4 peer's loss tolerance]). A run is never compared with a peer of
     other weights: it is said so."""
     warnings = list(job.notices)
-    dtype = job.args.dtype
+    dtype = job.cfg.model.dtype
     for fmt, (kind, label) in report.REFERENCE_PEERS.items():
         base = next((r for r in runs if r["kind"] == kind and r.get("steps_run")), None)
         if base is None:
@@ -260,7 +261,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
             diff = max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n]))
             r[f"max_abs_loss_diff_vs_{key}"] = diff
             r[f"steps_compared_with_{key}"] = n
-            if job.args.lora_dropout > 0:
+            if job.cfg.lora.lora_dropout > 0:
                 r[f"loss_gap_vs_{key}"] = "not compared: LoRA dropout draws other masks in each run"
                 continue
             if fmt == "none":
@@ -288,7 +289,7 @@ def _summary(job: Job, runs: list[dict], skipped: dict[str, str] | None = None, 
         "run_id": job.run_id,
         "error": error,
         "warnings": warnings,
-        "command": " ".join([PROG] + sys.argv[1:]) if job.args._argv is None else " ".join([PROG] + job.args._argv),
+        "command": " ".join([PROG] + (sys.argv[1:] if job.cfg.argv is None else list(job.cfg.argv))),
         "date": local_now(),
         "machine": device_name(job.device),
         "world_size": job.world_size,
@@ -360,10 +361,10 @@ def _write_configuration(job: Job) -> None:
 def _write_report(job: Job, runs: list[dict], summary: dict) -> None:
     d = job.save_dir
     rows = report.table_rows(runs)
-    args = job.args
+    t = job.cfg.training
     caption = (f"{summary['date'][:10]} · {summary['machine']} · {job.world_size} ranks ({summary['backend']}) · "
-               f"{job.spec.description()} · {job.world_size * args.micro_batch * args.grad_accum}x{args.seq_len} "
-               f"tokens/step · LoRA r={args.lora_r}")
+               f"{job.spec.description()} · {job.world_size * t.micro_batch * t.grad_accum}x{t.seq_len} "
+               f"tokens/step · LoRA r={job.cfg.lora.lora_r}")
     write_text_atomic(os.path.join(d, "results.md"), _markdown(job, runs, summary))
     write_text_atomic(os.path.join(d, "results.csv"), report.csv_text(rows))
     sweep = summary.get("sweep")

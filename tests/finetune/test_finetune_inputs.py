@@ -127,11 +127,12 @@ def test_ignored_options_change_nothing_they_should_not(tmp_path):
 
 def _fake_job(tmp_path, dtype="float32", dropout=0.0):
     from elastic_kernels.api.finetune import parse_args
+    from elastic_kernels.api.finetune.configuration import FinetuneConfig
 
     args = parse_args(TINY + ["--save-dir", str(tmp_path)])
     args.dtype, args.lora_dropout, args._argv = dtype, dropout, ["--fake"]
     spec = SimpleNamespace(description=lambda: "tiny", embedded=True, tokenizer=SimpleNamespace(name="byte-level"))
-    return SimpleNamespace(args=args, notices=["an ignored option"], device=torch.device("cpu"), world_size=2,
+    return SimpleNamespace(cfg=FinetuneConfig.from_args(args), notices=["an ignored option"], device=torch.device("cpu"), world_size=2,
                            spec=spec, data_info={"source": "x", "tokens": 1}, config={}, save_dir=str(tmp_path),
                            resume=None, run_id="0" * 32, samples=None)
 

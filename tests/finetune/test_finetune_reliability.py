@@ -419,9 +419,10 @@ def test_nan_message_tells_causes_apart():
     from types import SimpleNamespace
 
     from elastic_kernels.api.finetune import parse_args
+    from elastic_kernels.api.finetune.configuration import FinetuneConfig
     from elastic_kernels.api.finetune.loop import nan_message
 
-    job = SimpleNamespace(args=parse_args(["--dtype", "float16", "--lr", "0.5"]), resume=None)
+    job = SimpleNamespace(cfg=FinetuneConfig.from_args(parse_args(["--dtype", "float16", "--lr", "0.5"])), resume=None)
     engine = SimpleNamespace(name="elastic, budget all")
     ok = [("a.lora_A.weight", torch.zeros(2))]
     bad = [("a.lora_A.weight", torch.tensor([0.0, float("nan")]))]

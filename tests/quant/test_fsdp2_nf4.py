@@ -247,6 +247,7 @@ def test_formats_and_peers_combine():
     """Every peer runs beside a quantized elastic run (its losses are checked only against the
     peer of its own weights, [Note: the NF4 peer's loss tolerance]); --compare-format adds the
     job in another format at the main and the compared budgets."""
+    from elastic_kernels.api.finetune.configuration import FinetuneConfig
     from elastic_kernels.api.finetune.options import parse_args
     from elastic_kernels.api.finetune.runner import comparison_builds
 
@@ -254,7 +255,7 @@ def test_formats_and_peers_combine():
     assert args.baselines == ["fsdp2", "fsdp2-nf4", "ddp"]
     args = parse_args(["--compare-format", "nf4,int8", "--compare-budgets", "0", "--quant-nested", "--baseline",
                        "fsdp2-nf4"])
-    job = SimpleNamespace(args=args)
+    job = SimpleNamespace(cfg=FinetuneConfig.from_args(args))
     names = [n for n, _ in comparison_builds(job, None, {})]
     assert names == ["elastic, budget 0", "elastic nf4, budget all", "elastic nf4, budget 0", "elastic int8, budget all",
                      "elastic int8, budget 0", "fsdp2-nf4"]
@@ -264,12 +265,13 @@ def test_nf4_gap_beyond_the_tolerance_is_a_warning_naming_step_one(tmp_path, mon
     import torch.distributed as dist
 
     from elastic_kernels.api.finetune import report, runner
+    from elastic_kernels.api.finetune.configuration import FinetuneConfig
     from elastic_kernels.api.finetune.options import parse_args
 
     monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
     args = parse_args(["--save-dir", str(tmp_path)])
     args._argv = ["--fake"]
-    job = SimpleNamespace(args=args, notices=[], device=torch.device("cpu"), world_size=2,
+    job = SimpleNamespace(cfg=FinetuneConfig.from_args(args), notices=[], device=torch.device("cpu"), world_size=2,
                           spec=SimpleNamespace(description=lambda: "tiny"), data_info={}, config={},
                           save_dir=str(tmp_path), resume=None, run_id="0" * 32)
     base = [5.5, 5.2, 5.0]
