@@ -59,7 +59,7 @@ from .engine import model_inputs
 from .engines import ElasticEngine
 from .files import save_adapter_agreed
 from .loop import _seed_rng, adamw
-from .models import lora_config_of
+from .models import lora_config
 from .option_values import SWEEP_KEYS, sweep_label
 from .policy import lr_at
 
@@ -89,7 +89,7 @@ def sweep_adapters(cfg) -> list[SweepAdapter]:
     """The adapters of `cfg`'s sweep (a resolved FinetuneConfig: its learning rate is set), one
     per combination, the last key varying fastest ([Note: the sweep's keys and adapter names]
     in option_values.py)."""
-    base = lora_config_of(cfg.options())
+    base = lora_config(cfg.lora, cfg.training.seed)
     keys = [k for k, _ in cfg.training.sweep]
     out = []
     for combo in itertools.product(*(values for _, values in cfg.training.sweep)):
