@@ -134,12 +134,24 @@ def test_the_configuration_records_the_sweep_and_resume_compares_it():
 
 
 def _run_in_process(argv, monkeypatch):
-    """The CLI's main() in this process, one rank (a process group of its own on a free port)."""
+    """The CLI's main() in this process, one rank (a process group of its own on a free port).
+    The rendezvous variables are set through monkeypatch, so they are gone after the test: main()
+    would set them in os.environ itself (cli._dist_env), and a RANK left behind makes later
+    tests of this process (the Trainer's, accelerate's) start a process group of their own."""
+    import socket
+
+    import torch.distributed as dist
+
     from elastic_kernels.api.finetune.cli import main
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(k, v)
     assert main(argv) == 0
+    assert not dist.is_initialized()  # main() destroyed its group
 
 
 def _losses(save_dir) -> dict:
