@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from tests._dist import run_distributed
+from tests.nn.test_lora import _copy_adapters_into_peft
 
 pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
@@ -108,7 +109,7 @@ def _parity_worker(rank, world_size, kind, policy):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, args, n=n: needs_dx.__setitem__(n, bool(args[0].requires_grad))))
 
-    _copy_adapters(elastic, peft_model)
+    _copy_adapters_into_peft(elastic, peft_model)
     per_step = []
     for it in range(3):
         rt.reset_stats()
@@ -157,19 +158,6 @@ def _parity_worker(rank, world_size, kind, policy):
         assert all(et.run is not None and et.run.filled for et in rt.tensors)
         assert all(v == 0 for step in per_step[1:] for v in step.values()), per_step
     return sorted(expected.items())
-
-
-def _copy_adapters(elastic, peft_model, seed=7):
-    from elastic_kernels.api.nn import lora_layers
-
-    gen = torch.Generator().manual_seed(seed)
-    for name, layer in lora_layers(elastic):
-        with torch.no_grad():
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=gen) * 0.1)
-        pm = peft_model.base_model.model.get_submodule(name)
-        with torch.no_grad():
-            pm.lora_A["default"].weight.copy_(layer.lora_A.weight)
-            pm.lora_B["default"].weight.copy_(layer.lora_B.weight)
 
 
 @pytest.mark.parametrize("kind,world_size,policy", [
