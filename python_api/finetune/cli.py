@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import sys
+import traceback
 import warnings
 
 import torch
@@ -210,9 +211,28 @@ def entry() -> None:
     is being finalized (pytorch/pytorch#179291, #190489). Everything the job writes is
     written, agreed and closed before `main()` returns, so the process flushes its streams
     and leaves with `os._exit`, skipping the finalization that can crash. A worker started by
-    torchrun ends with its launcher ([Note: workers end with their launcher])."""
+    torchrun ends with its launcher ([Note: workers end with their launcher]).
+    Every way out of `main()` leaves so (issue 31, item 4): an error that is not the CLI's own
+    (a bug, an unexpected exception of a library) is printed as Python prints it, with its
+    traceback, and the process exits 1; argparse's exits (`--help`, a bad option) and Ctrl-C
+    keep their codes (0/2, 130). `_main` has destroyed the process group before any of them
+    reaches here. Before, such an exception left through the interpreter's finalization, the
+    path on which gloo's threads abort."""
     _die_with_parent()
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse (--help, a bad option); sys.exit(...) anywhere below
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:  # sys.exit("message"): Python prints the message and exits 1
+            sys.stderr.write(f"{exc.code}\n")
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:  # noqa: BLE001 - printed in full, then the same exit as every other path
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
