@@ -10,6 +10,9 @@ unit, not recomputable); the embedding is replicated (it is not a linear).
 Chunking, as the runtime lays a weight out (`ElasticPolicy.rows_per_chunk`, `ChunkLayout`):
 rows_per_chunk = chunk_bytes // row_bytes (at most the rows), n = ceil(rows / rows_per_chunk),
 slice = ceil(rows_per_chunk x cols / W) elements; page = the largest chunk rounded up to 512.
+A bf16 weight on the device, on more than one rank, whose full chunks split evenly over the
+ranks (rows_per_chunk x cols a multiple of W, or one chunk) has run_bytes = rows x cols x 2:
+kept whole, the runtime holds it as one run ([Note: resident runs]), as in a measured profile.
 Compute, per token (FLOPs), divided by the device's achieved FLOP rate:
   forward   2 x P_layer (the 7 GEMMs) + 2 x seq x h (causal attention: QK^T and AV, half the
             square) + 2 x r x (in + out) per adapted projection (the LoRA GEMMs)
@@ -186,9 +189,11 @@ BWD_FIXED_S = 200e-6
 
 
 def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backward: bool = True,
-            fmt: WeightFormat | None = None, dequant: Link | None = None, per_chunk: bool = False) -> WeightProfile:
+            fmt: WeightFormat | None = None, dequant: Link | None = None, per_chunk: bool = False,
+            on_device: bool = True) -> WeightProfile:
     """A bf16 weight's chunk layout; with `fmt`, its chunks are blobs and each use dequantizes
-    it (`dequant`: one launch, or one per chunk when `per_chunk`)."""
+    it (`dequant`: one launch, or one per chunk when `per_chunk`). `on_device`: the weight's
+    shard lives on the device (not in the host store), so it can be held as a run."""
     row_bytes = cols * BF16
     if row_bytes > chunk_bytes:
         raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than one row of {name} ({row_bytes} bytes)")
@@ -200,9 +205,13 @@ def _weight(name: str, rows: int, cols: int, ranks: int, chunk_bytes: int, backw
     last_rows = rows - (chunks - 1) * rows_per_chunk
     last = None if last_rows == rows_per_chunk else last_rows * cols * BF16
     if fmt is None:
+        # Held whole as a run when every chunk is kept, as the runtime does (can_hold_as_run:
+        # a runtime that gathers, the weight on the device, full chunks whose elements split
+        # evenly over the ranks; [Note: resident runs]): its own bytes, no page, no padding.
+        run = rows * cols * BF16 if on_device and ranks > 1 and (chunks == 1 or chunk_numel % ranks == 0) else None
         return WeightProfile(name=name, chunks=chunks,
                              slice_bytes=math.ceil(chunk_numel / ranks) * BF16, chunk_bytes=chunk_numel * BF16,
-                             backward=backward, last_chunk_bytes=last)
+                             backward=backward, last_chunk_bytes=last, run_bytes=run)
     blob = fmt.blob_bytes(rows_per_chunk, cols)
     launches = chunks if per_chunk else 1
     return WeightProfile(name=name, chunks=chunks, slice_bytes=math.ceil(blob / ranks), chunk_bytes=blob,
@@ -278,7 +287,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
         # so no backward use (the runtime gathers them in forward only).
         weights = tuple(_weight(name, rows, cols, ranks, chunk_bytes,
                                 backward=not (li == 0 and name in ("q_proj", "k_proj", "v_proj")),
-                                fmt=fmt, dequant=dequant)
+                                fmt=fmt, dequant=dequant, on_device=weights_on == "device")
                         for name, rows, cols in projections)
         j = [1.0 + rng.uniform(-jitter, jitter) if jitter else 1.0 for _ in range(4)]
         layers.append(LayerProfile(
@@ -288,7 +297,8 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
             act_bytes_per_token=float(act), input_bytes_per_token=float(BF16 * h), weights=weights,
             offload_tensors_bytes_per_token=offl, offload_freed_bytes_per_token=freed, offload_tensors_weight=owners,
         ))
-    head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes, fmt=fmt, dequant=dequant, per_chunk=True)
+    head = _weight("lm_head", m.vocab, h, ranks, chunk_bytes, fmt=fmt, dequant=dequant, per_chunk=True,
+                   on_device=weights_on == "device")
     layers.append(LayerProfile(
         name="lm_head", recomputable=False,
         fwd_s_per_token=2 * m.vocab * h / dev.flops, bwd_s_per_token=2 * m.vocab * h / dev.flops,

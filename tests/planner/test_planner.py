@@ -449,6 +449,18 @@ def test_synthetic_shapes_by_hand():
     assert w["down_proj"].slice_bytes == 2 * math.ceil(73 * 28672 / 8)
     assert p.page_bytes == 4 << 20
     assert not any(x.backward for x in p.layers[0].weights[:3]) and all(x.backward for x in p.layers[1].weights)
+    # Held as runs when kept whole, as the runtime would (can_hold_as_run): the weight's own
+    # bytes, for every weight of a device-resident bf16 model on more than one rank.
+    assert w["q_proj"].run_bytes == 8192 * 8192 * 2 and w["down_proj"].run_bytes == 8192 * 28672 * 2
+    assert all(x.run_bytes is not None for layer in p.layers for x in layer.weights)
+    # Not on one rank (nothing is gathered), not from the host store, not quantized, and not
+    # where a full chunk's elements do not split evenly over the ranks (no chunk of this model
+    # has a factor 3: 256 x 8192, 73 x 28672, ...).
+    for other in (synthetic_profile("llama2-7b", ranks=1, seq_len=4096),
+                  synthetic_profile("llama2-70b", ranks=8, seq_len=4096, weights_on="host"),
+                  synthetic_profile("llama2-70b", ranks=8, seq_len=4096, weight_format="nf4"),
+                  synthetic_profile("llama2-70b", ranks=3, seq_len=4096, device="h100-sxm")):
+        assert all(x.run_bytes is None for layer in other.layers for x in layer.weights)
 
 
 # ---------------------------------------------------------------- CLI
