@@ -51,7 +51,9 @@ def impls(device: str):
     if _ext.available() and (device == "cpu" or _ext.cuda_built()):
         out["cpp"] = (torch.ops.elastic.pack_shards, torch.ops.elastic.unpack_gathered)
     if device == "cuda":
-        from elastic_kernels.ops import pack_triton  # noqa: F401
+        from elastic_kernels.ops import pack_triton
+
+        pack_triton.register_ops()  # they register on first need (elastic_kernels/ops/_lazy.py)
 
         out["triton"] = (torch.ops.elastic.pack_shards_triton, torch.ops.elastic.unpack_gathered_triton)
     return out

@@ -12,8 +12,8 @@ _ext.load()
 from elastic_kernels.host_store import HostStore, HostStoreError  # noqa: E402 - shared host segment (csrc/host/)
 from elastic_kernels.layout import ChunkLayout  # noqa: E402
 
-# The ops (elastic_kernels/ops/): the pack ops' fakes register after _ext.load(); the paged
-# LoRA linear's Triton ops register on import; impl="auto" picks per device.
+# The ops (elastic_kernels/ops/): the pack ops' fakes register after _ext.load(); the Triton
+# ops register on first need ([Note: Triton ops register lazily]); impl="auto" picks per device.
 from elastic_kernels.ops import (  # noqa: E402
     dequantize,
     lora_adapter_grads,
@@ -31,8 +31,13 @@ CUDA_OPS = ("pack_shards", "unpack_gathered")
 
 
 def registered_ops():
-    """Names (without namespace) of every op registered under `elastic::` right now."""
+    """Names (without namespace) of every op of the `elastic::` namespace: the Triton ops are
+    registered first (they register lazily: elastic_kernels/ops/_lazy.py)."""
     import torch
+
+    from elastic_kernels.ops import register_triton_ops
+
+    register_triton_ops()
 
     names = torch._C._dispatch_get_all_op_names()
     return sorted({n.split("::", 1)[1].split(".")[0] for n in names if n.startswith("elastic::")})

@@ -61,6 +61,7 @@ from torch.library import triton_op, wrap_triton
 
 from elastic_kernels import _ext
 from elastic_kernels.ops._checks import check_dequant_args, tensor_list
+from elastic_kernels.ops._lazy import LazyOps
 from elastic_kernels.ops.dequant_kernels import _dequant_int8_kernel, _dequant_nf4_kernel
 from elastic_kernels.ops.dequant_reference import dequant_chunks_into_reference, dequant_chunks_reference
 from elastic_kernels.ops.paged_linear import page_table
@@ -142,8 +143,7 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if INTERPRETED and dtype == torch.bfloat16 else dtype
 
 
-@triton_op("elastic::dequant_chunks_triton", mutates_args=())
-def _dequant_chunks_triton(
+def _dequant_chunks_triton_impl(
     blobs: list[torch.Tensor],
     format: str,
     rows: int,
@@ -164,8 +164,7 @@ def _dequant_chunks_triton(
     return dest.to(dtype)
 
 
-@triton_op("elastic::dequant_chunks_into_triton", mutates_args=("out",))
-def _dequant_chunks_into_triton(
+def _dequant_chunks_into_triton_impl(
     blobs: list[torch.Tensor],
     format: str,
     rows: int,
@@ -193,9 +192,23 @@ def _opaque_under_functionalization(mode, op, types, args, kwargs):
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
-TRITON_OPS = (_dequant_chunks_triton, _dequant_chunks_into_triton)
-for _op in TRITON_OPS:
-    _op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+def _register_ops() -> dict:
+    """The ``elastic::*_triton`` dequant ops ([Note: Triton ops register lazily] in _lazy.py)."""
+    new = triton_op("elastic::dequant_chunks_triton", mutates_args=())(_dequant_chunks_triton_impl)
+    into = triton_op("elastic::dequant_chunks_into_triton", mutates_args=("out",))(_dequant_chunks_into_triton_impl)
+    for op in (new, into):
+        op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+    return {"_dequant_chunks_triton": new, "_dequant_chunks_into_triton": into, "TRITON_OPS": (new, into)}
+
+
+# _dequant_chunks_triton, _dequant_chunks_into_triton and TRITON_OPS are bound by _register_ops on
+# first need (_LAZY.get, or an attribute access), not at import.
+_LAZY = LazyOps(__name__, ("_dequant_chunks_triton", "_dequant_chunks_into_triton", "TRITON_OPS"), _register_ops)
+register_ops = _LAZY.ensure
+
+
+def __getattr__(name: str):
+    return _LAZY.get(name)
 
 
 # =============================================================================================
@@ -246,13 +259,13 @@ def dequantize(
             _ext.require()
             return torch.ops.elastic.dequant_chunks(*args, dtype)
         if which == "triton":
-            return _dequant_chunks_triton(*args, dtype)
+            return _LAZY.get("_dequant_chunks_triton")(*args, dtype)
         return dequant_chunks_reference(*args, dtype)
     if which == "cpp":
         _ext.require()
         torch.ops.elastic.dequant_chunks_into(*args, out)
     elif which == "triton":
-        _dequant_chunks_into_triton(*args, out)
+        _LAZY.get("_dequant_chunks_into_triton")(*args, out)
     else:
         dequant_chunks_into_reference(*args, out)
     return out

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import torch
 
 from elastic_kernels import _ext
+from elastic_kernels.ops import pack_triton  # its ops register on first access (_lazy.py)
 from elastic_kernels.ops._checks import check_pack_args, check_unpack_args, int_list, tensor_list
 from elastic_kernels.ops.pack_reference import pack_shards_reference, unpack_gathered_reference
-from elastic_kernels.ops.pack_triton import pack_shards_triton_op, unpack_gathered_triton_op
 
 IMPLS = ("auto", "cpp", "triton", "reference")
 
@@ -74,7 +74,7 @@ def pack_shards(
         _ext.require()
         return torch.ops.elastic.pack_shards(shards, slice_numels, chunk_begins, chunk_ends)
     if which == "triton":
-        return pack_shards_triton_op(shards, slice_numels, chunk_begins, chunk_ends)
+        return pack_triton.pack_shards_triton_op(shards, slice_numels, chunk_begins, chunk_ends)
     return pack_shards_reference(shards, slice_numels, chunk_begins, chunk_ends)
 
 
@@ -102,7 +102,7 @@ def unpack_gathered(
         torch.ops.elastic.unpack_gathered(gathered, world_size, slice_numels, chunk_counts, dests)
         return None
     if which == "triton":
-        unpack_gathered_triton_op(gathered, world_size, slice_numels, chunk_counts, dests)
+        pack_triton.unpack_gathered_triton_op(gathered, world_size, slice_numels, chunk_counts, dests)
         return None
     unpack_gathered_reference(gathered, world_size, slice_numels, chunk_counts, dests)
     return None

@@ -31,6 +31,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from elastic_kernels.ops._checks import check_pack_args, check_unpack_args, has_storage
+from elastic_kernels.ops._lazy import LazyOps
 
 try:  # TRITON_INTERPRET=1 makes @triton.jit return InterpretedFunction (Triton 3.x)
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
@@ -150,7 +151,23 @@ def _register(name, fn, mutates_args, fake):
     return triton_op(name, fn, mutates_args=mutates_args)
 
 
-pack_shards_triton_op = _register("elastic::pack_shards_triton", pack_shards_triton, (), _pack_shards_triton_fake)
-unpack_gathered_triton_op = _register(
-    "elastic::unpack_gathered_triton", unpack_gathered_triton, ("dests",), _unpack_gathered_triton_fake
-)
+def _register_ops() -> dict:
+    """The ``elastic::*_triton`` copy ops ([Note: Triton ops register lazily] in _lazy.py)."""
+    return {
+        "pack_shards_triton_op": _register(
+            "elastic::pack_shards_triton", pack_shards_triton, (), _pack_shards_triton_fake
+        ),
+        "unpack_gathered_triton_op": _register(
+            "elastic::unpack_gathered_triton", unpack_gathered_triton, ("dests",), _unpack_gathered_triton_fake
+        ),
+    }
+
+
+# pack_shards_triton_op and unpack_gathered_triton_op are bound by _register_ops on first access
+# (pack.py reaches them as attributes of this module), not at import.
+_LAZY = LazyOps(__name__, ("pack_shards_triton_op", "unpack_gathered_triton_op"), _register_ops)
+register_ops = _LAZY.ensure
+
+
+def __getattr__(name: str):
+    return _LAZY.get(name)

@@ -52,6 +52,7 @@ from torch.library import triton_op, wrap_triton
 
 from elastic_kernels.ops import paged_linear_reference as ref
 from elastic_kernels.ops._checks import check_adapter_grad_args, check_dgrad_args, check_fwd_args
+from elastic_kernels.ops._lazy import LazyOps
 from elastic_kernels.ops.paged_linear_kernels import (
     _lora_down_kernel,
     _lora_grad_kernel,
@@ -283,8 +284,7 @@ def _lora_down(a: torch.Tensor, b: torch.Tensor, b_is_transposed: bool, r: int) 
     return out.to(b.dtype)
 
 
-@triton_op("elastic::paged_lora_linear_fwd", mutates_args=())
-def _paged_lora_linear_fwd_op(
+def _paged_lora_linear_fwd(
     x: torch.Tensor,
     chunks: list[torch.Tensor],
     bias: torch.Tensor | None,
@@ -332,8 +332,7 @@ def _paged_lora_linear_fwd_op(
     return y.to(x.dtype), xa
 
 
-@triton_op("elastic::paged_lora_linear_dgrad", mutates_args=())
-def _paged_lora_linear_dgrad_op(
+def _paged_lora_linear_dgrad(
     dy: torch.Tensor,
     chunks: list[torch.Tensor],
     lora_a: torch.Tensor | None,
@@ -416,8 +415,7 @@ def _lora_grad(
     return (out[0] if split == 1 else out.sum(0)).to(out_dtype)
 
 
-@triton_op("elastic::lora_adapter_grads", mutates_args=())
-def _lora_adapter_grads_op(
+def _lora_adapter_grads(
     lora_x: torch.Tensor,
     xa: torch.Tensor,
     dy: torch.Tensor,
@@ -441,9 +439,27 @@ def _opaque_under_functionalization(mode, op, types, args, kwargs):
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
-OPS = (_paged_lora_linear_fwd_op, _paged_lora_linear_dgrad_op, _lora_adapter_grads_op)
-for _op in OPS:
-    _op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+def _register_ops() -> dict:
+    """The ``elastic::`` ops of this family ([Note: Triton ops register lazily] in _lazy.py)."""
+    fwd = triton_op("elastic::paged_lora_linear_fwd", mutates_args=())(_paged_lora_linear_fwd)
+    dgrad = triton_op("elastic::paged_lora_linear_dgrad", mutates_args=())(_paged_lora_linear_dgrad)
+    grads = triton_op("elastic::lora_adapter_grads", mutates_args=())(_lora_adapter_grads)
+    ops = (fwd, dgrad, grads)
+    for op in ops:
+        op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+    return {"_paged_lora_linear_fwd_op": fwd, "_paged_lora_linear_dgrad_op": dgrad, "_lora_adapter_grads_op": grads,
+            "OPS": ops}
+
+
+# _paged_lora_linear_fwd_op, _paged_lora_linear_dgrad_op, _lora_adapter_grads_op and OPS are
+# bound by _register_ops on first need (_LAZY.get, or an attribute access), not at import.
+_LAZY = LazyOps(__name__, ("_paged_lora_linear_fwd_op", "_paged_lora_linear_dgrad_op", "_lora_adapter_grads_op", "OPS"),
+                _register_ops)
+register_ops = _LAZY.ensure
+
+
+def __getattr__(name: str):
+    return _LAZY.get(name)
 
 
 # =============================================================================================
@@ -481,7 +497,7 @@ def paged_lora_linear_fwd(
     fp32/bf16/fp16, the reference otherwise), "triton" or "reference".
     """
     if _use_triton(impl, x):
-        return _paged_lora_linear_fwd_op(x, _as_list(chunks), bias, lora_x, lora_a, lora_b, float(scale))
+        return _LAZY.get("_paged_lora_linear_fwd_op")(x, _as_list(chunks), bias, lora_x, lora_a, lora_b, float(scale))
     return ref.paged_lora_linear_fwd_reference(x, chunks, bias, lora_x, lora_a, lora_b, scale)
 
 
@@ -499,7 +515,7 @@ def paged_lora_linear_dgrad(
     ``dx`` is in dy's dtype, ``dyb`` in the adapter dtype (dy's dtype or float32), as in the forward.
     """
     if _use_triton(impl, dy):
-        return _paged_lora_linear_dgrad_op(dy, _as_list(chunks), lora_a, lora_b, float(scale))
+        return _LAZY.get("_paged_lora_linear_dgrad_op")(dy, _as_list(chunks), lora_a, lora_b, float(scale))
     return ref.paged_lora_linear_dgrad_reference(dy, chunks, lora_a, lora_b, scale)
 
 
@@ -518,7 +534,7 @@ def lora_adapter_grads(
     share the adapter dtype, the activation dtype or float32. Accumulated in fp32.
     """
     if _use_triton(impl, lora_x):
-        return _lora_adapter_grads_op(lora_x, xa, dy, dyb, float(scale))
+        return _LAZY.get("_lora_adapter_grads_op")(lora_x, xa, dy, dyb, float(scale))
     return ref.lora_adapter_grads_reference(lora_x, xa, dy, dyb, scale)
 
 

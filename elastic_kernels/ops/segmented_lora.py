@@ -60,6 +60,7 @@ from torch.library import triton_op, wrap_triton
 
 from elastic_kernels.ops import segmented_lora_reference as ref
 from elastic_kernels.ops._checks import check_seg_offsets, check_segmented_bwd_args, check_segmented_fwd_args
+from elastic_kernels.ops._lazy import LazyOps
 from elastic_kernels.ops.paged_linear import (
     _INTERP_BLOCK,
     INTERPRETED,
@@ -257,8 +258,7 @@ def _adapters(lora_a, lora_b) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 # =============================================================================================
 
 
-@triton_op("elastic::segmented_lora_fwd", mutates_args=())
-def _segmented_lora_fwd_op(
+def _segmented_lora_fwd(
     x: torch.Tensor,
     seg_offsets: list[int],
     lora_a: list[torch.Tensor],
@@ -282,8 +282,7 @@ def _segmented_lora_fwd_op(
     return delta, xa
 
 
-@triton_op("elastic::segmented_lora_bwd", mutates_args=())
-def _segmented_lora_bwd_op(
+def _segmented_lora_bwd(
     dy: torch.Tensor,
     lora_x: torch.Tensor,
     xa: torch.Tensor,
@@ -317,9 +316,23 @@ def _segmented_lora_bwd_op(
     return dx, [g.to(adapter) for g in grad_a], [g.to(adapter) for g in grad_b]
 
 
-OPS = (_segmented_lora_fwd_op, _segmented_lora_bwd_op)
-for _op in OPS:  # [Note: the ops are opaque to tracing] (paged_linear.py): addresses, not values
-    _op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+def _register_ops() -> dict:
+    """The ``elastic::`` ops of this family ([Note: Triton ops register lazily] in _lazy.py)."""
+    fwd = triton_op("elastic::segmented_lora_fwd", mutates_args=())(_segmented_lora_fwd)
+    bwd = triton_op("elastic::segmented_lora_bwd", mutates_args=())(_segmented_lora_bwd)
+    for op in (fwd, bwd):  # [Note: the ops are opaque to tracing] (paged_linear.py): addresses, not values
+        op.register_torch_dispatch(FunctionalTensorMode, _opaque_under_functionalization)
+    return {"_segmented_lora_fwd_op": fwd, "_segmented_lora_bwd_op": bwd, "OPS": (fwd, bwd)}
+
+
+# _segmented_lora_fwd_op, _segmented_lora_bwd_op and OPS are bound by _register_ops on first need
+# (_LAZY.get, or an attribute access), not at import.
+_LAZY = LazyOps(__name__, ("_segmented_lora_fwd_op", "_segmented_lora_bwd_op", "OPS"), _register_ops)
+register_ops = _LAZY.ensure
+
+
+def __getattr__(name: str):
+    return _LAZY.get(name)
 
 
 # =============================================================================================
@@ -348,8 +361,9 @@ def segmented_lora_fwd(
     "auto" (Triton for CUDA tensors of fp32/bf16/fp16, the reference otherwise), "triton" or
     "reference"."""
     if _use_triton(impl, x):
-        return _segmented_lora_fwd_op(x, _int_list(seg_offsets), _tensors(lora_a, "lora_a"),
-                                      _tensors(lora_b, "lora_b"), _floats(scales), lora_x)
+        op = _LAZY.get("_segmented_lora_fwd_op")
+        return op(x, _int_list(seg_offsets), _tensors(lora_a, "lora_a"), _tensors(lora_b, "lora_b"), _floats(scales),
+                  lora_x)
     return ref.segmented_lora_fwd_reference(x, seg_offsets, lora_a, lora_b, scales, lora_x)
 
 
@@ -370,8 +384,9 @@ def segmented_lora_bwd(
     accumulation). ``lora_x`` is the LoRA input of the forward (x when it had none), ``xa`` what
     the forward returned."""
     if _use_triton(impl, dy):
-        return _segmented_lora_bwd_op(dy, lora_x, xa, _int_list(seg_offsets), _tensors(lora_a, "lora_a"),
-                                      _tensors(lora_b, "lora_b"), _floats(scales))
+        op = _LAZY.get("_segmented_lora_bwd_op")
+        return op(dy, lora_x, xa, _int_list(seg_offsets), _tensors(lora_a, "lora_a"), _tensors(lora_b, "lora_b"),
+                  _floats(scales))
     return ref.segmented_lora_bwd_reference(dy, lora_x, xa, seg_offsets, lora_a, lora_b, scales)
 
 
@@ -408,5 +423,7 @@ def _floats(v) -> list:
     return out
 
 
-__all__ = ["OPS", "TRITON_DTYPES", "device_table", "element_offsets", "segmented_lora_bwd", "segmented_lora_fwd",
+# OPS (registered lazily: [Note: Triton ops register lazily]) is left out, so that a star import
+# does not register the ops.
+__all__ = ["TRITON_DTYPES", "device_table", "element_offsets", "segmented_lora_bwd", "segmented_lora_fwd",
            "tile_table"]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 from ..distributed.agree import agree, exchange
-from .by_name import config_of
-from .configuration import FinetuneConfig
+from .configuration import FinetuneConfig, config_of
 from .constants import ADAM_BETAS, ADAM_EPS
 from .errors import FinetuneError
 from .models import ModelSpec
@@ -26,7 +25,7 @@ def run_configuration(cfg: FinetuneConfig, spec: ModelSpec, data_info: dict, tar
     """What a checkpoint must agree with to be resumed (see [Note: checkpoint layout and resume]),
     from the job's configuration (its model dtype, training, LoRA, elastic, weight-format and
     pipeline groups). A public name: options held by name (parse_args' namespace, an
-    OptionView) are still accepted, converted once (by_name.config_of)."""
+    OptionView) are still accepted, converted once (configuration.config_of)."""
     cfg = config_of(cfg)
     t, lora, p = cfg.training, cfg.lora, cfg.pipeline
     model_cfg = {k: v for k, v in spec.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}

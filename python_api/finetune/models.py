@@ -14,8 +14,7 @@ from ..config import ElasticPolicy
 from ..loading import LoadError, SafetensorsSource, checkpoint_dtype, read_config
 from ..loading.bnb import PackedFormatError, compute_dtype, packed_format
 from ..nn import LoRAConfig, target_names
-from .by_name import config_of
-from .configuration import FinetuneConfig, LoRAConfig as LoRAOptions
+from .configuration import FinetuneConfig, LoRAConfig as LoRAOptions, config_of
 from .constants import EMBEDDED, EMBEDDED_MAX_POSITIONS, EMBEDDED_VOCAB, PROBE_SEQS
 from .data import (
     ByteTokenizer,

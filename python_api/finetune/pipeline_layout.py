@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from ..pipeline import PipelineError, PipelineLayout
 from ..pipeline.hf_packs import ARCHITECTURES
-from .by_name import config_of
-from .configuration import FinetuneConfig, PipelineConfig, PlannerConfig, TrainingConfig
+from .configuration import FinetuneConfig, PipelineConfig, PlannerConfig, TrainingConfig, config_of
 from .errors import FinetuneError
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 from ..config import ElasticPolicy
-from .by_name import config_of
-from .configuration import FinetuneConfig, WeightFormatConfig
+from .configuration import FinetuneConfig, WeightFormatConfig, config_of
 
 
 def host_fraction_used(host, world_size: int | None, weights_on: str) -> bool:

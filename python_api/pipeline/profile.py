@@ -16,7 +16,7 @@ latency for a smaller group).
 
 [Note: measuring the per-action overhead]
 A pipelined step runs 2 x m x (packs per rank) actions per rank, and each costs more than its
-layers' compute ([Note: the per-action overhead] in planner/pipeline_model.py). It is measured
+layers' compute ([Note: the per-action overhead] in planner/pipeline_sim.py). It is measured
 here with the machinery of a real step and nothing else, on every rank at once (so the cores
 are as shared as in a step, as the layers' compute is measured): a ScheduleLoopedBFS (the
 multi-stage runtime the pipelined schedules use) of `PackStage`s of this model's own pack
@@ -176,7 +176,7 @@ def measure_step_peak_bytes(pipe, run) -> int:
     """The tensor peak while `run()` executes on this rank, as measure_peak_bytes counts it for
     one runtime (python_api/planning/peaks.py), over every pack's runtime on this stage, the
     host store included: on CPU its pages are the packs' memory (the pipeline memory model,
-    python_api/planner/pipeline_model.py, counts them whole)."""
+    python_api/planner/pipeline_sim.py, counts them whole)."""
     from ..planning.peaks import runtimes_peak_bytes
 
     return runtimes_peak_bytes(list(pipe.runtimes.values()), run, pipe.device, count_host_tier=True)
@@ -249,7 +249,7 @@ def _no_op_pack(lm: nn.Module, arch, layer: int, device: torch.device, repeats: 
 @dataclass(frozen=True)
 class ActionOverhead:
     """What a pipelined step pays per action beyond its layers' compute, in seconds
-    ([Note: the per-action overhead] in planner/pipeline_model.py): inside the stage's forward /
+    ([Note: the per-action overhead] in planner/pipeline_sim.py): inside the stage's forward /
     backward, and in the schedule between actions."""
 
     stage_s: float

@@ -217,7 +217,7 @@ def measure_peak_bytes(model: nn.Module, run, device: torch.device | None = None
 def runtimes_peak_bytes(runtimes, run, device: torch.device, count_host_tier: bool = False) -> int:
     """measure_peak_bytes over several runtimes on one device (a pipeline stage's packs): each
     runtime's pool segments count once; its host tier's storages only with `count_host_tier`
-    (the pipeline memory model counts a CPU rank's host store: python_api/planner/pipeline_model.py)."""
+    (the pipeline memory model counts a CPU rank's host store: python_api/planner/pipeline_sim.py)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,12 +1,13 @@
-"""The by-name entry points over the typed configuration (python_api/finetune/by_name.py): what
-callers not yet converted pass (parse_args' namespace, an OptionView) gives exactly what the typed
-functions give for the same command line, and anything else is refused by name."""
+"""The by-name entry points over the typed configuration (configuration.config_of and the modules
+that call it): what callers not yet converted pass (parse_args' namespace, an OptionView) gives
+exactly what the typed functions give for the same command line, and anything else is refused by
+name."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic_kernels.api.finetune.by_name import config_of
+from elastic_kernels.api.finetune.configuration import config_of
 from elastic_kernels.api.finetune.models import lora_config, lora_config_of, target_list, targets_of
 from elastic_kernels.api.finetune.options import parse_args, parse_config
 from elastic_kernels.api.finetune.pipeline_layout import compare_pp_is_main, compare_pp_repeats_main

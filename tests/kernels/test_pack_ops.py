@@ -21,9 +21,13 @@ import torch
 
 import elastic_kernels
 from elastic_kernels import ChunkLayout
-from elastic_kernels.ops import pack, pack_triton
+from elastic_kernels.ops import pack, pack_triton, register_triton_ops
 from elastic_kernels.ops.pack_reference import pack_shards_reference, unpack_gathered_reference
 from tests import _skips
+
+# The tests reach the Triton ops as torch.ops.elastic.*, which exist once registered: they register
+# on first need ([Note: Triton ops register lazily] in elastic_kernels/ops/_lazy.py).
+register_triton_ops()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8]
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]

@@ -41,7 +41,11 @@ import torch
 import torch.nn.functional as F
 
 import elastic_kernels
-from elastic_kernels.ops import paged_linear as pl
+from elastic_kernels.ops import paged_linear as pl, register_triton_ops
+
+# The tests reach the Triton ops as torch.ops.elastic.*, which exist once registered: they register
+# on first need ([Note: Triton ops register lazily] in elastic_kernels/ops/_lazy.py).
+register_triton_ops()
 
 K_RULE = 2.0
 U = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import elastic_kernels
-from elastic_kernels.ops import dequant as dq
+from elastic_kernels.ops import dequant as dq, register_triton_ops
 from elastic_kernels.ops.dequant_reference import dequant_chunks_into_reference, dequant_chunks_reference
 from elastic_kernels.ops.pack_reference import pack_shards_reference, unpack_gathered_reference
 from elastic_kernels.quant import (
@@ -34,6 +34,10 @@ from elastic_kernels.quant import (
     quantize_nf4,
 )
 from tests import _skips
+
+# The tests reach the Triton ops as torch.ops.elastic.*, which exist once registered: they register
+# on first need ([Note: Triton ops register lazily] in elastic_kernels/ops/_lazy.py).
+register_triton_ops()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SENTINEL = -7.0  # written around `out` to catch stray stores

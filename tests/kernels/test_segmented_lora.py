@@ -24,8 +24,12 @@ import torch
 import torch.nn.functional as F
 
 import elastic_kernels
-from elastic_kernels.ops import segmented_lora as sl, segmented_lora_reference
+from elastic_kernels.ops import register_triton_ops, segmented_lora as sl, segmented_lora_reference
 from tests.kernels.test_paged_linear import assert_bound, assert_k_rule
+
+# The tests reach the Triton ops as torch.ops.elastic.*, which exist once registered: they register
+# on first need ([Note: Triton ops register lazily] in elastic_kernels/ops/_lazy.py).
+register_triton_ops()
 
 # (T, in, out, seg_offsets, ranks). The interpreter's tiles are 32 wide: in=33 / out=40 cross
 # one tile boundary; segments of 47 rows span two row tiles; rank 40 spans two rank blocks.

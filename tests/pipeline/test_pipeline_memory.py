@@ -1,5 +1,5 @@
 """A pipelined step's measured tensor peak against the pipeline memory model
-([Note: the pipeline memory model] in python_api/planner/pipeline_model.py), per rank.
+([Note: the pipeline memory model] in python_api/planner/pipeline_sim.py), per rank.
 
 The demo model's shape with 8 layers (hidden 256), 2 gloo ranks (pp 2), weights in the host
 store (so every pack has a pool: loads, releases and prefetches are real), three schedules and

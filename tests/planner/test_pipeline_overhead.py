@@ -1,5 +1,5 @@
 """The per-action overhead of the pipeline cost model and its measurement ([Note: the per-action
-overhead] in python_api/planner/pipeline_model.py, [Note: measuring the per-action overhead] in
+overhead] in python_api/planner/pipeline_sim.py, [Note: measuring the per-action overhead] in
 python_api/pipeline/profile.py), and the two memory terms added with it ([Note: the pipeline
 memory model]: loads on demand gather unit by unit; P2P sends keep their tensors, with most
 schedules to the step's end).

@@ -345,7 +345,7 @@ def test_plans_keep_the_profiles_format(weights_on, kwargs):
                                                           # 101 odd: 64 rows per chunk for block 64)
                                                           (70, 688, 2, 688 * 2 * 6, 2), (150, 101, 4, 4096, 3)])
 def test_pipeline_weight_bytes_are_the_runtimes_quantized_layout(fmt, rows, cols, elem, chunk_bytes, dp):
-    """The pipeline planner's weight (planner/pipeline_model.py PipeWeight) sizes a quantized
+    """The pipeline planner's weight (planner/pipeline_profile.py PipeWeight) sizes a quantized
     weight as the runtime stores it: rows per chunk from the weight's own rows (rounded to whole
     blocks, ElasticPolicy.weight_rows_per_chunk), each chunk a blob, the image sharded by
     QuantizedLayout.image_layout (ragged last chunk included)."""
