@@ -108,6 +108,10 @@ class ElasticPolicy:
                        54 MiB of static memory per rank at budget 0 but raises the tensor peak
                        by 238 MiB (the whole table gathered at once). See [Note: embeddings
                        under the runtime] in python_api/nn/embedding.py.
+    table_block_bytes  with shard_embeddings, the most bytes of one row block of a table or
+                       output layer (each block its own unit, gathered, used and released in
+                       turn); None: the largest unit of the other weights (a decoder layer).
+                       See [Note: a table in row blocks] in python_api/nn/embedding.py.
     weights_on         where the source of truth of the frozen weights lives: "device" (each
                        rank keeps its shard on the device) or "host" (one whole copy per node in
                        shared host memory, the host store; no device shard at all: every chunk
@@ -163,6 +167,7 @@ class ElasticPolicy:
     grad_bucket_bytes: int | None = 1 << 20
     replicate_below_bytes: int = 1 << 20
     shard_embeddings: bool = False
+    table_block_bytes: int | None = None
     weights_on: str = "device"
     host_fraction: float | None = None
     offload_activations: bool = False
@@ -199,6 +204,8 @@ class ElasticPolicy:
                 )
         if self.collective_bytes is not None and (not _is_int(self.collective_bytes) or self.collective_bytes <= 0):
             raise ValueError(f"ElasticPolicy.collective_bytes must be None or a positive int, got {self.collective_bytes!r}")
+        if self.table_block_bytes is not None and (not _is_int(self.table_block_bytes) or self.table_block_bytes <= 0):
+            raise ValueError(f"ElasticPolicy.table_block_bytes must be None or a positive int, got {self.table_block_bytes!r}")
         if not isinstance(self.shard_embeddings, bool):
             raise ValueError(f"ElasticPolicy.shard_embeddings must be True or False, got {self.shard_embeddings!r}")
         if not _is_int(self.replicate_below_bytes) or self.replicate_below_bytes < 0:

@@ -59,8 +59,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..distributed.collectives import all_gather_into
 from ..runtime import ElasticTensor, Phase
-from .linear import refuse_conversion
+from .linear import LOW_PRECISION, dequantized_views, keeps_for_backward, no_autocast, op_dtype, refuse_conversion
 
 
 def can_shard_embedding(module: nn.Module) -> bool:
@@ -69,51 +70,314 @@ def can_shard_embedding(module: nn.Module) -> bool:
     return type(module) is nn.Embedding and module.max_norm is None and module.weight.dim() == 2
 
 
-class ElasticEmbedding(nn.Module):
-    """A frozen embedding whose table is an elastic tensor (same call as `nn.Embedding`)."""
+def table_blocks(rows: int, row_bytes: int, rows_per_chunk: int, limit_bytes: int) -> list[tuple[int, int]]:
+    """The row blocks [begin, end) of a table of `rows` rows ([Note: a table in row blocks]):
+    whole chunks of `rows_per_chunk` rows each, at most `limit_bytes` per block (at least one
+    chunk), the last block the rest."""
+    if rows < 1 or row_bytes < 1 or rows_per_chunk < 1 or limit_bytes < 1:
+        raise ValueError(f"table_blocks: rows {rows}, row_bytes {row_bytes}, rows_per_chunk {rows_per_chunk} and "
+                         f"limit_bytes {limit_bytes} must be positive")
+    rpc = min(rows_per_chunk, rows)
+    per_block = max(1, limit_bytes // (rpc * row_bytes)) * rpc
+    return [(r0, min(r0 + per_block, rows)) for r0 in range(0, rows, per_block)]
 
-    def __init__(self, et: ElasticTensor, padding_idx: int | None = None):
+
+def elastic_tensors_of(module: nn.Module) -> tuple[ElasticTensor, ...]:
+    """The elastic tensors holding `module`'s frozen weight, in row order: a table's row blocks
+    (`ets`), or the one tensor of a linear (`et`); () for any other module."""
+    ets = getattr(module, "ets", None)
+    if ets is not None:
+        return tuple(ets)
+    et = getattr(module, "et", None)
+    return (et,) if isinstance(et, ElasticTensor) else ()
+
+
+class _Blocks:
+    """What a table's modules share: its row blocks (elastic tensors) and where each begins."""
+
+    def __init__(self, ets, what: str):
+        ets = tuple(ets)
+        if not ets or not all(isinstance(et, ElasticTensor) for et in ets):
+            raise TypeError(f"{what}: expected a non-empty sequence of ElasticTensor row blocks, got {ets!r}")
+        first = ets[0]
+        for et in ets:
+            if len(et.shape) != 2 or et.shape[1] != first.shape[1] or et.dtype != first.dtype \
+                    or et.runtime is not first.runtime:
+                raise ValueError(f"{what}: the row blocks {[e.name for e in ets]} differ in width, dtype or runtime")
+        self.ets = ets
+        starts, n = [], 0
+        for et in ets:
+            starts.append(n)
+            n += et.shape[0]
+        self.starts = tuple(starts)
+        self.rows, self.cols = n, first.shape[1]
+
+
+class ElasticEmbedding(nn.Module):
+    """A frozen embedding whose table is held by the runtime in row blocks (same call as
+    `nn.Embedding`; [Note: embeddings under the runtime], [Note: a lookup reads only its rows])."""
+
+    def __init__(self, ets, padding_idx: int | None = None):
         super().__init__()
-        if et.qlayout is not None:
-            raise ValueError(f"{et.name}: an embedding table is never quantized ([Note: embeddings under the runtime])")
-        self.et = et
-        self.num_embeddings, self.embedding_dim = et.shape
+        if isinstance(ets, ElasticTensor):
+            ets = (ets,)
+        blocks = _Blocks(ets, "ElasticEmbedding")
+        for et in blocks.ets:
+            if et.qlayout is not None:
+                raise ValueError(f"{et.name}: an embedding table is never quantized ([Note: embeddings under the runtime])")
+        self.ets = blocks.ets
+        self._starts = blocks.starts
+        self.num_embeddings, self.embedding_dim = blocks.rows, blocks.cols
         self.padding_idx = padding_idx
+
+    @property
+    def name(self) -> str:
+        return self.ets[0].name.rpartition(".rows")[0] or self.ets[0].name
 
     @torch.compiler.disable  # talks to the runtime: [Note: torch.compile] in linear.py
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        et = self.et
+        first = self.ets[0]
         if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"{et.name}: the input must be a torch.Tensor of token ids, got {type(ids).__name__}")
+            raise TypeError(f"{self.name}: the input must be a torch.Tensor of token ids, got {type(ids).__name__}")
         if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{et.name}: token ids must be int64 or int32, got {ids.dtype}")
-        if ids.device != et.device:
-            raise ValueError(f"{et.name}: token ids are on {ids.device}, the table lives on {et.device}")
-        flat = ids.reshape(-1)
+            raise TypeError(f"{self.name}: token ids must be int64 or int32, got {ids.dtype}")
+        if ids.device != first.device:
+            raise ValueError(f"{self.name}: token ids are on {ids.device}, the table lives on {first.device}")
+        flat = ids.reshape(-1).long()
         if flat.numel():
             lo, hi = int(flat.min()), int(flat.max())
             if lo < 0 or hi >= self.num_embeddings:
-                raise IndexError(f"{et.name}: token id {lo if lo < 0 else hi} is out of range for an embedding of "
+                raise IndexError(f"{self.name}: token id {lo if lo < 0 else hi} is out of range for an embedding of "
                                  f"{self.num_embeddings} rows")
-        rt = et.runtime
-        with torch.no_grad(), rt.use(et, Phase.FORWARD, needs_backward=False) as resident:
-            whole = resident.whole()
-            if whole is not None:  # a resident run: one lookup
-                return F.embedding(ids, whole)
-            chunks = resident.chunks()
-            out = torch.empty(flat.numel(), self.embedding_dim, dtype=et.dtype, device=et.device)
-            rpc = et.layout.rows_per_chunk
-            which = torch.div(flat, rpc, rounding_mode="floor")
-            for c in torch.unique(which).tolist():
-                sel = (which == c).nonzero().squeeze(1)
-                out.index_copy_(0, sel, chunks[c].index_select(0, flat.index_select(0, sel) - c * rpc))
-            return out.view(*ids.shape, self.embedding_dim)
+        with torch.no_grad():
+            out = lookup_rows(self.ets, self._starts, self.embedding_dim, flat)
+        return out.view(*ids.shape, self.embedding_dim)
 
     def _apply(self, fn, recurse=True):
-        refuse_conversion(self, fn)
+        for et in self.ets:
+            refuse_conversion(_Probe(et), fn)
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, chunks={self.et.num_chunks}, "
-                f"world_size={self.et.layout.world_size}")
+        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, blocks={len(self.ets)}, "
+                f"chunks={sum(et.num_chunks for et in self.ets)}, world_size={self.ets[0].layout.world_size}")
+
+
+class _Probe:
+    """`refuse_conversion` reads `module.et`."""
+
+    def __init__(self, et):
+        self.et = et
+
+
+def _own_rows(et: ElasticTensor, rows: torch.Tensor, rank: int, world_size: int):
+    """(values, owner) of rows `rows` (of this block) by [Note: chunk-major shard layout]:
+    owner[i, j] is the rank whose slice holds element j of row rows[i]; values[i, j] that
+    element where this rank owns it, else 0. Reads the shard, or a run's own elements."""
+    lay = et.layout
+    d, s, rpc = lay.cols, lay.slice_numel, lay.rows_per_chunk
+    c = torch.div(rows, rpc, rounding_mode="floor")
+    p = (rows - c * rpc).unsqueeze(1) * d + torch.arange(d, device=rows.device)  # element in its chunk
+    owner = torch.div(p, s, rounding_mode="floor")
+    mine = owner == rank
+    o = p - rank * s
+    if et.run is not None:  # in the run, chunk c begins at c * W * S and this rank's slice at r * S
+        flat, idx = et.run.buffer, (c * world_size * s + rank * s).unsqueeze(1) + o
+    elif et.shard is not None:  # chunk-major: slice r of chunk c at c * S of the shard
+        flat, idx = et.shard, (c * s).unsqueeze(1) + o
+    else:
+        raise RuntimeError(f"{et.name}: no shard on this rank")
+    idx = torch.where(mine, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
+    values = torch.where(mine, flat.take(idx), torch.zeros((), dtype=flat.dtype, device=flat.device))
+    return values, owner
+
+
+def _host_rows(et: ElasticTensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a block kept in the host store (weights_on="host": every rank reads it whole)."""
+    out = torch.empty(rows.numel(), et.shape[1], dtype=et.dtype, device=et.device)
+    rpc = et.layout.rows_per_chunk
+    which = torch.div(rows, rpc, rounding_mode="floor")
+    for c in torch.unique(which).tolist():
+        sel = (which == c).nonzero().squeeze(1)
+        chunk = et.host_chunk(c).to(et.device)
+        out.index_copy_(0, sel, chunk.index_select(0, rows.index_select(0, sel) - c * rpc))
+    return out
+
+
+def _by_block(ids: torch.Tensor, starts: tuple[int, ...]):
+    """(block, positions in `ids`, rows in that block) for every block some id falls in."""
+    bounds = torch.tensor(starts[1:], dtype=torch.int64, device=ids.device)
+    block = torch.bucketize(ids, bounds, right=True)
+    for k in torch.unique(block).tolist():
+        sel = (block == k).nonzero().squeeze(1)
+        yield k, sel, ids.index_select(0, sel) - starts[k]
+
+
+def lookup_rows(ets: tuple[ElasticTensor, ...], starts: tuple[int, ...], cols: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D int64, in range) of the table held in row blocks `ets` beginning at
+    `starts`, bit for bit ([Note: a lookup reads only its rows]). A collective of the
+    runtime's group unless the table is kept whole (runs) or in the host store."""
+    rt = ets[0].runtime
+    rt.check_open("lookup")
+    w, rank, device = rt.world_size, rt.rank, ets[0].device
+    if all(et.run is not None for et in ets):  # kept whole: every block used (filled once), rows read
+        out = torch.empty(ids.numel(), cols, dtype=ets[0].dtype, device=device)
+        wholes = []
+        for et in ets:
+            with rt.use(et, Phase.FORWARD, needs_backward=False) as resident:
+                wholes.append(resident.whole())
+        for k, sel, rows in _by_block(ids, starts):
+            out.index_copy_(0, sel, wholes[k].index_select(0, rows))
+        return out
+    if all(et.shard is None and et.run is None for et in ets):  # weights_on="host"
+        out = torch.empty(ids.numel(), cols, dtype=ets[0].dtype, device=device)
+        for k, sel, rows in _by_block(ids, starts):
+            out.index_copy_(0, sel, _host_rows(ets[k], rows))
+        return out
+    # 1. every rank's ids (their counts first: batches may differ in length between ranks)
+    if w > 1:
+        count = torch.tensor([ids.numel()], dtype=torch.int64, device=device)
+        counts = torch.empty(w, dtype=torch.int64, device=device)
+        all_gather_into(counts, count, rt.group, async_op=False)
+        counts_l = counts.tolist()
+        width = max(counts_l)
+        send = torch.full((width,), -1, dtype=torch.int64, device=device)
+        send[: ids.numel()] = ids
+        every = torch.empty(w * width, dtype=torch.int64, device=device)
+        if width:
+            all_gather_into(every, send, rt.group, async_op=False)
+        every = every.view(w, width)
+        all_ids = torch.cat([every[q, : counts_l[q]] for q in range(w)])
+        mine_at = sum(counts_l[:rank])
+    else:
+        counts_l, width, all_ids, mine_at = [ids.numel()], ids.numel(), ids, 0
+    # 2. the rows any rank reads, once each: this rank's elements of them, the owner of each element
+    wanted, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+    u = wanted.numel()
+    values = torch.zeros(u, cols, dtype=ets[0].dtype, device=device)
+    owner = torch.zeros(u, cols, dtype=torch.int64, device=device)
+    per_weight = {}
+    for k, sel, rows in _by_block(wanted, starts):
+        v, o = _own_rows(ets[k], rows, rank, w)
+        values.index_copy_(0, sel, v)
+        owner.index_copy_(0, sel, o)
+        per_weight[ets[k].name] = (w - 1) * sel.numel() * cols * ets[k].element_size
+    # 3. one all-gather of those rows; each element taken from its owner (a copy, no sum)
+    if w > 1 and u:
+        received = torch.empty(w * u * cols, dtype=values.dtype, device=device)
+        all_gather_into(received, values.view(-1), rt.group, async_op=False)
+        rows = received.view(w, u, cols).gather(0, owner.unsqueeze(0)).squeeze(0)
+    else:
+        rows = values
+    if w > 1:
+        rt.count_gather(per_weight if u else {}, other_bytes=(w - 1) * 8 * (1 + width),
+                        calls=1 + int(width > 0) + int(u > 0))
+    return rows.index_select(0, inverse[mine_at : mine_at + ids.numel()])
+
+
+class ElasticBlocksLinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ + b over a weight held in row blocks ([Note: a table in row blocks]): each block
+    one use of the runtime, in row order, chunk by chunk as in `ElasticLinearFunction`
+    (linear.py); backward likewise, dx accumulated over every chunk in row order."""
+
+    @staticmethod
+    def forward(ctx, x, bias, ets, starts, dtype, keep_for_backward):
+        rt = ets[0].runtime
+        out_features = sum(et.shape[0] for et in ets)
+        with no_autocast(x.device.type):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            y = x2.new_empty(x2.shape[0], out_features)
+            for et, base in zip(ets, starts):
+
+                def fwd_chunk(c, w, et=et, base=base):
+                    r0, r1 = et.layout.chunk_rows(c)
+                    w = dequantized_views(et, [w], dtype, c)[0]
+                    y[:, base + r0 : base + r1] = F.linear(x2, w.to(dtype), None if b is None else b[base + r0 : base + r1])
+
+                with rt.use(et, Phase.FORWARD, needs_backward=keep_for_backward) as resident:
+                    whole = resident.whole()
+                    if whole is not None:
+                        end = base + et.shape[0]
+                        y[:, base:end] = F.linear(x2, whole.to(dtype), None if b is None else b[base:end])
+                    else:
+                        resident.execute(fwd_chunk)
+        ctx.ets, ctx.starts, ctx.dtype = ets, starts, dtype
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ets, starts, dtype = ctx.ets, ctx.starts, ctx.dtype
+        dx = db = None
+        out_features = sum(et.shape[0] for et in ets)
+        with no_autocast(dy.device.type):
+            dy2 = dy.reshape(-1, out_features).to(dtype)
+            if ctx.needs_input_grad[0]:
+                low = dtype in LOW_PRECISION
+                # As ElasticLinearFunction's chunked dgrad: one accumulator over every chunk in row order.
+                acc = torch.zeros(dy2.shape[0], ets[0].shape[1], device=dy2.device,
+                                  dtype=torch.float32 if low else dtype)
+
+                def add(rows, w):
+                    if low:
+                        acc.add_(dy2[:, rows] @ w.to(dtype))
+                    else:
+                        acc.addmm_(dy2[:, rows], w.to(dtype))
+
+                for et, base in zip(ets, starts):
+
+                    def dgrad_chunk(c, w, et=et, base=base):
+                        r0, r1 = et.layout.chunk_rows(c)
+                        add(slice(base + r0, base + r1), dequantized_views(et, [w], dtype, c)[0])
+
+                    with et.runtime.use(et, Phase.BACKWARD) as resident:
+                        whole = resident.whole()
+                        if whole is not None:
+                            add(slice(base, base + et.shape[0]), whole)
+                        else:
+                            resident.execute(dgrad_chunk)
+                dx = acc.view(ctx.x_shape).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                db = dy2.sum(0).to(ctx.bias_dtype)
+        return dx, db, None, None, None, None
+
+
+class ElasticBlocksLinear(nn.Module):
+    """A frozen output layer whose weight [vocab, hidden] is held by the runtime in row blocks
+    (same call as `nn.Linear`; [Note: a table in row blocks]): a tied head shares its
+    embedding's blocks (`ets`, one tuple, one copy)."""
+
+    def __init__(self, ets, bias: nn.Parameter | None):
+        super().__init__()
+        if isinstance(ets, ElasticTensor):
+            ets = (ets,)
+        blocks = _Blocks(ets, "ElasticBlocksLinear")
+        self.ets = blocks.ets
+        self._starts = blocks.starts
+        self.out_features, self.in_features = blocks.rows, blocks.cols
+        self.bias = bias
+        self.fan_in_fan_out = False
+
+    @property
+    def name(self) -> str:
+        return self.ets[0].name.rpartition(".rows")[0] or self.ets[0].name
+
+    @torch.compiler.disable  # [Note: torch.compile] in linear.py
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = op_dtype(x, self.ets[0].dtype, self.name)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        return ElasticBlocksLinearFunction.apply(x, self.bias, self.ets, self._starts, dtype, keeps_for_backward(x))
+
+    def _apply(self, fn, recurse=True):
+        for et in self.ets:
+            refuse_conversion(_Probe(et), fn)
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"blocks={len(self.ets)}, chunks={sum(et.num_chunks for et in self.ets)}, "
+                f"world_size={self.ets[0].layout.world_size}")
