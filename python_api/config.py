@@ -101,13 +101,15 @@ class ElasticPolicy:
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears and embeddings
                        smaller than this replicated (sharding them would cost more collectives
                        than memory).
-    shard_embeddings   True: convert_to_elastic puts the model's `nn.Embedding` tables under
-                       the runtime (sharded and cached like the linears; a tied output layer
-                       shares the table's one elastic tensor). False (default): they, and a
-                       linear tied to one, stay replicated: on SmolLM2-135M sharding them saves
-                       54 MiB of static memory per rank at budget 0 but raises the tensor peak
-                       by 238 MiB (the whole table gathered at once). See [Note: embeddings
-                       under the runtime] in python_api/nn/embedding.py.
+    shard_embeddings   True: convert_to_elastic puts the model's `nn.Embedding` tables and its
+                       output layer under the runtime, in row blocks (sharded and cached like
+                       the linears; a tied output layer shares the table's blocks; a lookup
+                       exchanges only the rows it reads). False (default): they, and a linear
+                       tied to one, stay replicated: on SmolLM2-135M at budget 0 sharding
+                       lowers static memory by 54 MiB and the tensor peak by 27 MiB per rank,
+                       but runs at 0.84x the replicated table's tokens/s (its blocks gathered
+                       in the head's forward and backward). See [Note: embeddings under the
+                       runtime] in python_api/nn/embedding.py.
     table_block_bytes  with shard_embeddings, the most bytes of one row block of a table or
                        output layer (each block its own unit, gathered, used and released in
                        turn); None: the largest unit of the other weights (a decoder layer).

@@ -1,33 +1,25 @@
-"""A frozen embedding whose table is an elastic tensor: `ElasticEmbedding`. Putting a model's
-embeddings under the runtime (and a tied output layer with them): convert.py.
+"""A frozen embedding whose table is held by the runtime in row blocks (`ElasticEmbedding`), and
+an output layer on row blocks (`ElasticBlocksLinear`: a tied head shares its embedding's
+blocks). Putting a model's embeddings under the runtime: convert.py.
 
 [Note: embeddings under the runtime]
 With `ElasticPolicy.shard_embeddings=True` (default False, see the last item) an
 `nn.Embedding` of a converted model of at least `replicate_below_bytes` bytes (like the other
 non-target linears) becomes an `ElasticEmbedding`: its table [num_embeddings, embedding_dim]
-is registered with the runtime like a linear's weight [out, in] (rows = token ids), so it is
-sharded, gathered into pool pages or a resident run, budgeted, prefetched in the learned
-order and held in the host tier like every frozen weight.
-- A lookup gathers the whole table through the runtime (`rt.use`) and reads its rows from the
-  gathered chunks: `F.embedding` on the run when the table is held whole (a resident run,
-  [Note: resident runs] in python_api/runtime/tensor.py), else an index_select per chunk the
-  ids fall in, copied into the output: the same bytes as `F.embedding` (a copy of rows, no
-  arithmetic), so the output is bit for bit the plain layer's. Gathering only the rows a batch
-  reads was not built: the runtime's unit is a chunk whose rows are split across ranks at
-  element granularity (chunk-major slices, not whole rows) and the rows each rank reads differ
-  (the ids are per rank), so it needs an id exchange and a row-addressed collective outside
-  the pool and the learned prefetch; and with a tied output layer (SmolLM2) the head's forward
-  and backward need the whole table anyway, so rows alone would save one of three gathers,
-  not the peak (below).
-- Tied output layer: a frozen `nn.Linear` (not a LoRA target) whose weight IS the embedding's
-  (`tie_word_embeddings`, GPT-2's wte/lm_head) becomes an `ElasticLinear` on the *same*
-  `ElasticTensor`: one registration, one shard, one copy in the pool, used three times a
-  step (lookup, head forward, head backward). The tie is kept as that relation:
-  `model.get_input_embeddings().et is model.get_output_embeddings().et` (neither has a
-  `.weight`: the table lives in the runtime). The state dict holds both original keys with one
-  gathered tensor (transformers' save_pretrained then writes it once, as for a plain tied
-  model); `merge_adapters` gives back an `nn.Embedding` and an `nn.Linear` sharing one
-  Parameter.
+is registered with the runtime like a linear's weight [out, in] (rows = token ids), in row
+blocks ([Note: a table in row blocks]), so it is sharded, gathered into pool pages or a
+resident run, budgeted, prefetched in the learned order and held in the host tier like every
+frozen weight. A lookup exchanges only the rows it reads ([Note: a lookup reads only its rows]).
+- Output layer: a frozen `nn.Linear` (not a LoRA target) whose weight IS the embedding's
+  (`tie_word_embeddings`, GPT-2's wte/lm_head) becomes an `ElasticBlocksLinear` on the *same*
+  row blocks: one registration each, one shard, one copy in the pool. The tie is kept as that
+  relation: `model.get_input_embeddings().ets is model.get_output_embeddings().ets` (neither
+  has a `.weight`: the table lives in the runtime). The state dict holds both original keys
+  with one gathered tensor (the blocks concatenated; transformers' save_pretrained then writes
+  it once, as for a plain tied model); `merge_adapters` gives back an `nn.Embedding` and an
+  `nn.Linear` sharing one Parameter. An untied output layer (the model's
+  `get_output_embeddings()`, a frozen non-target `nn.Linear`, not quantized) is held in row
+  blocks of its own the same way.
 - Kept replicated (as before): an embedding whose weight another module uses in another way
   (a LoRA target tied to it is refused, as before), one with `max_norm` (a lookup renormalises
   the table in place), subclasses of `nn.Embedding` (their forward may do more than a lookup,
@@ -35,22 +27,70 @@ order and held in the host tier like every frozen weight.
 - Weight formats: an embedding is never quantized (bitsandbytes quantizes linears only, and
   QLoRA keeps the output layer in full precision: [Note: what QLoRA keeps in full precision]
   in convert.py): conversion adds every sharded embedding's name to `quant_skip_modules`, so
-  a tied output layer stays in full precision with it.
-- Bytes: at budget 0 the table is gathered once per step for the lookup ((W-1)/W of its padded
-  bytes on each rank), and a tied table twice more (head forward and backward), where before
-  nothing of it was gathered (tests/nn/test_elastic_embedding.py counts them exactly).
+  a tied output layer stays in full precision with it (the blocks' names,
+  "<name>.rows<begin>-<end>", fall under it).
+- Bytes at budget 0, per step: a head's blocks are gathered in its forward and backward
+  ((W-1)/W of their padded bytes each time); a lookup receives W-1 copies of the distinct rows
+  all ranks read, plus the ids (tests/nn/test_elastic_embedding.py counts them exactly).
 - Why the default is False: measured on SmolLM2-135M (tied, vocab 49152 x 576, fp32; 2 gloo
-  ranks, budget 0, bench/results/2026-12-03_embeddings.md), sharding the table takes the
-  static tensors per rank from 333.0 to 279.0 MiB (FSDP2: 261.2; what is left above it is
-  the shards' ragged-chunk padding, 13.1 MiB, and the replicated adapters, 9.3 MiB against
-  FSDP2's 4.7) but the tensor peak from 623.8 to 861.8 MiB (FSDP2: 635.7): a use gathers the
-  whole table at once, into 435 pool pages (the pool's working set grows from two decoder
-  layers to the table plus one) through coalesced all-gathers that are all in flight
-  together, each with its W-slice receive buffer and its packed send buffer, where FSDP2
-  lands the table in one flat buffer. Until a table is gathered in bounded pieces (e.g. row
-  blocks registered as separate tensors, each its own unit, prefetched one ahead like the
-  decoder layers; or a cap on one use's bytes in flight in the runtime), sharding it lowers
-  static memory and raises the peak, so it is opt-in.
+  ranks, budget 0, interleaved; bench/results/2026-12-03_embeddings.md, run 3), sharding the
+  table in row blocks with the rows-only lookup takes the static tensors per rank from 333.0
+  to 279.0 MiB and the tensor peak from 623.8 to 596.4 MiB (the whole-table design: 861.8;
+  FSDP2: 261.2 static, 635.7 peak), but runs at 0.84x the replicated table's tokens/s
+  (median of 6 per-round ratios, 5 of them below 0.89): the head's blocks are gathered in its
+  forward and backward, 2 x 54 MiB received per step at 2 ranks where a replicated table
+  moves nothing. Nor does it beat FSDP2 on static memory (+17.8 MiB: the shards' ragged-chunk
+  padding, 13.1, and the replicated adapters, 9.3 against 4.7). So it stays opt-in, for runs
+  that memory binds, not time.
+
+[Note: a table in row blocks]
+Gathering a whole table for one use (the design before this one) put all of its chunks in
+flight at once: on SmolLM2-135M (vocab 49152 x 576, fp32, 108 MiB) 435 pool pages and
+coalesced all-gathers of up to 32 MiB per rank with their W-slice receive and packed send
+buffers, +238 MiB of tensor peak at budget 0 (bench/results/2026-12-03_embeddings.md, run 2).
+So conversion registers a table (and an output layer, tied or not) as several elastic
+tensors, its *row blocks*: whole chunks each, at most `ElasticPolicy.table_block_bytes`
+bytes (default: the largest unit of the model's other weights, i.e. a decoder layer: on
+SmolLM2-135M at the CLI's 256 KiB chunks 8 blocks of 6102 rows and one of 336, each at most
+13.5 MiB; a ragged last chunk alone joins the block before it), each its own unit.
+The head (`ElasticBlocksLinearFunction`) then uses the blocks one after the other, forward
+and backward, in row order, so the runtime gathers, uses and releases them like consecutive
+decoder layers and prefetches one ahead (`prefetch_depth`): one use has at most
+(1 + prefetch_depth) blocks in flight, which is what the pool's working set already holds
+for two decoder layers. Chosen over a cap on one use's bytes inside the runtime: separate
+tensors need no change to the runtime's uses, gathers, learned order or prefetch (a block is
+a weight like any other, the same machinery the decoder layers are bounded by), where a cap
+inside one use would stream a use's chunks against its own prefetch and the learned order's
+segments. Arithmetic: the blocks are whole chunks of the table's chunking, and each block's
+product is computed chunk by chunk as `ElasticLinearFunction` does, dx accumulated in one
+buffer over every chunk in row order, so logits and dx are bit for bit those of the unblocked
+chunked head ([Note: chunked compute and bit-exactness] in linear.py: the dense `F.linear`
+differs from both in fp32 rounding only); a block held whole (a run) is one GEMM per block.
+
+[Note: a lookup reads only its rows]
+A batch reads a few hundred rows of a table of tens of thousands: gathering the table for it
+(one use = the whole table's bytes, as the head's) moves about vocab / distinct-ids times
+what the lookup needs, and with a tied table a third gather per step. Measured on SmolLM2
+(128 random ids per rank, 2 ranks, bench/bench_embedding_lookup.py; 2026-12-03_embeddings.md,
+run 3): the rows 590,856 bytes received, 4.1 MiB of tensor growth, against the gathered
+table's 56,623,104 bytes and 48.3 MiB, and 29.6x faster (median of 10 interleaved per-round
+ratios [10.3, 44.5]). So at budget 0 (the table not kept whole) a lookup is an
+exchange of rows outside the pool: (1) the ranks all-gather their id counts and their ids
+(padded to the longest: batches may differ in length); (2) every rank takes the distinct ids
+of all ranks, U (sorted: the same on every rank), and fills a [|U|, cols] buffer with the
+elements of those rows that its shard holds, zeros elsewhere, by the chunk-major layout
+([Note: chunk-major shard layout] in elastic_kernels/layout.py: element j of row q of chunk c
+is held by rank (q * cols + j) // slice_numel); (3) one all-gather of those buffers, and each
+element of each row is taken (`gather`, a copy) from the rank that holds it: no sum, so the
+rows are the table's bits (negative zeros included: 0 + -0 would be +0); (4) each rank picks
+its own ids' rows. Bytes received per lookup: (W-1) * (8 + 8 * longest batch + |U| * cols *
+element size), counted in the runtime's all-gather stats (`count_gather`; per block for the
+rows). When every block is held whole (resident runs, budget all) the lookup uses the blocks
+(filled once, then O(1)) and reads its rows locally; with the weights in the host store it
+reads the rows there; at world size 1 it reads the local shard: none of these communicate.
+The layout arithmetic in `_own_rows` is this module's copy of the shard layout: a change of
+the layout (e.g. the ragged last chunk's slices) must change it too (the lookup tests compare
+bits against the table and would fail).
 """
 
 from __future__ import annotations
@@ -73,13 +113,17 @@ def can_shard_embedding(module: nn.Module) -> bool:
 def table_blocks(rows: int, row_bytes: int, rows_per_chunk: int, limit_bytes: int) -> list[tuple[int, int]]:
     """The row blocks [begin, end) of a table of `rows` rows ([Note: a table in row blocks]):
     whole chunks of `rows_per_chunk` rows each, at most `limit_bytes` per block (at least one
-    chunk), the last block the rest."""
+    chunk), the last block the rest; a rest shorter than one chunk (the ragged last chunk
+    alone) joins the block before it rather than being a block (and a collective) of its own."""
     if rows < 1 or row_bytes < 1 or rows_per_chunk < 1 or limit_bytes < 1:
         raise ValueError(f"table_blocks: rows {rows}, row_bytes {row_bytes}, rows_per_chunk {rows_per_chunk} and "
                          f"limit_bytes {limit_bytes} must be positive")
     rpc = min(rows_per_chunk, rows)
     per_block = max(1, limit_bytes // (rpc * row_bytes)) * rpc
-    return [(r0, min(r0 + per_block, rows)) for r0 in range(0, rows, per_block)]
+    blocks = [(r0, min(r0 + per_block, rows)) for r0 in range(0, rows, per_block)]
+    if len(blocks) > 1 and blocks[-1][1] - blocks[-1][0] < rpc:
+        blocks[-2:] = [(blocks[-2][0], rows)]
+    return blocks
 
 
 def elastic_tensors_of(module: nn.Module) -> tuple[ElasticTensor, ...]:

@@ -202,6 +202,22 @@ def test_tied_bytes_by_hand():
         0, 64, (2, 9), generator=torch.Generator().manual_seed(3))) >= 50).sum()), got
 
 
+def test_table_blocks():
+    """Row blocks by hand: whole chunks, at most the limit (at least one chunk); a ragged last
+    chunk alone joins the block before it."""
+    from elastic_kernels.api.nn.embedding import table_blocks
+
+    assert table_blocks(64, 128, 5, BLOCK) == [(0, 25), (25, 50), (50, 64)]
+    assert table_blocks(64, 128, 5, 1) == [(r, r + 5) for r in range(0, 55, 5)] + [(55, 64)]  # 4 rows join
+    assert table_blocks(64, 128, 5, 10**9) == [(0, 64)]
+    # SmolLM2-135M's table (49152 x 576 fp32) at 4 MiB chunks (1820 rows) under a decoder layer's
+    # 14,155,776 bytes: 3 chunks (5460 rows) a block; the last 12 rows join the ninth block.
+    blocks = table_blocks(49152, 2304, 1820, 14_155_776)
+    assert len(blocks) == 9 and blocks[-1] == (43680, 49152) and all(e - b == 5460 for b, e in blocks[:-1])
+    with pytest.raises(ValueError, match="must be positive"):
+        table_blocks(64, 128, 5, 0)
+
+
 # ------------------------------------------------------------------ the lookup: rows, not the table
 
 def _lookup_worker(rank, world_size):
