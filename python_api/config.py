@@ -106,10 +106,10 @@ class ElasticPolicy:
                        the linears; a tied output layer shares the table's blocks; a lookup
                        exchanges only the rows it reads). False (default): they, and a linear
                        tied to one, stay replicated: on SmolLM2-135M at budget 0 sharding
-                       lowers static memory by 54 MiB and the tensor peak by 27 MiB per rank,
-                       but runs at 0.84x the replicated table's tokens/s (its blocks gathered
-                       in the head's forward and backward). See [Note: embeddings under the
-                       runtime] in python_api/nn/embedding.py.
+                       lowers static memory by 54 MiB and the tensor peak by 27-38 MiB per
+                       rank, but moves 30% more all-gather bytes a step (0.87x the replicated
+                       table's tokens/s, pooled over two runs). See [Note: embeddings under
+                       the runtime] in python_api/nn/embedding.py.
     table_block_bytes  with shard_embeddings, the most bytes of one row block of a table or
                        output layer (each block its own unit, gathered, used and released in
                        turn); None: the largest unit of the other weights (a decoder layer).

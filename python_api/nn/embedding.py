@@ -33,15 +33,17 @@ frozen weight. A lookup exchanges only the rows it reads ([Note: a lookup reads 
   ((W-1)/W of their padded bytes each time); a lookup receives W-1 copies of the distinct rows
   all ranks read, plus the ids (tests/nn/test_elastic_embedding.py counts them exactly).
 - Why the default is False: measured on SmolLM2-135M (tied, vocab 49152 x 576, fp32; 2 gloo
-  ranks, budget 0, interleaved; bench/results/2026-12-03_embeddings.md, run 3), sharding the
+  ranks, budget 0, interleaved; bench/results/2026-12-03_embeddings.md, runs 3 and 4), the
   table in row blocks with the rows-only lookup takes the static tensors per rank from 333.0
-  to 279.0 MiB and the tensor peak from 623.8 to 596.4 MiB (the whole-table design: 861.8;
-  FSDP2: 261.2 static, 635.7 peak), but runs at 0.84x the replicated table's tokens/s
-  (median of 6 per-round ratios, 5 of them below 0.89): the head's blocks are gathered in its
-  forward and backward, 2 x 54 MiB received per step at 2 ranks where a replicated table
-  moves nothing. Nor does it beat FSDP2 on static memory (+17.8 MiB: the shards' ragged-chunk
-  padding, 13.1, and the replicated adapters, 9.3 against 4.7). So it stays opt-in, for runs
-  that memory binds, not time.
+  to 279.0 MiB and the tensor peak from 623.8-627.5 to 589.1-596.4 MiB (the whole-table
+  design: 861.8; FSDP2: 261.2 static, 635.7 peak): it now beats the replicated table on both
+  memory figures. Its speed against the replicated table: 0.843x in one run, 1.052x in the
+  other, 0.866x pooled (median of 12 per-round ratios, [0.62, 1.35], 8 of 12 below 1) on a
+  VM at load 20-25, with a mechanism behind the loss: the head's blocks are gathered in its
+  forward and backward, 402.4 -> 525.0 MiB all-gathered per step (+30%), 57 -> 80
+  collectives. Not shown to be within noise, so not switched; nor does it beat FSDP2 on
+  static memory (+17.8 MiB: the shards' ragged-chunk padding, 13.1, and the replicated
+  adapters, 9.3 against 4.7). Opt-in, for runs that memory binds, not time.
 
 [Note: a table in row blocks]
 Gathering a whole table for one use (the design before this one) put all of its chunks in
@@ -72,7 +74,7 @@ A batch reads a few hundred rows of a table of tens of thousands: gathering the 
 (one use = the whole table's bytes, as the head's) moves about vocab / distinct-ids times
 what the lookup needs, and with a tied table a third gather per step. Measured on SmolLM2
 (128 random ids per rank, 2 ranks, bench/bench_embedding_lookup.py; 2026-12-03_embeddings.md,
-run 3): the rows 590,856 bytes received, 4.1 MiB of tensor growth, against the gathered
+"the lookup"): the rows 590,856 bytes received, 4.1 MiB of tensor growth, against the gathered
 table's 56,623,104 bytes and 48.3 MiB, and 29.6x faster (median of 10 interleaved per-round
 ratios [10.3, 44.5]). So at budget 0 (the table not kept whole) a lookup is an
 exchange of rows outside the pool: (1) the ranks all-gather their id counts and their ids
