@@ -344,12 +344,12 @@ def other_embeddings(job, budget, shard: bool):
 
     from elastic_kernels.api.finetune import engines
 
-    plain = engines.policy_of
-    engines.policy_of = lambda *a, **k: dataclasses.replace(plain(*a, **k), shard_embeddings=shard)
+    plain = engines.elastic_policy  # the name engines.py calls (finetune/policy.py's)
+    engines.elastic_policy = lambda *a, **k: dataclasses.replace(plain(*a, **k), shard_embeddings=shard)
     try:
         return engines.ElasticEngine(job, budget)
     finally:
-        engines.policy_of = plain
+        engines.elastic_policy = plain
 
 
 def legacy_sync(engine):

@@ -101,13 +101,19 @@ class ElasticPolicy:
     replicate_below_bytes  convert_to_elastic keeps frozen non-target linears and embeddings
                        smaller than this replicated (sharding them would cost more collectives
                        than memory).
-    shard_embeddings   True: convert_to_elastic puts the model's `nn.Embedding` tables under
-                       the runtime (sharded and cached like the linears; a tied output layer
-                       shares the table's one elastic tensor). False (default): they, and a
-                       linear tied to one, stay replicated: on SmolLM2-135M sharding them saves
-                       54 MiB of static memory per rank at budget 0 but raises the tensor peak
-                       by 238 MiB (the whole table gathered at once). See [Note: embeddings
-                       under the runtime] in python_api/nn/embedding.py.
+    shard_embeddings   True: convert_to_elastic puts the model's `nn.Embedding` tables and its
+                       output layer under the runtime, in row blocks (sharded and cached like
+                       the linears; a tied output layer shares the table's blocks; a lookup
+                       exchanges only the rows it reads). False (default): they, and a linear
+                       tied to one, stay replicated: on SmolLM2-135M at budget 0 sharding
+                       lowers static memory by 54 MiB and the tensor peak by 27-38 MiB per
+                       rank, but moves 30% more all-gather bytes a step (0.87x the replicated
+                       table's tokens/s, pooled over two runs). See [Note: embeddings under
+                       the runtime] in python_api/nn/embedding.py.
+    table_block_bytes  with shard_embeddings, the most bytes of one row block of a table or
+                       output layer (each block its own unit, gathered, used and released in
+                       turn); None: the largest unit of the other weights (a decoder layer).
+                       See [Note: a table in row blocks] in python_api/nn/embedding.py.
     weights_on         where the source of truth of the frozen weights lives: "device" (each
                        rank keeps its shard on the device) or "host" (one whole copy per node in
                        shared host memory, the host store; no device shard at all: every chunk
@@ -163,6 +169,7 @@ class ElasticPolicy:
     grad_bucket_bytes: int | None = 1 << 20
     replicate_below_bytes: int = 1 << 20
     shard_embeddings: bool = False
+    table_block_bytes: int | None = None
     weights_on: str = "device"
     host_fraction: float | None = None
     offload_activations: bool = False
@@ -199,6 +206,8 @@ class ElasticPolicy:
                 )
         if self.collective_bytes is not None and (not _is_int(self.collective_bytes) or self.collective_bytes <= 0):
             raise ValueError(f"ElasticPolicy.collective_bytes must be None or a positive int, got {self.collective_bytes!r}")
+        if self.table_block_bytes is not None and (not _is_int(self.table_block_bytes) or self.table_block_bytes <= 0):
+            raise ValueError(f"ElasticPolicy.table_block_bytes must be None or a positive int, got {self.table_block_bytes!r}")
         if not isinstance(self.shard_embeddings, bool):
             raise ValueError(f"ElasticPolicy.shard_embeddings must be True or False, got {self.shard_embeddings!r}")
         if not _is_int(self.replicate_below_bytes) or self.replicate_below_bytes < 0:

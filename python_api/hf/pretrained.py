@@ -39,7 +39,8 @@ class ElasticPreTrainedMixin:
         if rt is not None and not only_trainable:
             # exclude_embeddings: transformers leaves out the nn.Embedding tables (and a head
             # tied to one: the same Parameter); an ElasticEmbedding's table is its tensor.
-            skip = {m.et.wid for m in self.modules() if isinstance(m, ElasticEmbedding)} if exclude_embeddings else set()
+            skip = {et.wid for m in self.modules() if isinstance(m, ElasticEmbedding)
+                    for et in m.ets} if exclude_embeddings else set()
             n += sum(math.prod(et.shape) for et in rt.tensors if et.wid not in skip)
         return n
 

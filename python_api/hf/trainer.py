@@ -26,6 +26,7 @@ import os
 import torch
 
 from ..nn.adapters import ADAPTER_WEIGHTS, adapter_state_dict, load_adapter, write_adapter
+from ..nn.embedding import elastic_tensors_of
 from ..nn.linear import RUNTIME_ATTR
 from ..nn.state_dict import gather_only
 
@@ -53,8 +54,9 @@ def _check_trl_head(cls, model) -> None:
         return
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if getattr(head, "et", None) is not None and not hasattr(head, "weight"):  # ElasticLinear / ElasticLoRALinear
-        nbytes = head.et.layout.rows * head.et.layout.cols * head.et.dtype.itemsize
+    ets = elastic_tensors_of(head) if head is not None else ()
+    if ets and not hasattr(head, "weight"):  # ElasticLinear / ElasticLoRALinear / ElasticBlocksLinear
+        nbytes = sum(et.layout.rows * et.layout.cols * et.dtype.itemsize for et in ets)
         raise ValueError(
             f"{cls.__name__}: TRL computes the loss with a fused LM head that reads the output layer's weight whole, "
             f"and this model's output layer is under the elastic runtime (sharded, {nbytes} bytes). Keep it "

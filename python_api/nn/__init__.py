@@ -1,7 +1,8 @@
 """The layers of the library and putting a model under the runtime:
 
-  embedding.py   ElasticEmbedding (a frozen embedding table on an elastic tensor; a tied
-                 output layer shares it)
+  embedding.py   ElasticEmbedding (a frozen embedding table held by the runtime in row
+                 blocks; a lookup exchanges only its rows) and ElasticBlocksLinear (an output
+                 layer on row blocks; a tied one shares the embedding's)
   linear.py      ElasticLinear (a frozen linear on an elastic tensor) and what every elastic
                  layer shares: the op dtype under autocast, per-use casts, refusing .to()
   lora.py        LoRAConfig, ElasticLoRAFunction, ElasticLoRALinear, LoRA targets; several
@@ -35,7 +36,7 @@ from .convert import (
     set_pool_budget,
     stats,
 )
-from .embedding import ElasticEmbedding
+from .embedding import ElasticBlocksLinear, ElasticEmbedding
 from .linear import ElasticLinear, ElasticLinearFunction
 from .lora import (
     ElasticLoRAFunction,
@@ -50,7 +51,7 @@ from .lora import (
 from .state_dict import gather_only, load_full_weight
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticEmbedding", "ElasticLinear", "ElasticLinearFunction",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "ElasticBlocksLinear", "ElasticEmbedding", "ElasticLinear", "ElasticLinearFunction",
     "ElasticLoRAFunction", "ElasticLoRALinear", "ElasticMultiLoRAFunction", "ElasticMultiLoRALinear", "LoRAConfig",
     "adapter_parameters", "adapter_state_dict", "close", "convert_to_elastic",
     "elasticize", "gather_only", "load_adapter", "load_full_weight", "lora_layers", "merge_adapters",

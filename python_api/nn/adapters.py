@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..distributed.agree import rank0_then_agree
 from .convert import runtime_of
-from .embedding import ElasticEmbedding
+from .embedding import ElasticBlocksLinear, ElasticEmbedding, elastic_tensors_of
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
     DEFAULT_ADAPTER,
@@ -123,9 +123,11 @@ def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
     # merged layers share one Parameter ([Note: embeddings under the runtime] in embedding.py).
     plain_of: dict[int, nn.Parameter] = {}
     for name, module in [(n, m) for n, m in model.named_modules()
-                         if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear, ElasticEmbedding))]:
+                         if isinstance(m, (ElasticLoRALinear, ElasticMultiLoRALinear, ElasticLinear, ElasticEmbedding,
+                                           ElasticBlocksLinear))]:
         parent_name, _, child = name.rpartition(".")
-        tied = plain_of.get(module.et.wid)
+        ets = elastic_tensors_of(module)  # a table's row blocks: [Note: a table in row blocks] in embedding.py
+        tied = plain_of.get(ets[0].wid)
         if tied is not None and name not in slots:
             if isinstance(module, ElasticEmbedding):
                 plain = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
@@ -137,14 +139,14 @@ def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
                 plain.bias = module.bias
             setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
             continue
-        weight = rt.full_weight(module.et)
+        weight = rt.full_weight(ets[0]) if len(ets) == 1 else torch.cat([rt.full_weight(et) for et in ets])
         if isinstance(module, ElasticEmbedding):
             plain = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                  device=weight.device, dtype=weight.dtype)
             with torch.no_grad():
                 plain.weight.copy_(weight)
             plain.requires_grad_(False)
-            plain_of[module.et.wid] = plain.weight
+            plain_of[ets[0].wid] = plain.weight
             setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
             continue
         if name in slots:
@@ -166,7 +168,7 @@ def merge_adapters(model: nn.Module, adapter: str | None = None) -> nn.Module:
                 plain.bias.zero_()
         plain.requires_grad_(False)
         if name not in slots and not module.fan_in_fan_out:
-            plain_of[module.et.wid] = plain.weight
+            plain_of[ets[0].wid] = plain.weight
         setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
     object.__setattr__(model, RUNTIME_ATTR, None)
     return model

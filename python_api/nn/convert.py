@@ -51,7 +51,7 @@ from ..distributed.agree import agree
 from ..distributed.launch import ensure_default_group
 from ..runtime import ElasticRuntime
 from . import ddp, state_dict  # submodules (hooks installed by attach)
-from .embedding import ElasticEmbedding, can_shard_embedding
+from .embedding import ElasticBlocksLinear, ElasticEmbedding, can_shard_embedding, table_blocks
 from .linear import RUNTIME_ATTR, ElasticLinear
 from .lora import (
     AdapterSelection,
@@ -114,6 +114,48 @@ def _embeddings_to_shard(model: nn.Module, policy: ElasticPolicy, targets: set[s
         embeddings[name] = tied
         heads.update({t: name for t in tied})
     return embeddings, heads
+
+
+def _untied_head_in_blocks(model: nn.Module, policy: ElasticPolicy, others: list[str]) -> str | None:
+    """With `shard_embeddings`, the model's output layer when it is an untied frozen linear put
+    under the runtime (not a LoRA target, not a Conv1D, not quantized): it is held in row
+    blocks like a table ([Note: a table in row blocks] in embedding.py). Else None."""
+    if not policy.shard_embeddings:
+        return None
+    name = _output_layer(model)
+    if name not in others or is_conv1d(model.get_submodule(name)) or policy.quantizes(name):
+        return None
+    return name
+
+
+def _block_limit(model: nn.Module, policy: ElasticPolicy, units: dict, tables: set) -> int | None:
+    """The most bytes of one row block of a table ([Note: a table in row blocks] in
+    embedding.py): `policy.table_block_bytes`, else the largest unit of the other weights
+    (a decoder layer); None (one block) when there is none."""
+    if policy.table_block_bytes is not None:
+        return policy.table_block_bytes
+    per_unit: dict[str, int] = {}
+    for name, unit in units.items():
+        if name not in tables:
+            w = model.get_submodule(name).weight
+            per_unit[unit or name] = per_unit.get(unit or name, 0) + w.numel() * w.element_size()
+    return max(per_unit.values(), default=None)
+
+
+def _register_blocks(runtime: ElasticRuntime, policy: ElasticPolicy, name: str, weight: torch.Tensor, rows,
+                     limit: int | None) -> tuple:
+    """Register `weight` [rows, cols] as its row blocks, each its own unit, named
+    "<name>.rows<begin>-<end>" (just `name` when one block holds it all)."""
+    n, cols = weight.shape
+    row_bytes = cols * weight.element_size()
+    rpc = policy.weight_rows_per_chunk(name, weight.shape, row_bytes)
+    blocks = table_blocks(n, row_bytes, rpc, limit if limit is not None else n * row_bytes)
+    out = []
+    for r0, r1 in blocks:
+        read = None if rows is None else (lambda b, e, r0=r0: rows(r0 + b, r0 + e))
+        block_name = name if len(blocks) == 1 else f"{name}.rows{r0}-{r1}"
+        out.append(runtime.register(weight[r0:r1], block_name, None, rows=read))
+    return tuple(out)
 
 
 def _output_layer(model: nn.Module) -> str:
@@ -198,23 +240,30 @@ def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None
     for name in sorted(chosen):  # before anything is read, sharded or gathered
         m = model.get_submodule(name)
         policy.check_quantizable(name, tuple(m.weight.shape)[::-1] if is_conv1d(m) else m.weight.shape)
+    blocked_head = _untied_head_in_blocks(model, policy, others)
     runtime = ElasticRuntime(policy, group=group, device=device)
     model.requires_grad_(False)
     replacements = []
     selection = None if single else AdapterSelection(tuple(adapters))
     units = assign_units(model, sorted(chosen | set(embeddings)), unit_modules)
+    block_limit = _block_limit(model, policy, units, set(embeddings) | {blocked_head})
     if source is not None:  # biases and every replicated tensor
         source.materialize(model, skip_modules=chosen | set(embeddings) | set(tied_heads))
     ets = {}  # embedding name -> its elastic tensor (a tied head uses it too)
     for name, module in [(n, m) for n, m in model.named_modules() if n in chosen or n in embeddings]:
         rows = None if source is None else source.rows(f"{name}.weight", transpose=is_conv1d(module))
-        et = runtime.register(frozen_weight(module), name, units[name], rows=rows)
-        if name in embeddings:
-            ets[name] = et
+        if name in embeddings or name == blocked_head:  # [Note: a table in row blocks] in embedding.py
+            blocks = _register_blocks(runtime, policy, name, frozen_weight(module), rows, block_limit)
+            if name == blocked_head:
+                replacements.append((name, ElasticBlocksLinear(blocks, module.bias)))
+                continue
+            ets[name] = blocks
             if embeddings[name]:
-                et.uses_per_forward = 2  # lookup and tied head: [Note: embeddings under the runtime]
-            replacements.append((name, ElasticEmbedding(et, module.padding_idx)))
+                for et in blocks:  # a lookup kept whole uses each block too: [Note: a lookup reads only its rows]
+                    et.uses_per_forward = 2
+            replacements.append((name, ElasticEmbedding(blocks, module.padding_idx)))
             continue
+        et = runtime.register(frozen_weight(module), name, units[name], rows=rows)
         conv = is_conv1d(module)
         if name not in union:
             new = ElasticLinear(et, module.bias, fan_in_fan_out=conv)
@@ -225,7 +274,7 @@ def convert_to_elastic(model: nn.Module, lora, policy: ElasticPolicy, group=None
                                          name, selection, fan_in_fan_out=conv)
         replacements.append((name, new))
     for name, emb in tied_heads.items():  # the embedding's tensor: one copy ([Note: embeddings under the runtime])
-        replacements.append((name, ElasticLinear(ets[emb], model.get_submodule(name).bias)))
+        replacements.append((name, ElasticBlocksLinear(ets[emb], model.get_submodule(name).bias)))
     runtime.finish_registration()
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")

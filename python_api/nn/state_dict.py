@@ -43,10 +43,11 @@ import torch.nn as nn
 
 from ..distributed.agree import agree
 from ..runtime import ElasticRuntime, ElasticTensor
+from .embedding import elastic_tensors_of
 
 
 def _is_elastic_layer(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "et", None), ElasticTensor)
+    return bool(elastic_tensors_of(module))
 
 
 _rendezvous_counts: dict[tuple, int] = {}
@@ -134,20 +135,25 @@ def _exported_of(state_dict: dict) -> dict[int, torch.Tensor | None]:
 
 
 def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    et: ElasticTensor = module.et
-    rt = et.runtime
+    ets = elastic_tensors_of(module)  # one tensor, or a table's row blocks ([Note: a table in row blocks])
+    rt = ets[0].runtime
     # A tensor used by two modules (an embedding and its tied output layer: [Note: embeddings
     # under the runtime] in embedding.py) is gathered once per state dict, on every rank alike,
     # and both keys get that one tensor, as a plain tied model's state dict has.
     exported = _exported_of(state_dict)
-    if et.wid in exported:
-        weight = exported[et.wid]
+    key = ets[0].wid
+    if key in exported:
+        weight = exported[key]
     else:
-        _rendezvous(rt, f"state_dict() ({et.name})")
-        weight = rt.full_weight(et)
-        if weight.device.type != "cpu" and not _gather_only:
-            weight = weight.cpu()  # one weight at a time on the device: see [Note: the full state dict is a collective]
-        exported[et.wid] = None if _gather_only else weight
+        parts = []
+        for et in ets:
+            _rendezvous(rt, f"state_dict() ({et.name})")
+            part = rt.full_weight(et)
+            if part.device.type != "cpu" and not _gather_only:
+                part = part.cpu()  # one weight at a time on the device: see [Note: the full state dict is a collective]
+            parts.append(part)
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+        exported[key] = None if _gather_only else weight
     if _gather_only:
         return
     if getattr(module, "fan_in_fan_out", False):
@@ -168,16 +174,21 @@ def _load_state_dict_pre_hook(
             missing_keys.append(key)
         return
     full = state_dict.pop(key)  # not a Parameter of this module: it would count as unexpected
-    et: ElasticTensor = module.et
+    ets = elastic_tensors_of(module)
     conv1d = getattr(module, "fan_in_fan_out", False)  # Conv1D saves [in, out]; the runtime holds [out, in]
-    expected = et.shape[::-1] if conv1d else et.shape
-    if tuple(full.shape) != expected:
+    shape = (sum(et.shape[0] for et in ets), *ets[0].shape[1:])
+    expected = shape[::-1] if conv1d else shape
+    if tuple(full.shape) != tuple(expected):
         error_msgs.append(
             f"size mismatch for {key}: copying a param with shape {tuple(full.shape)} from checkpoint, "
             f"the shape in current model is {torch.Size(expected)}."
         )
         return
-    load_full_weight(et, full.t() if conv1d else full)
+    full = full.t() if conv1d else full
+    r0 = 0
+    for et in ets:  # a table's row blocks ([Note: a table in row blocks] in embedding.py), in row order
+        load_full_weight(et, full[r0 : r0 + et.shape[0]])
+        r0 += et.shape[0]
 
 
 def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:

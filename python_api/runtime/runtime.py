@@ -173,6 +173,16 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
             out["allgather_bytes_per_weight"] = {et.name: self._weight_bytes.get(et.name, 0) for et in self.tensors}
         return out
 
+    def count_gather(self, per_weight: dict[str, int], other_bytes: int = 0, calls: int = 1) -> None:
+        """Count a collective issued outside the pool for the runtime's weights (the row
+        exchange of an embedding lookup, [Note: a lookup reads only its rows] in
+        python_api/nn/embedding.py): `per_weight` bytes received per weight name, `other_bytes`
+        received for no weight (token ids), `calls` collectives."""
+        self._stats["allgather_calls"] += calls
+        self._stats["allgather_bytes"] += other_bytes + sum(per_weight.values())
+        for name, n in per_weight.items():
+            self._weight_bytes[name] = self._weight_bytes.get(name, 0) + n
+
     def reset_stats(self) -> None:
         for k in self._stats:
             self._stats[k] = 0

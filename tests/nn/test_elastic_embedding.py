@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 TOL = dict(rtol=1e-4, atol=1e-4)
 FP32 = 4
 CHUNK = 32 * FP32 * 5  # 5 rows of a 32-wide table per chunk: 13 chunks of 64 rows, the last ragged
+BLOCK = 5 * CHUNK  # row blocks of 25 rows (5 chunks): a 64-row table in blocks of 25, 25 and 14 rows
 BUDGET0 = dict(chunk_bytes=CHUNK, keep_ratio=0.0, persist_ratio=0.0, pool_budget_bytes=0, replicate_below_bytes=0,
-               shard_embeddings=True)
-ALL = dict(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=True)  # every weight a resident run at 2 ranks
+               shard_embeddings=True, table_block_bytes=BLOCK)
+ALL = dict(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=True,
+           table_block_bytes=BLOCK)  # every weight a resident run at 2 ranks
 
 
 def tiny(kind: str, seed: int = 0) -> nn.Module:
@@ -74,13 +76,14 @@ def _peft(model, kind):
 def _parity_worker(rank, world_size, kind, policy):
     from elastic_kernels.api import ElasticPolicy
     from elastic_kernels.api.nn import (
+        ElasticBlocksLinear,
         ElasticEmbedding,
-        ElasticLinear,
         LoRAConfig,
         convert_to_elastic,
         lora_layers,
         runtime_of,
     )
+    from elastic_kernels.api.nn.embedding import elastic_tensors_of
 
     model = tiny(kind)
     tables = {n: model.get_submodule(n).weight.detach().clone() for n in TABLES[kind]}
@@ -92,20 +95,24 @@ def _parity_worker(rank, world_size, kind, policy):
     for n in TABLES[kind]:
         assert isinstance(elastic.get_submodule(n), ElasticEmbedding), (n, type(elastic.get_submodule(n)))
     head = elastic.get_output_embeddings()
-    assert isinstance(head, ElasticLinear), type(head)
+    assert isinstance(head, ElasticBlocksLinear), type(head)
+    assert [et.shape[0] for et in head.ets] == [25, 25, 14]  # row blocks of BLOCK bytes
     if HEAD_TIED[kind] is not None:
-        assert head.et is elastic.get_submodule(HEAD_TIED[kind]).et, "the tied head has a tensor of its own"
+        assert head.ets is elastic.get_submodule(HEAD_TIED[kind]).ets, "the tied head has tensors of its own"
         assert len(rt.tensors) == len({id(et) for et in rt.tensors})
     else:
-        assert head.et is not elastic.get_input_embeddings().et
+        assert not set(map(id, head.ets)) & set(map(id, elastic.get_input_embeddings().ets))
     big = {tuple(t.shape) for t in tables.values()}
     assert not [n for n, p in elastic.named_parameters() if tuple(p.shape) in big], "a table is still replicated"
 
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     # Which elastic layer's input needs a gradient (its weight is gathered again in backward).
-    needs_dx, hooks = {}, []
+    needs_dx, looked_up, hooks = {}, {}, []
     for n, m in elastic.named_modules():
-        if hasattr(m, "et") and not isinstance(m, ElasticEmbedding):
+        if isinstance(m, ElasticEmbedding):  # the ids each table is asked for (the same on every rank here)
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, args, n=n: looked_up.__setitem__(n, args[0].reshape(-1).clone())))
+        elif elastic_tensors_of(m):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, args, n=n: needs_dx.__setitem__(n, bool(args[0].requires_grad))))
 
@@ -139,24 +146,34 @@ def _parity_worker(rank, world_size, kind, policy):
         assert torch.equal(elastic.get_submodule(n)(look), table[look]), n
 
     # Exact bytes per step, by the layout's arithmetic: at budget 0 every use gathers the
-    # (W-1) peer slices of every chunk: a table once (its lookup), a linear in forward and,
-    # when its input needs a gradient, in backward; a tied table adds its head's uses.
+    # (W-1) peer slices of every chunk: a linear (and each row block of a head) in forward
+    # and, when its input needs a gradient, in backward; a lookup receives from each peer the
+    # rows any rank reads, once each, in full (W-1 copies of cols * 4 bytes per distinct id).
     expected = {}
     if world_size > 1 and policy.get("pool_budget_bytes") == 0:
-        uses = {n: 1 for n in TABLES[kind]}
+        uses = {}
         for n, dx in needs_dx.items():
-            et_name = elastic.get_submodule(n).et.name
-            uses[et_name] = uses.get(et_name, 0) + 1 + int(dx)
+            for et in elastic_tensors_of(elastic.get_submodule(n)):
+                uses[et.name] = uses.get(et.name, 0) + 1 + int(dx)
         for et in rt.tensors:
             chunks, slice_bytes = _layout_bytes(*et.shape, world_size)
-            expected[et.name] = uses[et.name] * chunks * (world_size - 1) * slice_bytes
+            expected[et.name] = uses.get(et.name, 0) * chunks * (world_size - 1) * slice_bytes
+        for n, ids_read in looked_up.items():
+            distinct = torch.unique(ids_read)
+            r0 = 0
+            for et in elastic.get_submodule(n).ets:
+                rows = int(((distinct >= r0) & (distinct < r0 + et.shape[0])).sum())
+                expected[et.name] += (world_size - 1) * rows * et.shape[1] * FP32
+                r0 += et.shape[0]
         if HEAD_TIED[kind] is not None:
-            assert uses[HEAD_TIED[kind]] == 3, uses  # lookup, head forward, head backward
+            assert {uses[et.name] for et in head.ets} == {2}, uses  # head forward and backward, not the lookup
         for step in per_step[1:]:  # the first step learns the order; every later one is exact
             assert step == expected, (step, expected)
     elif world_size > 1:  # budget all: the runs are filled once, then nothing moves
         assert all(et.run is not None and et.run.filled for et in rt.tensors)
-        assert all(v == 0 for step in per_step[1:] for v in step.values()), per_step
+        # The runs are made at the runtime's first use, after the first lookup (which exchanged
+        # its rows); a table no head uses (GPT-2's wpe) fills its runs at its second lookup.
+        assert all(v == 0 for step in per_step[2:] for v in step.values()), per_step
     return sorted(expected.items())
 
 
@@ -173,11 +190,137 @@ def test_matches_peft(kind, world_size, policy):
 
 
 def test_tied_bytes_by_hand():
-    """The tied Llama's table at budget 0 on 2 ranks, by hand: 64 rows of 32 fp32 in chunks of
-    5 rows = 13 chunks, slices of 5 * 32 / 2 = 80 elements; three uses a step, each receiving
-    the peer's slice of every chunk: 3 * 13 * 320 = 12,480 bytes."""
+    """The tied Llama's table at budget 0 on 2 ranks, by hand: 64 rows of 32 fp32 in row blocks
+    of 25, 25 and 14 rows (BLOCK = 5 chunks of 5 rows), 5 + 5 + 3 chunks (the last one 4 rows,
+    padded), each received as the peer's slice of 5 * 32 / 2 = 80 elements (320 bytes): 4,160
+    bytes per use of the head, forward and backward (8,320), 1,920 of them for rows 50-64; the
+    lookup receives each distinct id's row (128 bytes) once from the peer, not the table."""
     got = dict(run_distributed(_parity_worker, 2, "llama_tied", BUDGET0, timeout=300)[0])
-    assert got["model.embed_tokens"] == 12_480, got
+    distinct = torch.unique(torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))).numel()
+    assert sum(v for k, v in got.items() if k.startswith("model.embed_tokens.rows")) == 8_320 + 128 * distinct, got
+    assert got["model.embed_tokens.rows50-64"] == 1_920 + 128 * int((torch.unique(torch.randint(
+        0, 64, (2, 9), generator=torch.Generator().manual_seed(3))) >= 50).sum()), got
+
+
+def test_table_blocks():
+    """Row blocks by hand: whole chunks, at most the limit (at least one chunk); a ragged last
+    chunk alone joins the block before it."""
+    from elastic_kernels.api.nn.embedding import table_blocks
+
+    assert table_blocks(64, 128, 5, BLOCK) == [(0, 25), (25, 50), (50, 64)]
+    assert table_blocks(64, 128, 5, 1) == [(r, r + 5) for r in range(0, 55, 5)] + [(55, 64)]  # 4 rows join
+    assert table_blocks(64, 128, 5, 10**9) == [(0, 64)]
+    # SmolLM2-135M's table (49152 x 576 fp32) at 4 MiB chunks (1820 rows) under a decoder layer's
+    # 14,155,776 bytes: 3 chunks (5460 rows) a block; the last 12 rows join the ninth block.
+    blocks = table_blocks(49152, 2304, 1820, 14_155_776)
+    assert len(blocks) == 9 and blocks[-1] == (43680, 49152) and all(e - b == 5460 for b, e in blocks[:-1])
+    with pytest.raises(ValueError, match="must be positive"):
+        table_blocks(64, 128, 5, 0)
+
+
+# ------------------------------------------------------------------ the lookup: rows, not the table
+
+def _lookup_worker(rank, world_size):
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, runtime_of
+
+    model = tiny("llama_tied")
+    with torch.no_grad():  # negative zeros and odd payloads: a copy keeps every bit, a sum would not
+        w = model.get_input_embeddings().weight
+        w[::3] = -0.0
+        w[1, :7] = torch.tensor([1e-45, -1e-45, float("inf"), -float("inf"), 3.0, -0.0, 0.0])
+    table = model.get_input_embeddings().weight.detach().clone()
+    model = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=("q_proj",)), ElasticPolicy(**BUDGET0))
+    rt, emb = runtime_of(model), model.get_input_embeddings()
+    out = []
+    # Different lengths per rank, overlapping ids, one rank with none.
+    for ids_of in ({0: [3, 1, 63, 3, 17], 1: [1, 40, 41, 42, 63, 0, 0, 59]}, {0: [7, 7, 7], 1: []}):
+        ids = torch.tensor(ids_of[rank], dtype=torch.int64)
+        rt.reset_stats()
+        got = emb(ids)
+        assert torch.equal(got.view(torch.int32), table[ids].view(torch.int32)), "not the table's bits"
+        st = rt.stats(per_weight=True)
+        out.append((st["allgather_bytes"], st["allgather_calls"],
+                    {k: v for k, v in st["allgather_bytes_per_weight"].items() if v}))
+    return out
+
+
+def test_lookup_exchanges_only_the_rows_read():
+    """A lookup at budget 0 on 2 ranks: the ids' counts (8 bytes from the peer), the ids padded
+    to the longest (8 bytes each), then the rows any rank reads, once each (128 bytes per
+    distinct id from the peer), bit for bit, negative zeros included. Case 1: {0,1,3,17,40,41,42,
+    59,63} = 9 distinct ids, 8 at most per rank: 8 + 64 + 1,152 = 1,224 bytes in 3 collectives;
+    rows 0-25: 4 ids, 25-50: 3, 50-64: 2. Case 2: one id, 3 at most: 8 + 24 + 128."""
+    results = run_distributed(_lookup_worker, 2, timeout=180)
+    assert results[0] == results[1]
+    first, second = results[0]
+    assert first == (1_224, 3, {"model.embed_tokens.rows0-25": 512, "model.embed_tokens.rows25-50": 384,
+                                "model.embed_tokens.rows50-64": 256}), first
+    assert second == (160, 3, {"model.embed_tokens.rows0-25": 128}), second
+
+
+# ------------------------------------------------------------- the head: one block in flight at a time
+
+def _head_worker(rank, world_size):
+    from contextlib import contextmanager
+
+    import torch.nn.functional as F
+
+    from elastic_kernels.api import ElasticPolicy
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, runtime_of
+
+    model = tiny("llama_tied")
+    table = model.get_input_embeddings().weight.detach().clone()
+    model = convert_to_elastic(model, LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj")),
+                               ElasticPolicy(**BUDGET0))
+    rt, head = runtime_of(model), model.get_output_embeddings()
+    blocks = set(map(id, head.ets))
+    in_flight, use = [], rt.use
+
+    @contextmanager
+    def counted(et, phase, needs_backward=False):  # table pages in the pool once a block's use started
+        with use(et, phase, needs_backward) as resident:
+            if id(et) in blocks:
+                in_flight.append(sum(rt.pool.contains(k) for b in head.ets for k in b.keys))
+            yield resident
+
+    rt.use = counted
+    seen = {}
+    head.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0]))
+
+    def keep_output(m, args, y):
+        seen["y"] = y
+        y.register_hook(lambda g: seen.__setitem__("dy", g))
+
+    head.register_forward_hook(keep_output)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        in_flight.clear()
+        out = model(input_ids=ids, labels=ids)
+        seen["x"].register_hook(lambda g: seen.__setitem__("dx", g))
+        out.loss.backward()
+    # The same chunking as the unblocked elastic head, chunk by chunk in row order (5-row
+    # chunks): the logits and dx are those bits ([Note: chunked compute and bit-exactness]).
+    x2 = seen["x"].detach().reshape(-1, 32)
+    ref_y = torch.cat([F.linear(x2, table[r : r + 5]) for r in range(0, 64, 5)], dim=1)
+    dy = seen["dy"].reshape(-1, 64)
+    ref_dx = torch.zeros_like(x2)
+    for r in range(0, 64, 5):
+        ref_dx.addmm_(dy[:, r : r + 5], table[r : r + 5])
+    exact = (torch.equal(seen["y"].detach().reshape(-1, 64), ref_y), torch.equal(seen["dx"].reshape(-1, 32), ref_dx))
+    return in_flight, exact, rt.policy.prefetch_depth
+
+
+def test_head_has_one_block_in_flight_per_use():
+    """Budget 0 on 2 ranks, the tied head in 3 row blocks of 5, 5 and 3 chunks (13 in all): once
+    a block's use has started, the pool holds at most that block's and the prefetched next
+    block's chunks, (1 + prefetch_depth) * 5 = 10 of the table's 13, forward and backward (the
+    unblocked head gathered all 13 for each use); 3 blocks used forward and 3 backward each
+    step; logits and dx bit for bit those of the same chunking."""
+    for in_flight, exact, depth in run_distributed(_head_worker, 2, timeout=240):
+        assert exact == (True, True), exact
+        assert len(in_flight) == 6, in_flight
+        assert 0 < max(in_flight) <= (1 + depth) * 5 < 13, in_flight
 
 
 # ------------------------------------------------------------------------------ static memory
@@ -207,7 +350,8 @@ def _static_worker(rank, world_size, shard_embeddings):
 def test_budget0_static_memory_excludes_the_table():
     """Budget 0 on 2 ranks before any step: each rank holds exactly its replicated parameters
     and buffers and its shards (analytic), and sharding the tied table saves its 8 KiB less
-    its shard (13 chunks of an 80-float slice: 4,160 bytes), nothing else."""
+    its shard (row blocks of 5, 5 and 3 chunks, each chunk's slice 80 floats: 4,160 bytes),
+    nothing else."""
     on = run_distributed(_static_worker, 2, True, timeout=180)
     off = run_distributed(_static_worker, 2, False, timeout=180)
     for static, analytic, _, _ in on + off:
@@ -333,6 +477,6 @@ def test_tables_stay_full_precision_under_a_weight_format():
         formats = {et.name: et.weight_format for et in runtime_of(model).tensors}
         assert {formats[n] for n in TABLES[kind]} == {None}, formats
         assert {f for n, f in formats.items() if n not in TABLES[kind]} == {"nf4"}, formats
-        assert model.get_output_embeddings().et is model.get_input_embeddings().et
+        assert model.get_output_embeddings().ets is model.get_input_embeddings().ets
         ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
         assert torch.equal(model.get_input_embeddings()(ids), plain.get_input_embeddings()(ids))
