@@ -127,7 +127,11 @@ def _real_worker(rank, world_size, args):
     groups = pipeline_groups(args.pp, "cpu", timeout_s=1800)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     t0 = time.perf_counter()
-    profiles = _real_profiles(rank, world_size, args, groups, path, lora, config)
+    profiles = [_real_profiles(rank, world_size, args, groups, path, lora, config)]
+    # each rank profiled its own copy (solo groups: nothing MAX-reduced); rank 0's profile for
+    # every rank, so that all of them plan, balance and build the same layouts
+    dist.broadcast_object_list(profiles, src=0)
+    profiles = profiles[0]
     gc.collect()
     windows = _windows(path)
     sources = args.sources.split(",")

@@ -111,6 +111,7 @@ buffers, counted in the static bytes and again as the saved input of the pack's 
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -217,10 +218,15 @@ class PipelineProfile:
     # schedule between actions (the rank is occupied, the measured bubble counts it idle).
     stage_overhead_s: float = 0.0
     schedule_overhead_s: float = 0.0
+    # [Note: ranks sharing cores]: busy_speed[b - 1] = the compute speed of a rank while b of
+    # the pp ranks compute, relative to all of them computing (the speed the layers were timed
+    # at); () = no sharing (a GPU per rank).
+    busy_speed: tuple = ()
 
     def __post_init__(self):
         if not self.layers:
             raise PipelineError("a pipeline profile needs decoder layers")
+        check_busy_speed(self.busy_speed)
         for name in ("stage_overhead_s", "schedule_overhead_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -516,6 +522,10 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                 progressed = True
         if not progressed:
             raise PipelineError(f"the orders of schedule {layout.schedule} deadlock (a bug in schedule_order)")
+    if profile.busy_speed:  # [Note: ranks sharing cores]
+        warp = shared_core_warp([[(start_of[a], end[a]) for a in orders[r]] for r in range(pp)], profile.busy_speed)
+        busy = [sum(warp(end[a]) - warp(start_of[a]) for a in orders[r]) for r in range(pp)]
+        free = [warp(f) for f in free]
     allreduce = []
     for r in range(pp):
         grads = sum(costs[k].adapter_bytes for k in layout.packs_of_rank(r)) // 4  # fp32 gradients: 4 of 16 bytes
@@ -573,6 +583,64 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
     return PipelinePrediction(layout, micro_batch_size, step, busy, bubble, peaks, gathers, h2ds, sends, tokens)
 
 
+# ---------------------------------------------------------------- ranks sharing cores
+
+# [Note: ranks sharing cores]
+# On a CPU whose cores the ranks share (4 gloo ranks on the 2-core VM), a rank waiting for its
+# input blocks (gloo's receive sleeps), and the ranks still computing get its core: a layer's
+# compute is timed with every rank busy, but during a pipeline's ramp-up and ramp-down, when
+# only b of the pp ranks compute, they run busy_speed[b - 1] times as fast. The simulation
+# keeps its order of events and warps its timeline: a stretch of time during which b >= 1 pp
+# ranks are inside an action lasts 1 / busy_speed[b - 1] of its simulated length (b = 0: as
+# simulated: links, latencies). The warp is monotone, so every dependency still holds; it is
+# an approximation (the durations of the links and of the schedule overhead inside such a
+# stretch shrink with it). The closed-form estimate divides its bubble share by the mean of
+# busy_speed[: pp - 1]. Measured by measure_busy_speed (python_api/pipeline/profile.py).
+# Why (issue 31): the model predicted one pack per rank ~20% slower than measured on the tiny
+# model (2026-12-02: measured bubble 0.17-0.20 against 0.26 predicted) and ...
+
+def check_busy_speed(speed) -> None:
+    """A profile's busy_speed: () or positive finite numbers, the last (every rank busy) 1."""
+    if not isinstance(speed, tuple):
+        raise PipelineError(f"busy_speed must be a tuple, got {type(speed).__name__}")
+    for v in speed:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise PipelineError(f"busy_speed must hold positive finite numbers, got {speed!r}")
+    if speed and speed[-1] != 1:
+        raise PipelineError(f"busy_speed[-1] (every rank busy, the speed the compute was timed at) must be 1, "
+                            f"got {speed!r}")
+
+
+def shared_core_warp(intervals, speed):
+    """[Note: ranks sharing cores]: the map from simulated time to time with shared cores, given
+    per rank its busy intervals [(start, end), ...] (not overlapping within a rank) and
+    speed[b - 1] for b busy ranks (len(speed) = the number of ranks)."""
+    if len(speed) != len(intervals):
+        raise PipelineError(f"busy_speed has {len(speed)} entries for {len(intervals)} pipeline ranks")
+    delta: dict = {}
+    for ivs in intervals:
+        for a, b in ivs:
+            if b > a:
+                delta[a] = delta.get(a, 0) + 1
+                delta[b] = delta.get(b, 0) - 1
+    def rate(busy: int) -> float:
+        return speed[busy - 1] if busy > 0 else 1.0
+
+    knots, busy, acc, prev = [(0.0, 0.0, 0)], 0, 0.0, 0.0  # (time, warped time, ranks busy after it)
+    for t in sorted(delta):
+        acc += (t - prev) / rate(busy)
+        busy += delta[t]
+        knots.append((t, acc, busy))
+        prev = t
+    xs = [k[0] for k in knots]
+
+    def warp(t: float) -> float:
+        x0, y0, b = knots[max(0, bisect.bisect_right(xs, t) - 1)]
+        return y0 + (t - x0) / rate(b)
+
+    return warp
+
+
 # ---------------------------------------------------------------- closed-form screening
 
 def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size: int,
@@ -613,6 +681,8 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
         work.append(w)
     vv = v if layout.schedule in MULTI_STAGE_SCHEDULES else 1
     stretch = (vv * m + pp - 1) / (vv * m)
+    if profile.busy_speed and pp > 1:  # the ramps run with 1..pp-1 ranks busy ([Note: ranks sharing cores])
+        stretch = 1 + (stretch - 1) / (sum(profile.busy_speed[:pp - 1]) / (pp - 1))
     step = max(work) * stretch + 2 * (n - 1) * p2p_s / max(1, vv)
     tokens = layout.dp * m * micro_batch_size * profile.seq_len
     return PipelinePrediction(layout, micro_batch_size, step, work, [1 - 1 / stretch] * pp, peaks, [0] * pp,
@@ -635,5 +705,5 @@ def pp1_time_of(profile: PipelineProfile, micro_batch_size: int, accumulation: i
     return accumulation * per + (profile.allreduce.time(grads) if dp > 1 else 0.0)
 
 
-__all__ = ["PackCost", "PipeLayer", "PipeWeight", "PipelinePrediction", "PipelineProfile", "estimate", "pack_cost",
-           "pp1_time_of", "simulate"]
+__all__ = ["PackCost", "PipeLayer", "PipeWeight", "PipelinePrediction", "PipelineProfile", "check_busy_speed", "estimate",
+           "pack_cost", "pp1_time_of", "shared_core_warp", "simulate"]
