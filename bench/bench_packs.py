@@ -615,7 +615,14 @@ def main(argv=None):
     g.add_argument("--block", type=int, default=3, help="with --model: configurations alive at once (the "
                    "planner's pick and block - 1 others; memory)")
     g.add_argument("--seed", type=int, default=0, help="with --model: the windows' seed")
+    g.add_argument("--configs", default=None, help="with --model: SCHEDULE:PACKS,... measured beside the pick "
+                   "(instead of --sizes' grid)")
+    g.add_argument("--partial", default=None, help="with --model: a JSONL file rank 0 appends every timed step to")
     g.add_argument("--from-raw", default=None, help="with --model: redo the tables from a run's raw result")
+    g.add_argument("--recheck", action="store_true", help="with --model --from-raw: the current model with ranks "
+                   "sharing cores against the run (busy_speed measured now, or --busy-speed)")
+    g.add_argument("--busy-speed", default=None, help="with --recheck: S1,...,1 instead of measuring it")
+    g.add_argument("--speed-rounds", type=int, default=5, help="with --recheck: rounds of measure_busy_speed")
     g.add_argument("--no-save", action="store_true", help="with --model: print, append no rows")
     args = p.parse_args(argv)
     if args.model is not None:
@@ -623,6 +630,13 @@ def main(argv=None):
 
         if args.rounds < 1:
             p.error(f"--rounds must be >= 1, got {args.rounds}")
+        if args.recheck:
+            from bench.packs_real import recheck_real
+
+            if not args.from_raw:
+                p.error("--recheck needs --from-raw (a run's raw result)")
+            recheck_real(args)
+            return
         measure_real(args)
         return
     if args.check:

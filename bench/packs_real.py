@@ -1,32 +1,41 @@
-"""The real-model part of bench/bench_packs.py (`--model NAME`): pack size x schedule x source
-on --world-size gloo ranks as pp x dp for a pretrained causal LM, every configuration built
-once and kept, their steps INTERLEAVED in one process group (round k one step of each, round
-k + 1 in reverse order), beside the pipeline cost model's prediction and the planner's pick.
+"""The real-model part of bench/bench_packs.py (`--model NAME`): pipeline layouts of a
+pretrained causal LM on --world-size gloo ranks as pp x dp, measured beside the pipeline cost
+model's prediction and the planner's pick, their steps INTERLEAVED in one process group.
 
-    python bench/bench_packs.py --model smollm2-135m-instruct [--rounds 4] [--sizes 15,5,3,1]
+    python bench/bench_packs.py --model smollm2-135m-instruct [--rounds 3] [--block 4]
+        [--sizes 15,5,3 | --configs 1f1b:2,interleaved-1f1b:6] [--partial FILE]
+    python bench/bench_packs.py --model smollm2-135m-instruct --from-raw RAW.pkl [--recheck [--busy-speed S,1]]
 
 The shape is the CLI's pipelined default: --seq-len 128, --micro-batch 2, --grad-accum 2, so
 each dp group's share is 8 sequences in M = grad_accum x pp = 4 micro-batches of 2; text
-windows of the embedded corpus (pydoc topics) tokenized by the model's tokenizer, the CLI's
-TokenWindows (the pipelined runs train text windows only). Weights are read from the model's
-safetensors (each rank its share, as the CLI's `_collective_build_on_meta`). Residency "phase"
-with a window of one pack (as the tiny table), weights from the host store ("host") or the dp
-peer ("peers").
+windows of the embedded corpus (pydoc topics, first 200 documents) tokenized by the model's
+tokenizer, the CLI's TokenWindows (the pipelined runs train text windows only). Weights are read
+from the model's safetensors (each rank its share, as the CLI's `_collective_build_on_meta`),
+float32 (the checkpoint's). Residency "phase" with a window of one pack (as the tiny table),
+weights from the host store ("host") or the dp peer ("peers").
 
-Timing: after one warm-up step of each configuration (in which rank 0's tensor peak of the
-step is taken), `--rounds` rounds, each one step (+ optimizer step) of every configuration
-between barriers; per round and configuration the ratio of its tokens/s to the best
-configuration's (the one with the shortest median step) in the same round; reported: the
-median of those per-round ratios and their [min, max]. The planner's pick (plan_pipeline on
-the run's profile, restricted to the measured pack sizes, schedules, residency, window and M)
-is marked; its ratio is the median of per-round ratios pick/best. Spearman's rank correlation
-of predicted tokens/s and the median ratios, per source and over all rows.
+The layouts are the planner's own candidates (pipeline_search.layouts at this pp, M,
+residency and window, boundaries balanced on the profile's layer, embedding and head costs):
+the planner's pick (plan_pipeline over all of them) and those of --sizes (or --configs).
+Memory forbids keeping every configuration alive (~190 MiB of anonymous memory per
+configuration per rank on the real model, 4 ranks), so per source the pick is built first
+and kept, the others come in blocks of --block - 1 beside it; after one warm-up step of each
+(in which rank 0's tensor peak of the step is taken), --rounds rounds of one step (+ optimizer
+step) of every configuration of the block between barriers, odd rounds reversed. Per
+configuration: its per-round tokens/s ratio to the pick (the pick's step time / its own in the
+same round), the median and [min, max]; the best measured is the one with the highest median;
+the pick's ratio to the best is 1 / the best's median ratio to the pick (measured in the same
+rounds). Spearman's rank correlation of predicted tokens/s and those medians per source.
 
 The profile: `measure_profile` of the pp = 1 elastic model (the whole model on every rank,
 each its own copy, every rank at once; identical layers profiled once and reused,
 [Note: profiling identical layers once]), the links of this process group (bench_packs
-`_links`) and `measure_action_overhead`; one JSON line per run in
-bench/results/packs_real_profiles.jsonl, rows in bench/results/packs_real.csv.
+`_links`) and `measure_action_overhead`; rank 0's for every rank (each rank profiled its own
+copy, and ranks planning on different profiles would build different layouts). Rows appended
+to bench/results/packs_real.csv, profiles to bench/results/packs_real_profiles.jsonl, the
+worker's raw result pickled to /tmp (`--from-raw` redoes the tables; `--recheck` puts the
+current model, with ranks sharing cores ([Note: ranks sharing cores] in
+planner/pipeline_model.py; busy_speed measured now or given), against the run).
 """
 
 from __future__ import annotations
@@ -111,7 +120,7 @@ def _real_worker(rank, world_size, args):
     from elastic_kernels.api import ElasticPolicy, LoRAConfig
     from elastic_kernels.api.loading import LoadWarning, SafetensorsSource, empty_model, read_config
     from elastic_kernels.api.loading.pretrained import pretrained_dir
-    from elastic_kernels.api.pipeline import PipelinedModel, pipeline_groups
+    from elastic_kernels.api.pipeline import PipelinedModel, PipelineError, pipeline_groups
     from elastic_kernels.api.pipeline.profile import measure_step_peak_bytes
     from elastic_kernels.api.planner.pipeline_model import simulate
     from elastic_kernels.api.planner.pipeline_search import plan_pipeline
@@ -144,6 +153,11 @@ def _real_worker(rank, world_size, args):
         pick = (plan.prediction.layout.schedule, plan.prediction.layout.n_packs)
         picks[source] = pick
         want = [(s, -(-n_layers // size)) for size in args.sizes for s in SCHEDULES_OF(n_layers, args.pp, size)]
+        if args.configs:  # SCHEDULE:PACKS,... instead of the sizes' grid
+            want = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
+            missing = [k for k in want if k not in cands]
+            if missing:
+                raise PipelineError(f"--configs: {missing} are not among the planner's candidates {sorted(cands)}")
         keys = [pick] + [k for k in dict.fromkeys(want) if k != pick and k in cands]
         for k in keys:
             grid[(k[0], k[1], source)] = cands[k]
@@ -207,6 +221,11 @@ def _real_worker(rank, world_size, args):
                     dist.barrier()
                     times.setdefault((key, bi), []).append(time.perf_counter() - t)
                     idle.setdefault(key, []).append(pipe.last_step["idle_fraction"])
+                    if rank == 0 and args.partial:  # what a killed run leaves
+                        with open(args.partial, "a") as f:
+                            f.write(json.dumps({"key": list(key), "block": bi, "round": k,
+                                                "step_s": times[(key, bi)][-1],
+                                                "idle": idle[key][-1]}) + "\n")
                 log(f"  {source} block {bi + 1}/{len(blocks)} round {k + 1}/{args.rounds}: "
                     f"{time.perf_counter() - t0:.0f} s, rank 0: {_rss()}")
             for key in block:
@@ -332,3 +351,75 @@ def measure_real(args) -> None:
             f.write(json.dumps({"date": ctx["date"], "commit": ctx["commit"], "model": args.model,
                                 "profiles": {k: dataclasses.asdict(v) for k, v in res["profiles"].items()}}) + "\n")
         print("profiles appended to", path)
+
+
+def _speed_worker(rank, world_size, args):
+    from elastic_kernels.api.pipeline import pipeline_groups
+    from elastic_kernels.api.pipeline.profile import measure_busy_speed
+
+    torch.set_num_threads(1)
+    groups = pipeline_groups(args.pp, "cpu", timeout_s=600)
+    return measure_busy_speed(groups, rounds=args.speed_rounds)
+
+
+def recheck_real(args) -> None:
+    """The current model against a run's raw result (--from-raw), with ranks sharing cores:
+    busy_speed given (--busy-speed) or measured now on --world-size ranks (measure_busy_speed);
+    per source the planner's pick and its measured ratio to the best (through the run's
+    anchor: its ratio to the pick of the run divided by the best's), Spearman's rank
+    correlation of the new predictions with the measured ratios."""
+    import pickle
+
+    from bench.bench_packs import spearman
+    from elastic_kernels.api.planner.pipeline_model import simulate
+    from elastic_kernels.api.planner.pipeline_search import plan_pipeline
+    from tests._dist import run_distributed
+
+    with open(args.from_raw, "rb") as f:
+        res, wall, load0, load1 = pickle.load(f)
+    if args.busy_speed:
+        speed = tuple(float(v) for v in args.busy_speed.split(","))
+        how = "given"
+    else:
+        load = os.getloadavg()[0]
+        speed = run_distributed(_speed_worker, args.world_size, args, timeout=1200)[0]
+        how = f"measured now on {args.world_size} ranks at a load of {load:.1f} -> {os.getloadavg()[0]:.1f}"
+    print(f"busy_speed ({how}): {', '.join(f'{v:.3f}' for v in speed)}")
+    tokens = (args.world_size // args.pp) * M * MBS * SEQ
+    n_layers = res["n_layers"]
+    all_m, all_p, all_o = [], [], []
+    for source in args.sources.split(","):
+        prof = dataclasses.replace(res["profiles"][source], busy_speed=speed)
+        anchor = (*res["picks"][source], source)
+        mine = {kb: v for kb, v in res["times"].items() if kb[0][2] == source}
+        q = anchored_ratios(mine, anchor)
+        med = {k: statistics.median(v) for k, v in q.items()}
+        best = max(med, key=lambda k: med[k])
+        cands = _candidates(prof, args.world_size, args.pp, args.residency, args.window)
+        plan = plan_pipeline(prof, 16 << 30, (args.world_size // args.pp) * M * MBS, pp=args.pp, micro_batches=M,
+                             residencies=(args.residency,), windows=(args.window,), simulate_top=len(cands))
+        pick = (plan.prediction.layout.schedule, plan.prediction.layout.n_packs, source)
+        keys = [k for k in res["grid"] if k[2] == source]
+        new = {k: tokens / simulate(prof, cands[k[:2]], MBS).step_s for k in keys}
+        old = {k: tokens / res["preds"][k][0] for k in keys}
+        meas = [med[k] for k in keys]
+        all_m += meas
+        all_p += [new[k] for k in keys]
+        all_o += [old[k] for k in keys]
+        line = f"{source}: the planner now picks {pick[0]} with {pick[1]} packs"
+        if pick in med:
+            line += f": {med[pick] / med[best]:.3f}x of the best measured ({best[0]} with {best[1]} packs)"
+            if pick == best:
+                line += " (it is the best)"
+        else:
+            line += " (not measured in this run)"
+        print(line + f"; Spearman {spearman(meas, [new[k] for k in keys]):+.2f} (the run's model "
+              f"{spearman(meas, [old[k] for k in keys]):+.2f}), the run's pick {anchor[0]} {anchor[1]} packs: "
+              f"{1 / med[best]:.3f}x")
+        for k in keys:
+            print(f"    {k[0]:>16} {k[1]:2d} packs: measured ratio to the run's pick {med[k]:.3f} "
+                  f"[{min(q[k]):.3f}, {max(q[k]):.3f}], predicted tokens/s now {new[k]:6.1f} (the run's {old[k]:6.1f})")
+        print(f"    all {len(cands)} candidates now: " + "; ".join(
+            f"{s} {n} {tokens / simulate(prof, lay, MBS).step_s:.1f}" for (s, n), lay in sorted(cands.items())))
+    print(f"all: Spearman {spearman(all_m, all_p):+.2f} (the run's model {spearman(all_m, all_o):+.2f})")
+    del n_layers
