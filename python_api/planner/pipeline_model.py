@@ -597,7 +597,12 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
 # stretch shrink with it). The closed-form estimate divides its bubble share by the mean of
 # busy_speed[: pp - 1]. Measured by measure_busy_speed (python_api/pipeline/profile.py).
 # Why (issue 31): the model predicted one pack per rank ~20% slower than measured on the tiny
-# model (2026-12-02: measured bubble 0.17-0.20 against 0.26 predicted) and ...
+# model (2026-12-02: measured bubble 0.17-0.20 against 0.26 predicted), and on the real model
+# (bench/results/2026-12-03_packs_real.md) 1F1B with one pack per rank measured a bubble of
+# 0.15-0.19 against 0.31 predicted. Measured on the 2-core VM, 4 gloo ranks as pp 2 x dp 2, at
+# a load of 13: busy_speed (2.14, 1), a rank alone runs about twice as fast. It changed no pick
+# there (the same interleaved-1f1b, 10 packs; one pack per rank predicted 0.94-0.96x of it
+# instead of 0.84-0.86x; measured 0.88x / 0.98x, within the noise).
 
 def check_busy_speed(speed) -> None:
     """A profile's busy_speed: () or positive finite numbers, the last (every rank busy) 1."""
