@@ -605,7 +605,40 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="only check the current model against packs.csv")
     p.add_argument("--overhead-ms", default=None, help="with --check: STAGE,SCHEDULE ms per action instead of "
                    "measuring them")
+    g = p.add_argument_group("the real model (bench/packs_real.py: interleaved rounds)")
+    g.add_argument("--model", default=None, help="a pretrained model name (e.g. smollm2-135m-instruct): measure it "
+                   "with interleaved rounds instead of the tiny model")
+    g.add_argument("--rounds", type=int, default=4, help="with --model: rounds of one step of every configuration")
+    g.add_argument("--sizes", default="15,5,3", help="with --model: pack sizes measured (at most this many layers "
+                   "per pack), beside the planner's pick")
+    g.add_argument("--sources", default="host,peers", help="with --model: host and/or peers")
+    g.add_argument("--block", type=int, default=3, help="with --model: configurations alive at once (the "
+                   "planner's pick and block - 1 others; memory)")
+    g.add_argument("--seed", type=int, default=0, help="with --model: the windows' seed")
+    g.add_argument("--configs", default=None, help="with --model: SCHEDULE:PACKS,... measured beside the pick "
+                   "(instead of --sizes' grid)")
+    g.add_argument("--partial", default=None, help="with --model: a JSONL file rank 0 appends every timed step to")
+    g.add_argument("--from-raw", default=None, help="with --model: redo the tables from a run's raw result")
+    g.add_argument("--recheck", action="store_true", help="with --model --from-raw: the current model with ranks "
+                   "sharing cores against the run (busy_speed measured now, or --busy-speed)")
+    g.add_argument("--busy-speed", default=None, help="with --recheck: S1,...,1 instead of measuring it")
+    g.add_argument("--speed-rounds", type=int, default=5, help="with --recheck: rounds of measure_busy_speed")
+    g.add_argument("--no-save", action="store_true", help="with --model: print, append no rows")
     args = p.parse_args(argv)
+    if args.model is not None:
+        from bench.packs_real import measure_real
+
+        if args.rounds < 1:
+            p.error(f"--rounds must be >= 1, got {args.rounds}")
+        if args.recheck:
+            from bench.packs_real import recheck_real
+
+            if not args.from_raw:
+                p.error("--recheck needs --from-raw (a run's raw result)")
+            recheck_real(args)
+            return
+        measure_real(args)
+        return
     if args.check:
         check(args)
         return

@@ -376,5 +376,47 @@ def measure_action_overhead(lm: nn.Module, *, seq_len: int, micro_batch_size: in
     return ActionOverhead(stage_s, schedule_s)
 
 
-__all__ = ["ActionOverhead", "measure_action_overhead", "measure_step_peak_bytes", "mini_pipeline_step",
-           "pipeline_profile"]
+def measure_busy_speed(groups, *, seconds: float = 0.5, rounds: int = 3, width: int = 576) -> tuple[float, ...]:
+    """[Note: ranks sharing cores] in planner/pipeline_model.py: busy_speed[b - 1], the speed of
+    a rank's compute while only the ranks of pp ranks 0..b-1 compute and the others wait in a
+    barrier (blocked, as a rank waits for its input), relative to every rank computing. The
+    work: products of [256, width] by [width, width] (a layer's GEMM), as many as take about
+    `seconds` with every rank busy (rank 0's count); `rounds` rounds with b = pp..1, then
+    1..pp, ...; per b the median over rounds of the slowest busy rank's time. A collective over
+    the default group; every rank gets the same tuple, its last entry 1."""
+    for what, v in (("rounds", rounds), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PipelineError(f"measure_busy_speed: {what} must be a positive int, got {v!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 < seconds < math.inf):
+        raise PipelineError(f"measure_busy_speed: seconds must be a positive finite number, got {seconds!r}")
+    pp = groups.pp
+    gen = torch.Generator().manual_seed(groups.rank)
+    x, w = torch.randn(256, width, generator=gen), torch.randn(width, width, generator=gen) / width ** 0.5
+
+    def work(n: int) -> float:
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(n):
+            y = torch.tanh(y @ w)
+        return time.perf_counter() - t0
+
+    work(2)
+    dist.barrier()
+    calib = torch.tensor([work(10) / 10], dtype=torch.float64)
+    dist.broadcast(calib, src=0)
+    n = max(1, round(seconds / max(float(calib), 1e-9)))
+    times = {b: [] for b in range(1, pp + 1)}
+    for k in range(rounds):
+        for b in (range(pp, 0, -1) if k % 2 == 0 else range(1, pp + 1)):
+            dist.barrier()
+            t = work(n) if groups.pp_rank < b else 0.0
+            dist.barrier()
+            times[b].append(t)
+    med = torch.tensor([statistics.median(times[b]) for b in range(1, pp + 1)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest busy rank (an idle one gives 0)
+    full = float(med[-1])
+    return tuple(full / float(t) for t in med[:-1]) + (1.0,)
+
+
+__all__ = ["ActionOverhead", "measure_action_overhead", "measure_busy_speed", "measure_step_peak_bytes",
+           "mini_pipeline_step", "pipeline_profile"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from .pipeline import BACKWARD, FORWARD, MULTI_STAGE_SCHEDULES, PipelineLayout
 from .pipeline_cost import PackCost, _load_time, _static_bytes, _transient_exposed, pack_cost
-from .pipeline_profile import PipeLayer, PipelineProfile, PipeWeight
-from .pipeline_sim import PipelinePrediction, simulate
+from .pipeline_profile import PipeLayer, PipelineProfile, PipeWeight, check_busy_speed
+from .pipeline_sim import PipelinePrediction, shared_core_warp, simulate
 
 
 def _in_flight_max(schedule: str, pp: int, v: int, m: int, r: int) -> int:
@@ -71,6 +71,8 @@ def estimate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
         work.append(w)
     vv = v if layout.schedule in MULTI_STAGE_SCHEDULES else 1
     stretch = (vv * m + pp - 1) / (vv * m)
+    if profile.busy_speed and pp > 1:  # the ramps run with 1..pp-1 ranks busy ([Note: ranks sharing cores])
+        stretch = 1 + (stretch - 1) / (sum(profile.busy_speed[:pp - 1]) / (pp - 1))
     step = max(work) * stretch + 2 * (n - 1) * p2p_s / max(1, vv)
     tokens = layout.dp * m * micro_batch_size * profile.seq_len
     return PipelinePrediction(layout, micro_batch_size, step, work, [1 - 1 / stretch] * pp, peaks, [0] * pp,
@@ -93,5 +95,5 @@ def pp1_time_of(profile: PipelineProfile, micro_batch_size: int, accumulation: i
     return accumulation * per + (profile.allreduce.time(grads) if dp > 1 else 0.0)
 
 
-__all__ = ["PackCost", "PipeLayer", "PipeWeight", "PipelinePrediction", "PipelineProfile", "estimate", "pack_cost",
-           "pp1_time_of", "simulate"]
+__all__ = ["PackCost", "PipeLayer", "PipeWeight", "PipelinePrediction", "PipelineProfile", "check_busy_speed", "estimate",
+           "pack_cost", "pp1_time_of", "shared_core_warp", "simulate"]

@@ -102,10 +102,15 @@ class PipelineProfile:
     # schedule between actions (the rank is occupied, the measured bubble counts it idle).
     stage_overhead_s: float = 0.0
     schedule_overhead_s: float = 0.0
+    # [Note: ranks sharing cores]: busy_speed[b - 1] = the compute speed of a rank while b of
+    # the pp ranks compute, relative to all of them computing (the speed the layers were timed
+    # at); () = no sharing (a GPU per rank).
+    busy_speed: tuple = ()
 
     def __post_init__(self):
         if not self.layers:
             raise PipelineError("a pipeline profile needs decoder layers")
+        check_busy_speed(self.busy_speed)
         for name in ("stage_overhead_s", "schedule_overhead_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -117,3 +122,15 @@ class PipelineProfile:
 
 
 __all__ = ["PipeLayer", "PipeWeight", "PipelineProfile"]
+
+
+def check_busy_speed(speed) -> None:
+    """A profile's busy_speed: () or positive finite numbers, the last (every rank busy) 1."""
+    if not isinstance(speed, tuple):
+        raise PipelineError(f"busy_speed must be a tuple, got {type(speed).__name__}")
+    for v in speed:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise PipelineError(f"busy_speed must hold positive finite numbers, got {speed!r}")
+    if speed and speed[-1] != 1:
+        raise PipelineError(f"busy_speed[-1] (every rank busy, the speed the compute was timed at) must be 1, "
+                            f"got {speed!r}")

@@ -107,6 +107,7 @@ buffers, counted in the static bytes and again as the saved input of the pack's 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .pipeline import BACKWARD, FORWARD, PipelineError, PipelineLayout, load_events, residency_trace
@@ -227,6 +228,10 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
                 progressed = True
         if not progressed:
             raise PipelineError(f"the orders of schedule {layout.schedule} deadlock (a bug in schedule_order)")
+    if profile.busy_speed:  # [Note: ranks sharing cores]
+        warp = shared_core_warp([[(start_of[a], end[a]) for a in orders[r]] for r in range(pp)], profile.busy_speed)
+        busy = [sum(warp(end[a]) - warp(start_of[a]) for a in orders[r]) for r in range(pp)]
+        free = [warp(f) for f in free]
     allreduce = []
     for r in range(pp):
         grads = sum(costs[k].adapter_bytes for k in layout.packs_of_rank(r)) // 4  # fp32 gradients: 4 of 16 bytes
@@ -285,3 +290,54 @@ def simulate(profile: PipelineProfile, layout: PipelineLayout, micro_batch_size:
 
 
 __all__ = ["PipelinePrediction", "simulate"]
+
+
+# ---------------------------------------------------------------- ranks sharing cores
+
+# [Note: ranks sharing cores]
+# On a CPU whose cores the ranks share (4 gloo ranks on the 2-core VM), a rank waiting for its
+# input blocks (gloo's receive sleeps), and the ranks still computing get its core: a layer's
+# compute is timed with every rank busy, but during a pipeline's ramp-up and ramp-down, when
+# only b of the pp ranks compute, they run busy_speed[b - 1] times as fast. The simulation
+# keeps its order of events and warps its timeline: a stretch of time during which b >= 1 pp
+# ranks are inside an action lasts 1 / busy_speed[b - 1] of its simulated length (b = 0: as
+# simulated: links, latencies). The warp is monotone, so every dependency still holds; it is
+# an approximation (the durations of the links and of the schedule overhead inside such a
+# stretch shrink with it). The closed-form estimate divides its bubble share by the mean of
+# busy_speed[: pp - 1]. Measured by measure_busy_speed (python_api/pipeline/profile.py).
+# Why (issue 31): the model predicted one pack per rank ~20% slower than measured on the tiny
+# model (2026-12-02: measured bubble 0.17-0.20 against 0.26 predicted), and on the real model
+# (bench/results/2026-12-03_packs_real.md) 1F1B with one pack per rank measured a bubble of
+# 0.15-0.19 against 0.31 predicted. Measured on the 2-core VM, 4 gloo ranks as pp 2 x dp 2, at
+# a load of 13: busy_speed (2.14, 1), a rank alone runs about twice as fast. It changed no pick
+# there (the same interleaved-1f1b, 10 packs; one pack per rank predicted 0.94-0.96x of it
+# instead of 0.84-0.86x; measured 0.88x / 0.98x, within the noise).
+
+def shared_core_warp(intervals, speed):
+    """[Note: ranks sharing cores]: the map from simulated time to time with shared cores, given
+    per rank its busy intervals [(start, end), ...] (not overlapping within a rank) and
+    speed[b - 1] for b busy ranks (len(speed) = the number of ranks)."""
+    if len(speed) != len(intervals):
+        raise PipelineError(f"busy_speed has {len(speed)} entries for {len(intervals)} pipeline ranks")
+    delta: dict = {}
+    for ivs in intervals:
+        for a, b in ivs:
+            if b > a:
+                delta[a] = delta.get(a, 0) + 1
+                delta[b] = delta.get(b, 0) - 1
+    def rate(busy: int) -> float:
+        return speed[busy - 1] if busy > 0 else 1.0
+
+    knots, busy, acc, prev = [(0.0, 0.0, 0)], 0, 0.0, 0.0  # (time, warped time, ranks busy after it)
+    for t in sorted(delta):
+        acc += (t - prev) / rate(busy)
+        busy += delta[t]
+        knots.append((t, acc, busy))
+        prev = t
+    xs = [k[0] for k in knots]
+
+    def warp(t: float) -> float:
+        x0, y0, b = knots[max(0, bisect.bisect_right(xs, t) - 1)]
+        return y0 + (t - x0) / rate(b)
+
+    return warp
