@@ -660,6 +660,11 @@ def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[
         front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
         for i, r in enumerate(mine):
             r["on_frontier"] = i in front
+    for fmt in set(formats.values()):  # every system together, within one weight format
+        mine = [r for r in rows if formats[r["system"]] == fmt]
+        front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
+        for i, r in enumerate(mine):
+            r["on_joint_frontier"] = i in front
     for r in rows:
         mine = [p for p in peer_pts if formats[p["row"]["system"]] == formats[r["system"]]]  # its own weights
         best = best_peer_at_or_below(r["peak_memory_mib"], mine) if r["system"].startswith("elastic") else None
@@ -676,16 +681,18 @@ def table(rows: list[dict]) -> str:
     measure = rows[0]["memory_measure"] if rows else "tensor peak (CPU)"
     grouped = any(r.get("group") for r in rows)
     head = (f"| system | configuration | tokens/s | {measure} MiB | RSS growth MiB (mmap threshold fixed) "
-            "| all-gather MiB/step | all-gathers/step | on frontier | fastest peer at <= memory | vs it |"
+            "| all-gather MiB/step | all-gathers/step | on its system's frontier | on the joint frontier "
+            "| fastest peer at <= memory | vs it |"
             + (" group | tokens/s vs the anchor, median of per-round ratios [min, max] |" if grouped else "")
-            + "\n|---|---|---:|---:|---:|---:|---:|---|---|---:|" + ("---:|---:|" if grouped else "") + "\n")
+            + "\n|---|---|---:|---:|---:|---:|---:|---|---|---|---:|" + ("---:|---:|" if grouped else "") + "\n")
     lines = []
     for r in rows:
         va = (f" {r['group']} | {r['vs_anchor']:.3f}x [{r['vs_anchor_min']:.3f}, {r['vs_anchor_max']:.3f}] |"
               if grouped else "")
         lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.1f} | {_fmt(r['peak_memory_mib'])} | "
                      f"{_fmt(r['peak_rss_mib'])} | {r['allgather_mib_per_step']:.2f} | {r['allgather_calls_per_step']:.0f} | "
-                     f"{'yes' if r['on_frontier'] else ''} | {r['best_peer_at_or_below'] or ('-' if not r['system'].startswith('elastic') else 'none fits')} | "
+                     f"{'yes' if r['on_frontier'] else ''} | {'yes' if r['on_joint_frontier'] else ''} | "
+                     f"{r['best_peer_at_or_below'] or ('-' if not r['system'].startswith('elastic') else 'none fits')} | "
                      f"{'' if r['vs_best_peer'] is None else format(r['vs_best_peer'], '.2f') + 'x'} |" + va)
     return head + "\n".join(lines) + "\n"
 
