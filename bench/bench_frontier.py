@@ -5,7 +5,7 @@ process group and one run, on the fine-tuning CLI's job.
         --preset demo|large|tiny|nf4] [--steps 6] [--passes 2] [--budgets 0,25%,50%,75%,all] [--host-budgets 0,50%,all]
         [--planned-caps 3] [--peers fsdp2,deepspeed,ddp[,fsdp2-nf4]] [--fsdp2-reshard true,false,2]
         [--ds-grid defaults,no-persistence,...] [--pairs 'budget 0=fsdp2:reshard,budget all=ddp:replicated']
-        [--results DIR] [--png PATH] [finetune options ...]
+        [--groups N] [--anchor LABEL] [--results DIR] [--png PATH] [finetune options ...]
 
 The model: the real one by default (`--model`, any name `pretrained_dir` knows or an HF
 directory; seq 128, micro-batch 1, no accumulation unless the finetune options say
@@ -63,6 +63,19 @@ Measured for each configuration, in two parts.
   their spread, beside the ratio of the medians. Sequential runs of one command gave budget
   0 at 0.85x and then 1.85x FSDP2 on this machine (issue 27): only ratios taken within one
   round hold.
+[Note: frontier groups]
+With --groups N no more than N configurations are alive at once (every one of them holds its
+own model: 20 configurations of the real model at 4 ranks need more memory than a shared
+24 GiB machine has). The configurations are split into groups, run one after another in
+one process group, each group interleaved as above; every group holds the anchor (--anchor,
+by default the first configuration: elastic budget 0), and the two configurations of each
+--pairs pair are kept in one group, so its per-round ratios are taken within rounds. A
+configuration's speed is then its tokens/s over the anchor's in the same round, median of
+its group's timed rounds [min, max]; its tokens/s in the table is that median times the
+anchor's tokens/s over all its rounds in every group (a common scale for the frontier; only
+the ratios are measurements of the same rounds). Memory is unchanged: each configuration
+built alone, so comparable across groups. The anchor's losses are compared between groups
+(they must be equal: the same job from the same seed).
 Also: all-gathered bytes and all-gather calls per step (steady state, counted by one wrapper
 around every all-gather), and losses (every run's, step by step, against the first run of
 its weight format: the largest difference is printed, flagged beyond fp32 rounding, or for
@@ -140,6 +153,11 @@ def _parse(argv):
     p.add_argument("--peers", default="fsdp2,deepspeed,ddp")
     p.add_argument("--fsdp2-reshard", default=None, help="FSDP2 settings (default: true, false, every int the mesh allows)")
     p.add_argument("--ds-grid", default=",".join(DS_GRID), help=f"DeepSpeed settings, by name: {', '.join(DS_GRID)}")
+    p.add_argument("--groups", type=int, default=0,
+                   help="at most this many configurations alive at once, each group with the anchor "
+                        "([Note: frontier groups]; 0: all in one group)")
+    p.add_argument("--anchor", default=None,
+                   help="the configuration in every group, by label (default: the first, budget 0)")
     p.add_argument("--results", default=None, help="folder for frontier.csv (default bench/results)")
     p.add_argument("--png", default=None, help="picture (default <results>/frontier.png, frontier_<preset>.png)")
     opts, rest = p.parse_known_args(argv)
@@ -175,6 +193,9 @@ def _parse(argv):
                 p.error(f"--fsdp2-reshard: {exc}")
     if opts.planned_caps < 0:
         p.error(f"--planned-caps: a number of caps >= 0 is expected, got {opts.planned_caps}")
+    if opts.groups == 1 or opts.groups < 0:
+        p.error(f"--groups: 0 (one group) or a group size >= 2 (the anchor and one more) is expected, "
+                f"got {opts.groups}")
     return opts, rest
 
 
@@ -190,6 +211,8 @@ class Config:
         self.rss_growth: int | None = None  # CPU, at a fixed mmap threshold
         self.steps_run: list[dict] = []  # interleaved steps: loss, time, traffic
         self.times: list[float] = []  # the slowest rank's time of each interleaved step
+        self.times_in: dict[int, list[float]] = {}  # group -> its times there ([Note: frontier groups])
+        self.vs_anchor: dict | None = None  # its tokens/s over the anchor's, round by round, in its group
 
 
 def _layer_elements(job) -> int:
@@ -509,21 +532,72 @@ def _pair_ratios(a: Config, b: Config) -> dict:
             "rounds": len(ratios), "ratios": ratios}
 
 
+def _pair_configs(spec: str, configs: list[Config]) -> tuple[Config | None, Config | None]:
+    mine, _, peer = spec.partition("=")
+    system, _, label = peer.partition(":")
+    a = next((c for c in configs if c.system.startswith("elastic") and c.label == mine.strip()), None)
+    b = next((c for c in configs if c.system == system.strip() and c.label.split(" (")[0] == label.strip()), None)
+    return a, b
+
+
 def pairs(opts, configs: list[Config], job_rank0: bool = False) -> list[dict]:
     out = []
     for spec in (x for x in opts.pairs.split(",") if x.strip()):
-        mine, _, peer = spec.partition("=")
-        system, _, label = peer.partition(":")
-        a = next((c for c in configs if c.system.startswith("elastic") and c.label == mine.strip()), None)
-        b = next((c for c in configs if c.system == system.strip() and c.label.split(" (")[0] == label.strip()), None)
+        a, b = _pair_configs(spec, configs)
         if a is None or b is None:
             if job_rank0:
+                mine, _, peer = spec.partition("=")
                 print(f"bench_frontier: --pairs {spec.strip()!r}: {'no elastic configuration ' + repr(mine.strip()) if a is None else 'no configuration ' + repr(peer.strip())} in this run; left out", flush=True)
             continue
-        out.append({"elastic": a.label, "peer": f"{b.system}: {b.label}", **_pair_ratios(a, b),
+        common = sorted(set(a.times_in) & set(b.times_in))
+        if not common:  # groups_of keeps a pair together: only if the group size cannot
+            if job_rank0:
+                print(f"bench_frontier: --pairs {spec.strip()!r}: the two ran in different groups; left out", flush=True)
+            continue
+        ta, tb = Config(a.system, a.label, None), Config(b.system, b.label, None)
+        ta.times, tb.times = a.times_in[common[0]], b.times_in[common[0]]
+        out.append({"elastic": a.label, "peer": f"{b.system}: {b.label}", **_pair_ratios(ta, tb),
                     "elastic_peak": a.tensor_peak, "peer_peak": b.tensor_peak,
                     "elastic_rss": a.rss_growth, "peer_rss": b.rss_growth})
     return out
+
+
+def groups_of(configs: list[Config], size: int, anchor: Config, pair_specs: list[str]) -> list[list[Config]]:
+    """The configurations in groups of at most `size`, each with the anchor first, the rest in
+    listed order, the two of each --pairs pair kept in one group ([Note: frontier groups])."""
+    if size == 0 or size >= len(configs):
+        return [[anchor] + [c for c in configs if c is not anchor]]
+    partner = {}
+    for spec in pair_specs:
+        a, b = _pair_configs(spec, configs)
+        if a is not None and b is not None and anchor not in (a, b) and size >= 3:
+            partner[id(a)], partner[id(b)] = b, a
+    units, placed = [], set()
+    for c in configs:
+        if c is anchor or id(c) in placed:
+            continue
+        unit = [c] + ([partner[id(c)]] if id(c) in partner and id(partner[id(c)]) not in placed else [])
+        placed.update(id(x) for x in unit)
+        units.append(unit)
+    groups: list[list[Config]] = [[]]
+    for unit in units:
+        if groups[-1] and len(groups[-1]) + len(unit) > size - 1:
+            groups.append([])
+        groups[-1].extend(unit)
+    return [[anchor] + g for g in groups]
+
+
+def relate_to_anchor(groups: list[list[Config]]) -> None:
+    """Each configuration's tokens/s over the anchor's, per timed round of its group (the
+    anchor's step time over its own), and the anchor's times and losses kept from its first
+    group; `times_in` already holds every group's times."""
+    anchor = groups[0][0]
+    for g, group in enumerate(groups):
+        for c in group:
+            r = [ta / tc for ta, tc in zip(anchor.times_in[g][1:], c.times_in[g][1:])]
+            c.vs_anchor = {"median": statistics.median(r), "min": min(r), "max": max(r), "ratios": r, "group": g}
+    anchor.vs_anchor = {"median": 1.0, "min": 1.0, "max": 1.0, "ratios": [], "group": 0}
+    anchor.times = anchor.times_in[0]
 
 
 def pairs_table(rows: list[dict], gpu: bool) -> str:
@@ -551,13 +625,17 @@ def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[
 
     rows = []
     gpu = job.device.type == "cuda"
+    tokens_per_step = job.world_size * job.args.micro_batch * job.args.grad_accum * job.args.seq_len
+    grouped = len(configs[0].times_in) > 1  # the anchor ran in more than one group
+    if grouped:  # [Note: frontier groups]: the anchor's step time over all its timed rounds
+        anchor_s = statistics.median(t for times in configs[0].times_in.values() for t in times[1:])
     for cfg in configs:
-        step_s = statistics.median(cfg.times[1:])
+        step_s = anchor_s / cfg.vs_anchor["median"] if grouped else statistics.median(cfg.times[1:])
         steps = cfg.steps_run
         losses = [s["loss"] for s in steps]
         ref_losses = refs.get(cfg.weight_format)
         diff = None if ref_losses is None else max(abs(a - b) for a, b in zip(losses, ref_losses))
-        tokens_per_step = job.world_size * job.args.micro_batch * job.args.grad_accum * job.args.seq_len
+        va = cfg.vs_anchor
         rows.append({
             "system": cfg.system, "config": cfg.label,
             "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s,
@@ -570,6 +648,9 @@ def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[
             "allgather_calls_per_step": statistics.median(s["calls"] for s in steps[1:]),
             "allgather_mib_first_step": steps[0]["counted"] / 2**20,
             "max_abs_loss_diff": diff, "final_loss": losses[-1],
+            "group": None if va is None else va["group"],
+            "vs_anchor": None if va is None else va["median"], "vs_anchor_min": None if va is None else va["min"],
+            "vs_anchor_max": None if va is None else va["max"],
         })
     formats = {r["system"]: c.weight_format for r, c in zip(rows, configs)}
     peer_pts = [{"memory": r["peak_memory_mib"], "tokens_per_s": r["tokens_per_s"], "row": r}
@@ -579,6 +660,11 @@ def summarize(job, configs: list[Config], refs: dict[str, list[float]]) -> list[
         front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
         for i, r in enumerate(mine):
             r["on_frontier"] = i in front
+    for fmt in set(formats.values()):  # every system together, within one weight format
+        mine = [r for r in rows if formats[r["system"]] == fmt]
+        front = set(pareto([(r["peak_memory_mib"], r["tokens_per_s"]) for r in mine]))
+        for i, r in enumerate(mine):
+            r["on_joint_frontier"] = i in front
     for r in rows:
         mine = [p for p in peer_pts if formats[p["row"]["system"]] == formats[r["system"]]]  # its own weights
         best = best_peer_at_or_below(r["peak_memory_mib"], mine) if r["system"].startswith("elastic") else None
@@ -593,14 +679,21 @@ def _fmt(v, spec=".1f"):
 
 def table(rows: list[dict]) -> str:
     measure = rows[0]["memory_measure"] if rows else "tensor peak (CPU)"
+    grouped = any(r.get("group") for r in rows)
     head = (f"| system | configuration | tokens/s | {measure} MiB | RSS growth MiB (mmap threshold fixed) "
-            "| all-gather MiB/step | all-gathers/step | on frontier | fastest peer at <= memory | vs it |\n|---|---|---:|---:|---:|---:|---:|---|---|---:|\n")
+            "| all-gather MiB/step | all-gathers/step | on its system's frontier | on the joint frontier "
+            "| fastest peer at <= memory | vs it |"
+            + (" group | tokens/s vs the anchor, median of per-round ratios [min, max] |" if grouped else "")
+            + "\n|---|---|---:|---:|---:|---:|---:|---|---|---|---:|" + ("---:|---:|" if grouped else "") + "\n")
     lines = []
     for r in rows:
-        lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.0f} | {_fmt(r['peak_memory_mib'])} | "
+        va = (f" {r['group']} | {r['vs_anchor']:.3f}x [{r['vs_anchor_min']:.3f}, {r['vs_anchor_max']:.3f}] |"
+              if grouped else "")
+        lines.append(f"| {r['system']} | {r['config']} | {r['tokens_per_s']:.1f} | {_fmt(r['peak_memory_mib'])} | "
                      f"{_fmt(r['peak_rss_mib'])} | {r['allgather_mib_per_step']:.2f} | {r['allgather_calls_per_step']:.0f} | "
-                     f"{'yes' if r['on_frontier'] else ''} | {r['best_peer_at_or_below'] or ('-' if not r['system'].startswith('elastic') else 'none fits')} | "
-                     f"{'' if r['vs_best_peer'] is None else format(r['vs_best_peer'], '.2f') + 'x'} |")
+                     f"{'yes' if r['on_frontier'] else ''} | {'yes' if r['on_joint_frontier'] else ''} | "
+                     f"{r['best_peer_at_or_below'] or ('-' if not r['system'].startswith('elastic') else 'none fits')} | "
+                     f"{'' if r['vs_best_peer'] is None else format(r['vs_best_peer'], '.2f') + 'x'} |" + va)
     return head + "\n".join(lines) + "\n"
 
 
@@ -674,7 +767,24 @@ def main(argv=None) -> int:
                       f"{'max_memory_allocated' if device.type == 'cuda' else 'tensor peak'}"
                       + ("" if cfg.static is None else f", static {_mib(cfg.static)} MiB (built, before a step)")
                       + ("" if cfg.rss_growth is None else f", RSS growth {_mib(cfg.rss_growth)} MiB"), flush=True)
-        interleave(job, configs, counter, rounds, rank)
+        anchor = configs[0] if opts.anchor is None else next((c for c in configs if c.label == opts.anchor), None)
+        if anchor is None:
+            raise SystemExit(f"bench_frontier: --anchor {opts.anchor!r}: no such configuration; "
+                             f"there are {[c.label for c in configs]}")
+        groups = groups_of(configs, opts.groups, anchor, [x for x in opts.pairs.split(",") if x.strip()])
+        anchor_losses = []
+        for g, group in enumerate(groups):
+            if rank == 0 and len(groups) > 1:
+                print(f"group {g + 1} of {len(groups)}: " + ", ".join(c.label for c in group), flush=True)
+            interleave(job, group, counter, rounds, rank)
+            for c in group:
+                c.times_in[g] = list(c.times)
+            anchor_losses.append([st["loss"] for st in anchor.steps_run])
+            if g == 0:
+                anchor_steps = anchor.steps_run
+        anchor.steps_run = anchor_steps  # the losses, traffic and times of its first group
+        relate_to_anchor(groups)
+        configs = [anchor] + [c for c in configs if c is not anchor]  # the reference of the losses
         refs = {}  # the first configuration of each weight format: the others of it are set against it
         for c in configs:
             refs.setdefault(c.weight_format, (c, [st["loss"] for st in c.steps_run]))
@@ -713,6 +823,14 @@ def main(argv=None) -> int:
             of = "any run" if len(refs) == 1 else f"any {fmt} run"
             print(f"largest |loss - {ref_cfg.system} loss| of {of}, any step: {worst['max_abs_loss_diff']:.3g} "
                   f"({worst['system']}: {worst['config']})" + (f"  <-- {beyond}" if worst["max_abs_loss_diff"] > bound else ""))
+        if len(anchor_losses) > 1:
+            same = max(abs(a - b) for other in anchor_losses[1:] for a, b in zip(anchor_losses[0], other))
+            print(f"the anchor ({anchor.label}) in {len(anchor_losses)} groups: largest loss difference between "
+                  f"them {same:.3g}")
+            for r, c in zip(rows, configs):
+                if c is not anchor:
+                    print(f"per-round ratios, {c.label} ({c.system}) vs the anchor, group {r['group']}: "
+                          + ", ".join(f"{x:.3f}" for x in c.vs_anchor["ratios"]))
         print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; {elapsed:.0f} s")
         print(f"rows: {path}\npicture: {png}", flush=True)
     dist.barrier()

@@ -187,6 +187,7 @@ def test_frontier_script_reports_the_pairs_round_by_round(frontier_run):
     (["--peers", "fsdp3"], r"--peers: unknown peer\(s\) \['fsdp3'\]"),
     (["--fsdp2-reshard", "maybe"], r"--fsdp2-reshard: expected true, false or a number of ranks"),
     (["--planned-caps", "-1"], r"--planned-caps: a number of caps >= 0"),
+    (["--groups", "1"], r"--groups: 0 \(one group\) or a group size >= 2"),
 ])
 def test_frontier_script_refuses_bad_arguments_before_anything_runs(argv, said, capsys):
     """Each was a traceback on every rank once the runs were being built (or, for --peers, a
@@ -199,3 +200,31 @@ def test_frontier_script_refuses_bad_arguments_before_anything_runs(argv, said, 
         _parse(["--preset", "tiny", *argv])
     assert info.value.code == 2
     assert re.search(said, capsys.readouterr().err), argv
+
+
+def test_groups_keep_the_anchor_in_each_and_each_pair_together():
+    """[Note: frontier groups]: at most `size` alive, the anchor first in every group, a pair
+    of --pairs never split, every other configuration in exactly one group, in listed order."""
+    from bench.bench_frontier import Config, groups_of
+
+    cs = [Config("elastic", f"budget {b}", None) for b in ("0", "25%", "all")]
+    cs += [Config("fsdp2", "reshard", None), Config("fsdp2", "no reshard", None), Config("ddp", "replicated", None)]
+    g = groups_of(cs, 3, cs[0], ["budget 0=fsdp2:reshard", "budget all=ddp:replicated"])
+    labels = [[c.label for c in grp] for grp in g]
+    assert labels == [["budget 0", "budget 25%"], ["budget 0", "budget all", "replicated"],
+                      ["budget 0", "reshard", "no reshard"]]
+    assert groups_of(cs, 0, cs[0], [])[0] == cs  # one group: all, listed order
+    assert [len(x) for x in groups_of(cs, 2, cs[2], [])] == [2] * 5  # anchor + one; a pair cannot fit
+
+
+def test_speed_against_the_anchor_is_taken_round_by_round_in_each_group():
+    from bench.bench_frontier import Config, relate_to_anchor
+
+    a, b, c = Config("elastic", "budget 0", None), Config("elastic", "budget all", None), Config("ddp", "replicated", None)
+    a.times_in = {0: [9.0, 2.0, 4.0, 2.0], 1: [9.0, 1.0, 1.0, 3.0]}  # first round: warm-up
+    b.times_in = {0: [5.0, 1.0, 1.0, 4.0]}
+    c.times_in = {1: [5.0, 2.0, 0.5, 1.0]}
+    relate_to_anchor([[a, b], [a, c]])
+    assert b.vs_anchor["ratios"] == [2.0, 4.0, 0.5] and b.vs_anchor["median"] == 2.0
+    assert c.vs_anchor["ratios"] == [0.5, 2.0, 3.0] and (c.vs_anchor["min"], c.vs_anchor["max"]) == (0.5, 3.0)
+    assert c.vs_anchor["group"] == 1 and a.vs_anchor["median"] == 1.0 and a.times == a.times_in[0]

@@ -241,7 +241,10 @@ class ZeRO3Engine(Engine):
         self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
         adapter_numel = sum(v.numel() for v in job.initial_adapters.values())
         self.config = ds_config(job, setting, adapter_numel)
-        with ds.zero.Init(config_dict_or_path=self.config, dtype=None):  # dtype=None: [Note: DeepSpeed ZeRO-3 as a peer]
+        # No initialization: every parameter is written from rank 0 below. Initializing would also
+        # fail on a model with a padding token (the real model's pad_token_id 2): transformers
+        # zeroes weight[padding_idx] of an embedding zero.Init has already partitioned to size 0.
+        with ds.zero.Init(config_dict_or_path=self.config, dtype=None), _no_init_weights():  # dtype=None: [Note: DeepSpeed ZeRO-3 as a peer]
             base = AutoModelForCausalLM.from_config(job.spec.config)
         base.train()
         _write_weights_from_rank0(ds, job, base)
@@ -295,6 +298,15 @@ class ZeRO3Engine(Engine):
 
     def close(self) -> None:
         self.model.destroy()
+
+
+def _no_init_weights():
+    """transformers' context that skips weight initialization (moved between versions)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def _write_weights_from_rank0(ds, job: Job, base: nn.Module) -> None:
