@@ -71,7 +71,8 @@ configuration's two passes by 2-45%).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
-  reserved + static: the shards of its packs' frozen weights (1/dp of every chunk; none with
+  reserved + static: the shards of its packs' frozen weights (1/dp of every chunk, their real
+      bytes: the ragged last chunk unpadded, rank 0's as the largest; none with
       weights_on="host", except on CPU, where the host store's pages of its packs are the same
       memory: counted whole, as a rank maps the whole store), what its packs keep replicated (embeddings on the first, norm and
       head on the last), its adapters with their gradients and AdamW's two moments (16 bytes
@@ -309,7 +310,7 @@ def _unit_sums(profile: PipelineProfile, weights, dp: int) -> tuple:
     for w in weights:
         n, cb, slc, real = w.layout(profile.chunk_bytes, dp)
         page = max(page, -(-cb // PAGE_ALIGN) * PAGE_ALIGN)
-        shard += n * slc
+        shard += (n - 1) * slc + min(slc, real - (n - 1) * cb)  # rank 0's real bytes: no padding
         store += real
         chunks += n
         sl += slc * n
