@@ -720,6 +720,7 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    from elastic_kernels.api.distributed.agree import exchange
     from elastic_kernels.api.finetune.job import prepare
     from elastic_kernels.api.finetune.measure import AllGatherCounter, fix_mmap_threshold
     from elastic_kernels.api.finetune.options import parse_args
@@ -762,11 +763,17 @@ def main(argv=None) -> int:
         t_start = time.perf_counter()
         for cfg in configs:
             cfg.tensor_peak, cfg.rss_growth = measure_memory(job, cfg, counter)
+            # every rank's figures (a rank's share of a weight's ragged last chunk differs)
+            per_rank = exchange((cfg.static, cfg.tensor_peak), what="bench_frontier memory")
             if rank == 0:
                 print(f"  memory: {cfg.system:9s} {cfg.label:50s} {_mib(cfg.tensor_peak)} MiB "
                       f"{'max_memory_allocated' if device.type == 'cuda' else 'tensor peak'}"
                       + ("" if cfg.static is None else f", static {_mib(cfg.static)} MiB (built, before a step)")
-                      + ("" if cfg.rss_growth is None else f", RSS growth {_mib(cfg.rss_growth)} MiB"), flush=True)
+                      + ("" if cfg.rss_growth is None else f", RSS growth {_mib(cfg.rss_growth)} MiB")
+                      + (f"; per rank: static {', '.join(f'{st / 2**20:.3f}' for st, _ in per_rank)} MiB, "
+                         f"tensor peak {', '.join(f'{pk / 2**20:.3f}' for _, pk in per_rank)} MiB"
+                         if cfg.static is not None and cfg.tensor_peak is not None else ""),
+                      flush=True)
         anchor = configs[0] if opts.anchor is None else next((c for c in configs if c.label == opts.anchor), None)
         if anchor is None:
             raise SystemExit(f"bench_frontier: --anchor {opts.anchor!r}: no such configuration; "

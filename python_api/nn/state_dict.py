@@ -211,7 +211,7 @@ def load_full_weight(et: ElasticTensor, full: torch.Tensor) -> None:
         full = full.detach().to(et.dtype)
         if et.shard is not None:
             # Cut where the source lives (quantized again when the weight is stored quantized).
-            shard = et.shard_of_weight(full) if et.qlayout is not None else et.layout.shard(full, rt.rank)
+            shard = et.shard_of_weight(full) if et.qlayout is not None else et.layout.shard(full, rt.rank, padded=False)
             et.shard.copy_(shard)  # in place: world size 1 keeps chunk views of the shard
         if et.store_offset is None:
             return

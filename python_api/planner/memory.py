@@ -59,7 +59,8 @@ A weight is held as a run ([Note: resident runs] in python_api/runtime/tensor.py
 profile has `run_bytes` (the runtime can hold it so), every chunk persists (p = n) and none
 comes from the host store: the runtime's condition, whose last part (a cache budget that
 holds every kept chunk in pages) a plan's budget always meets (`pool_budget_bytes`). Its
-shard lives in the run (static_bytes counted it: chunks x slice_bytes, replaced by
+shard lives in the run (static_bytes counted it: its real bytes, `WeightProfile.shard_bytes`,
+rank 0's, no padding since 2026-12-03 ([Note: chunk-major shard layout]); replaced by
 run_bytes), and it has no page: neither among the kept chunks nor in the working set (the
 runtime's `_working_set_pages` counts the weights held in pages only). It misses nothing, as
 any weight with p = n. Until 2026-12-03 the model counted shard + n pages for it, and

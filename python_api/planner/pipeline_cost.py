@@ -60,7 +60,7 @@ def _unit_sums(profile: PipelineProfile, weights, dp: int) -> tuple:
     for w in weights:
         n, cb, slc, real = w.layout(profile.chunk_bytes, dp)
         page = max(page, -(-cb // PAGE_ALIGN) * PAGE_ALIGN)
-        shard += n * slc
+        shard += (n - 1) * slc + min(slc, real - (n - 1) * cb)  # rank 0's real bytes: no padding
         store += real
         chunks += n
         sl += slc * n

@@ -67,7 +67,8 @@ configuration's two passes by 2-45%).
 
 [Note: the pipeline memory model]
 Per rank, at each action, in bytes:
-  reserved + static: the shards of its packs' frozen weights (1/dp of every chunk; none with
+  reserved + static: the shards of its packs' frozen weights (1/dp of every chunk, their real
+      bytes: the ragged last chunk unpadded, rank 0's as the largest; none with
       weights_on="host", except on CPU, where the host store's pages of its packs are the same
       memory: counted whole, as a rank maps the whole store), what its packs keep replicated (embeddings on the first, norm and
       head on the last), its adapters with their gradients and AdamW's two moments (16 bytes

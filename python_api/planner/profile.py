@@ -14,7 +14,8 @@ chunk layout exactly as the runtime lays it out (`ChunkLayout`): `chunks` (n), `
 (bytes of one full chunk: rows_per_chunk x row bytes) and `slice_bytes` (bytes of one
 chunk's per-rank slice, padding included: ceil(chunk_numel / world_size) x element size).
 A rank receives (world_size - 1) x slice_bytes for every chunk it gathers, ragged last chunk
-included (the shard is chunk-major with equal slices).
+included (what is sent is chunk-major with equal slices; a shard holds no padding, so the
+shards in `static_bytes` are `WeightProfile.shard_bytes`).
 
 `backward` (optional, default true) says whether the weight has a backward use: false for
 a frozen weight whose input needs no gradient (the q/k/v projections of the first decoder
@@ -213,8 +214,11 @@ class WeightProfile:
 
     @property
     def shard_bytes(self) -> int:
-        """This rank's shard of the weight as `static_bytes` counts it: chunks x slice_bytes."""
-        return self.chunks * self.slice_bytes
+        """The largest shard of the weight as `static_bytes` counts it (rank 0's, whose static
+        bytes are the MAX over ranks): its real bytes, no padding ([Note: chunk-major shard
+        layout]): (chunks - 1) x slice_bytes for the full chunks, plus its slice of the last
+        chunk, slice_bytes or the last chunk's bytes when fewer."""
+        return (self.chunks - 1) * self.slice_bytes + min(self.slice_bytes, self.last_bytes)
 
     @property
     def last_bytes(self) -> int:

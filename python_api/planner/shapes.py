@@ -30,7 +30,7 @@ Activations saved for backward per token per decoder layer (bf16 = 2 bytes per e
   adapter's x A^T in fp32). A recomputed layer keeps its input: 2h bytes per token.
 Outside: act = 2h per token (the final norm's input); peak = 10 V per token (bf16 logits, their
 fp32 copy for the loss, and the fp32 gradient of the logits).
-Static per rank: the shards of every elastic weight (n x slice bytes), the replicated
+Static per rank: the shards of every elastic weight (their real bytes, `WeightProfile.shard_bytes`), the replicated
 embedding (V x h bf16) and norms, and the adapters with their gradients and Adam moments
 (16 bytes per fp32 parameter); adapter_grad_bytes = 4 bytes per adapter parameter.
 Links: an all-gather where a rank receives B bytes takes latency + B / busbw (nccl-tests'
@@ -307,7 +307,7 @@ def synthetic_profile(shape: str, ranks: int, seq_len: int = 4096, device: str |
     ))
     largest_chunk = max(w.chunk_bytes for layer in layers for w in layer.weights)
     page = -(-largest_chunk // PAGE_ALIGN) * PAGE_ALIGN
-    shards = sum(w.chunks * w.slice_bytes for layer in layers for w in layer.weights)
+    shards = sum(w.shard_bytes for layer in layers for w in layer.weights)  # real bytes, no padding
     replicated = BF16 * (m.vocab * h + (2 * m.layers + 1) * h)  # embedding + norms
     adapters = m.layers * lora_params
     loss_bytes = 10 * m.vocab  # bytes per token moved by the loss, forward and backward

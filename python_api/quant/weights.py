@@ -141,9 +141,10 @@ def image_reader(qlayout: QuantizedLayout, read_rows, dtype: torch.dtype, device
 
 
 def quantized_shard(qlayout: QuantizedLayout, storage: ChunkLayout, read_rows, rank: int, dtype: torch.dtype,
-                    device) -> torch.Tensor:
-    """Rank `rank`'s shard (1-D uint8, `storage.shard_numel` bytes) of the weight's image,
-    i.e. `storage.shard(qlayout.quantize(weight), rank)`, without the image: chunk by chunk,
+                    device, padded: bool = True) -> torch.Tensor:
+    """Rank `rank`'s shard (1-D uint8, `storage.shard_numel` bytes, or `storage.own_numel(rank)`
+    without the last blob's padding when not `padded`) of the weight's image,
+    i.e. `storage.shard(qlayout.quantize(weight), rank, padded)`, without the image: chunk by chunk,
     each rank quantizes only what its slice of each blob needs (`image_reader`). A
     `PackedRows` (a weight its file holds quantized) gives its bytes as they are instead:
     nothing is quantized."""
@@ -151,7 +152,7 @@ def quantized_shard(qlayout: QuantizedLayout, storage: ChunkLayout, read_rows, r
         read = read_rows.image_reader(qlayout, device)
     else:
         read = image_reader(qlayout, read_rows, dtype, device)
-    return storage.shard_from_rows(read, rank, torch.uint8, device)
+    return storage.shard_from_rows(read, rank, torch.uint8, device, padded=padded)
 
 
 def fill_image_share(qlayout: QuantizedLayout, read_rows, r0: int, r1: int, dest: torch.Tensor, dtype: torch.dtype,

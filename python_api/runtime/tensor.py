@@ -77,8 +77,8 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 # run[base + min(r*S, L) : base + min((r+1)*S, L)] (base = (n-1)*W*S, L the last chunk's
 # elements: S of them, fewer, or none). That is where the shard lives: the separate shard
 # tensor is freed, `ElasticTensor.shard` is None, `run.own[c]` are this rank's elements
-# (`own_parts()`, `shard_bytes`; `padded_shard()` rebuilds the padded shard, e.g. to demote:
-# the padding is zeros). No second copy, no padding. A use of a filled run is O(1) Python (no pool
+# (`own_parts()`, `shard_bytes`; demotion copies them into a fresh shard, which holds no
+# padding either). No second copy, no padding. A use of a filled run is O(1) Python (no pool
 # call, nothing to wait for) and one GEMM: `Resident.whole()` / `Resident.table()` give the
 # layers one [rows, cols] tensor (nn/linear.py: one F.linear / one mm; nn/lora.py: the paged
 # op with a single chunk).
@@ -88,19 +88,20 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   chunks' pages: exactly when no kept chunk is ever evicted, so traffic is unchanged to the
 #   byte). Budget all and a plan keeping weights whole qualify; partly resident, streamed,
 #   host-tier and quantized weights, and partial budgets under the default ratios, keep the
-#   paged path. At world size 1 without force_pool the shard is already the padded weight and
+#   paged path. At world size 1 without force_pool the shard is already the weight and
 #   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
 #   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
 #   with strided views was needed.
-# - The ragged last chunk: the layout (shards, gathers, pages, every byte count) keeps its
-#   equal padded slices; only a run drops the padding. Filling a run sends this rank's slice
-#   of the last chunk as a new zero-padded tensor of S elements (`send_parts`, one per weight,
-#   alive for that one gather), and the gathered last chunk is unpacked into the run's chunk
-#   view, whose padding `unpack_gathered` drops as for a page. So a run costs the weight's
-#   bytes, nothing more, and the traffic is unchanged to the byte. Not chosen: a slice size
-#   of its own for the last chunk in the layout (ceil(L / W)): it would also trim the shard
-#   at every budget and the last chunk's gathers, but changes every byte count of the
-#   gathers, the planner's profile and the pack arithmetic; for a run it saves nothing more.
+# - The ragged last chunk: the layout (gathers, pages, every byte count) keeps its equal
+#   padded slices; neither a run nor a shard holds the padding ([Note: chunk-major shard
+#   layout]: a shard too, since 2026-12-03). Filling a run sends this rank's slice of the last
+#   chunk as a new zero-padded tensor of S elements (`send_parts`, one per weight, alive for
+#   that one gather; a shard's gathers do the same), and the gathered last chunk is unpacked
+#   into the run's chunk view, whose padding `unpack_gathered` drops as for a page. So a run
+#   costs the weight's bytes, nothing more, and the traffic is unchanged to the byte. Not
+#   chosen: a slice size of its own for the last chunk in the layout (ceil(L / W)): it would
+#   trim the last chunk's gathers too, but changes every byte count of the gathers, the
+#   planner's profile and the pack arithmetic; for a run or a shard it saves nothing more.
 # - Measured (bench/results/2026-12-03_runs.md, 2 gloo ranks, interleaved, loaded VM): budget
 #   all's tensor peak 810.5 MiB against 1027.4 paged and 784.4 for DDP with the padded last
 #   chunk in each run (26.10 MiB over the 210 linears by the layout's arithmetic, the
@@ -221,7 +222,8 @@ class ElasticTensor:
                     self.shard = self.shard_of_weight(weight)
                 else:
                     self.shard = self.shard_of(rows)
-        # World size 1: the shard *is* the (padded) weight; chunks are views of it, always resident.
+        # World size 1: the shard *is* the weight (a slice is a whole chunk, so an unpadded
+        # shard holds exactly the weight's elements); chunks are views of it, always resident.
         self._local_chunks = None
         if runtime.world_size == 1 and self.shard is not None:
             st = self.storage
@@ -251,9 +253,9 @@ class ElasticTensor:
         return self.shard is not None or self.run is not None
 
     def own_parts(self) -> list[torch.Tensor]:
-        """The tensors holding this rank's share as it is held now: [the shard] (its last
-        slice zero-padded), or a run's own elements chunk by chunk (no padding); [] with
-        weights_on="host"."""
+        """The tensors holding this rank's share as it is held now: [the shard] (its real
+        elements: no padding, [Note: chunk-major shard layout]), or a run's own elements chunk
+        by chunk; [] with weights_on="host"."""
         if self.run is not None:
             return list(self.run.own)
         return [] if self.shard is None else [self.shard]
@@ -264,18 +266,21 @@ class ElasticTensor:
         return sum(t.numel() for t in self.own_parts()) * self.element_size
 
     def padded_shard(self) -> torch.Tensor:
-        """This rank's shard in the layout ([Note: chunk-major shard layout]: num_chunks *
-        slice_numel elements, the ragged last slice zero-padded): the shard itself, or for a
-        run a new tensor built from its own elements."""
-        if self.run is None:
-            return self.shard
+        """This rank's shard padded as in the gathers ([Note: chunk-major shard layout]:
+        num_chunks * slice_numel elements, the ragged last slice zero-padded): the shard itself
+        when its last slice is full, else a new zero-padded copy (of the shard, or of a run's
+        own elements)."""
+        st = self.storage
+        return st.pad_shard(self.shard if self.run is None else self._shard_from_run(), self.runtime.rank)
+
+    def _shard_from_run(self) -> torch.Tensor:
+        """A new shard (own_numel elements, no padding) holding the run's own elements."""
         st = self.storage
         n, s = st.num_chunks, st.slice_numel
-        shard = torch.zeros(st.shard_numel, dtype=self.storage_dtype, device=self.device)
+        shard = torch.empty(st.own_numel(self.runtime.rank), dtype=self.storage_dtype, device=self.device)
         if n > 1:
             shard[: (n - 1) * s].view(n - 1, s).copy_(self._run_full_own(self.run))
-        last = self.run.own[n - 1]
-        shard[(n - 1) * s : (n - 1) * s + last.numel()].copy_(last)
+        shard[(n - 1) * s :].copy_(self.run.own[n - 1])
         return shard
 
     def _run_full_own(self, run: Run) -> torch.Tensor:
@@ -298,27 +303,43 @@ class ElasticTensor:
         self.run, self.shard = run, None
 
     def to_shard(self) -> None:
-        """Back to a shard of its own (a fresh tensor, the run freed): the inverse of `to_run`."""
-        shard = self.padded_shard()
+        """Back to a shard of its own (a fresh tensor of its real elements, the run freed): the
+        inverse of `to_run`."""
+        shard = self._shard_from_run()
         self.run, self.shard = None, shard
 
     def send_parts(self, begin: int, end: int) -> tuple[list[torch.Tensor], list[int], list[int], list[int]]:
         """This rank's slices of chunks [begin, end) as `pack_shards` takes them (shards,
         slice sizes, chunk begins, chunk ends): one contiguous range of the shard, or, held as
-        a run, one slice per chunk (in the run they are world_size slices apart), the ragged
-        last chunk's slice as a new zero-padded copy (a run holds no padding)."""
+        a run, one slice per chunk (in the run they are world_size slices apart). Neither holds
+        the ragged last chunk's padding: a last slice shorter than slice_numel is sent as a
+        new zero-padded copy (`_padded_last`), so the send buffer is what it was when shards
+        were padded ([Note: chunk-major shard layout])."""
         s = self.storage.slice_numel
+        last = self.num_chunks - 1
         if self.run is None:
-            return [self.shard], [s], [begin], [end]
+            if end <= last or self.shard.numel() == self.storage.shard_numel:
+                # whole slices only, as pack_shards checks (the short last one left out)
+                return [self.shard[: end * s]], [s], [begin], [end]
+            full = self.shard[: last * s]  # the full slices: a whole number of them, as pack_shards checks
+            tail = self._padded_last(self.shard[last * s :])
+            if begin == last:
+                return [tail], [s], [0], [1]
+            return [full, tail], [s, s], [begin, 0], [last, 1]
         k = end - begin
         parts = self.run.own[begin:end]
         if end == self.num_chunks and parts[-1].numel() < s:
-            padded = torch.zeros(s, dtype=self.storage_dtype, device=self.device)
-            padded[: parts[-1].numel()].copy_(parts[-1])
-            if self.runtime.comm_stream is not None:  # packed there: not reused before it is done
-                padded.record_stream(self.runtime.comm_stream)
-            parts[-1] = padded
+            parts[-1] = self._padded_last(parts[-1])
         return parts, [s] * k, [0] * k, [1] * k
+
+    def _padded_last(self, real: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the last chunk as sent: its real elements `real`, zero-padded to
+        slice_numel in a new tensor alive for one gather."""
+        padded = torch.zeros(self.storage.slice_numel, dtype=self.storage_dtype, device=self.device)
+        padded[: real.numel()].copy_(real)
+        if self.runtime.comm_stream is not None:  # packed there: not reused before it is done
+            padded.record_stream(self.runtime.comm_stream)
+        return padded
 
     def chunk_shape(self, c: int) -> tuple[int, ...]:
         """Shape of chunk c as the layers get it from the runtime: [rows, cols], or a quantized
@@ -361,18 +382,21 @@ class ElasticTensor:
 
     def shard_of(self, rows) -> torch.Tensor:
         """This rank's shard of the weight whose rows [begin, end) `rows(begin, end)` returns,
-        as stored (quantized when the policy says so): only the rows the shard needs are read."""
+        as stored (quantized when the policy says so), its real elements only (`own_numel`):
+        only the rows the shard needs are read."""
         rt = self.runtime
         if self.qlayout is not None and isinstance(rows, PackedRows):
             # The file's codes and scales, as they are: the non-finite weights are those of its
             # blocks whose scale is not finite.
-            shard = quantized_shard(self.qlayout, self.storage, rows, rt.rank, self.dtype, rt.device)
+            shard = quantized_shard(self.qlayout, self.storage, rows, rt.rank, self.dtype, rt.device, padded=False)
             self._nonfinite_packed = rows.nonfinite
             return shard
         if self.qlayout is not None:
-            return quantized_shard(self.qlayout, self.storage, self._counted(rows), rt.rank, self.dtype, rt.device)
+            return quantized_shard(self.qlayout, self.storage, self._counted(rows), rt.rank, self.dtype, rt.device,
+                                   padded=False)
         return self.layout.shard_from_rows(
-            lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device)
+            lambda b, e: rows(b, e).to(device=rt.device, dtype=self.dtype), rt.rank, self.dtype, rt.device,
+            padded=False)
 
     def shard_of_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the whole weight `weight` (its value in any dtype), as stored."""
@@ -380,7 +404,8 @@ class ElasticTensor:
             w = weight.detach()
             self._bad_rows = {}  # a new value: what was read of the old one no longer counts
             return self.shard_of(lambda b, e: w[b:e])
-        return self.layout.shard(weight.detach().to(device=self.runtime.device, dtype=self.dtype), self.runtime.rank)
+        return self.layout.shard(weight.detach().to(device=self.runtime.device, dtype=self.dtype), self.runtime.rank,
+                                 padded=False)
 
     @property
     def num_chunks(self) -> int:

@@ -527,3 +527,49 @@ def test_gpu_device_mismatch_is_named(impl):
         pack([_z(6, device="cuda"), _z(6)], [3, 3], [0, 0], [2, 2])
     with pytest.raises(ValueError, match=r"dests\[1\] is on device cpu"):
         unpack(_gathered(device="cuda"), 2, [3, 1], [2, 1], [_z(6, device="cuda"), _z(5), _z(2, device="cuda")])
+
+
+# ------------------------------------------------------------------ shards without padding
+
+def _own_numel(rows: int, cols: int, rpc: int, world_size: int, rank: int) -> int:
+    """Rank `rank`'s real elements (independent of ChunkLayout): full slices of the full chunks,
+    then its part of the last chunk, min(S, max(0, L - rank * S))."""
+    rpc = min(rpc, rows)
+    chunks = -(-rows // rpc)
+    s = -(-rpc * cols // world_size)
+    last = (rows - (chunks - 1) * rpc) * cols
+    return (chunks - 1) * s + min(s, max(0, last - rank * s))
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("shape", [(7, 5, 3), (1, 1, 1), (3, 2, 5), (127, 7, 8), (33, 24, 8), (16, 4, 4)])
+def test_unpadded_shard_sends_what_the_padded_shard_sent(impl, world_size, shape):
+    """[Note: chunk-major shard layout]: a shard holds its real elements only (short or empty
+    last slice); `shard_from_rows` and `shard` agree; `pad_shard` and `assemble` give back the
+    padded shard and the weight; and packing the full part with the last slice zero-padded in a
+    temporary (what ElasticTensor.send_parts does) is bit for bit the pack of the padded
+    shard, for every chunk range that ends at the last chunk."""
+    pack, _ = impl_fns(impl)
+    rows, cols, rpc = shape
+    lay = ChunkLayout(rows, cols, rpc, world_size)
+    gen = torch.Generator().manual_seed(rows * 131 + world_size)
+    weight = random_bits((rows, cols), torch.float32, gen)
+    n, s = lay.num_chunks, lay.slice_numel
+    shards = []
+    for r in range(world_size):
+        padded = lay.shard(weight, r)
+        own = lay.shard(weight, r, padded=False)
+        assert own.numel() == lay.own_numel(r) == _own_numel(rows, cols, rpc, world_size, r)
+        assert bits_equal(own, padded[: own.numel()]) and bool((raw(padded[own.numel():]) == 0).all())
+        assert bits_equal(lay.shard_from_rows(lambda b, e: weight[b:e], r, torch.float32, padded=False), own)
+        assert bits_equal(lay.pad_shard(own, r), padded) and lay.pad_shard(padded, r) is padded
+        shards.append(own)
+        tail = own.new_zeros(s)
+        tail[: own.numel() - (n - 1) * s].copy_(own[(n - 1) * s :])
+        for begin in range(n):
+            sent = pack([own[: (n - 1) * s], tail], [s, s], [min(begin, n - 1), 0], [n - 1, 1])
+            assert bits_equal(sent, pack([padded], [s], [begin], [n])), (r, begin)
+    assert bits_equal(lay.assemble(shards), weight)
+    with pytest.raises(ValueError, match="expected"):
+        lay.pad_shard(shards[0][:-1] if shards[0].numel() else shards[0].new_zeros(1), 0)

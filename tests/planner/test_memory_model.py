@@ -15,7 +15,9 @@ Tolerance 10%, two-sided: what the model counts is exact integer arithmetic of t
 byte counts; what it cannot see is allocator and gloo transients (gloo's scratch copy of a
 gather's output lives only while its collective runs, the model counts it for every gather in
 the window, an upper bound; the recompute's transients are one fitted per-token figure).
-Measured on this machine (2026-12-01, `pytest -s tests/planner/test_memory_model.py`): -3.0% to +6.0%.
+Measured on this machine (2026-12-01, `pytest -s tests/planner/test_memory_model.py`): -3.0% to +6.0%;
+2026-12-03 (commit 91384bf, shards without padding, load average ~24): -0.0% to +8.7% on the
+device-weight plans, -0.0% to +1.8% with the weights on the host.
 The device-weight model holds the weights a plan keeps whole as runs ([Note: resident runs]):
 every 1-chunk weight (q/k/v/o at 256 KiB chunks) in "keep half", every weight in "keep
 everything", which the memory model counts as runs (run_bytes in place of shard + pages:

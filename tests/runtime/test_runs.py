@@ -79,10 +79,9 @@ def _memory_worker(rank, world_size):
         p.grad = None
     held = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
         {b.untyped_storage().data_ptr() for b in model.buffers()}
-    if world_size == 1:  # the shard is the padded weight ([Note: single process])
-        analytic = sum(padded_numel(b, a, 1) for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
-    else:  # each weight once, unpadded: its run
-        analytic = sum(b * a for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
+    # Each weight once, unpadded: its run, or at world size 1 its shard, which holds exactly the
+    # weight's elements ([Note: chunk-major shard layout]: a shard holds no padding).
+    analytic = sum(b * a for a, b in zip(DIMS[:-1], DIMS[1:])) * FP32
     # Once in about five runs beside the full suite a rank counted 2,220 bytes more (13,740 vs
     # 11,520), not reproduced in 16 steps alone: read again, a little later, while it differs
     # (a buffer released late goes away; memory that stays fails the test with every reading;
@@ -94,7 +93,7 @@ def _memory_worker(rank, world_size):
         time.sleep(0.5)
         static.append(live_tensor_bytes(held) - base)
     static = static[-1] if static[-1] == analytic else static
-    if world_size == 1:  # no pool and no run: the shard is the padded weight ([Note: single process])
+    if world_size == 1:  # no pool and no run: the shard is the weight ([Note: single process])
         return static, analytic, analytic, 0, rt.pool is None, analytic
     # No shard beside the run: this rank's elements are views of it (none of the ragged last
     # chunk's padding: the last own part is shorter than a slice, or empty).
@@ -109,8 +108,8 @@ def _memory_worker(rank, world_size):
 def test_budget_all_holds_each_weight_once(world_size):
     """Budget all: what the runtime keeps is its runs, exactly: each weight's bytes once (no
     shard beside them, no page, no page rounding: the pool never allocated a segment; no
-    padding of the ragged last chunk). World size 1 holds its shards, the padded weights, and
-    nothing else."""
+    padding of the ragged last chunk). World size 1 holds its shards, the weights (unpadded),
+    and nothing else."""
     for static, analytic, run_bytes, reserved, shard_in_run, peak in run_distributed(_memory_worker, world_size,
                                                                                        timeout=120):
         assert shard_in_run, "the shard is not a view of the run (world size 1: a pool was made)"
@@ -337,8 +336,8 @@ def _own_worker(rank, world_size):
         last = et.run.own[-1].numel()
         out.append((torch.equal(et.run.whole, w), torch.equal(et.padded_shard(), ref), last,
                     et.shard_bytes == (et.num_chunks - 1) * et.storage.slice_numel * FP32 + last * FP32))
-    set_pool_budget(model, 0)  # demoted: a fresh padded shard from the run's own elements
-    out.append([torch.equal(et.shard, et.layout.shard(weights[et.shape], rank)) for et in rt.tensors])
+    set_pool_budget(model, 0)  # demoted: a fresh shard of the run's own elements (no padding)
+    out.append([torch.equal(et.shard, et.layout.shard(weights[et.shape], rank, padded=False)) for et in rt.tensors])
     return out
 
 
