@@ -66,6 +66,17 @@ def _layout_bytes(rows: int, cols: int, world_size: int) -> tuple[int, int]:
     return -(-rows // rpc), -(-rpc * cols // world_size) * FP32
 
 
+def _own_bytes(rows: int, cols: int, world_size: int, rank: int) -> int:
+    """Bytes of rank `rank`'s shard of a [rows, cols] fp32 weight as the runtime holds it ([Note:
+    chunk-major shard layout]): the full slices of every chunk but the last, then its real
+    elements of the ragged last chunk (S of them, fewer or none: no padding)."""
+    chunks, slice_bytes = _layout_bytes(rows, cols, world_size)
+    s = slice_bytes // FP32
+    rpc = min(rows, max(1, CHUNK // (cols * FP32)))
+    last = (rows - (chunks - 1) * rpc) * cols
+    return ((chunks - 1) * s + min(s, max(0, last - rank * s))) * FP32
+
+
 def _peft(model, kind):
     from peft import LoraConfig, get_peft_model
 
@@ -336,7 +347,7 @@ def _static_worker(rank, world_size, shard_embeddings):
     rt = runtime_of(model)
     replicated = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                   for t in list(model.parameters()) + list(model.buffers())}
-    shards = sum(c * s for c, s in (_layout_bytes(*et.shape, world_size) for et in rt.tensors))
+    shards = sum(_own_bytes(*et.shape, world_size, rank) for et in rt.tensors)
     analytic = sum(replicated.values()) + shards
     static = [live_tensor_bytes() - base]
     for _ in range(3):  # a buffer released late (see tests/runtime/test_runs.py): read again
@@ -349,9 +360,9 @@ def _static_worker(rank, world_size, shard_embeddings):
 
 def test_budget0_static_memory_excludes_the_table():
     """Budget 0 on 2 ranks before any step: each rank holds exactly its replicated parameters
-    and buffers and its shards (analytic), and sharding the tied table saves its 8 KiB less
-    its shard (row blocks of 5, 5 and 3 chunks, each chunk's slice 80 floats: 4,160 bytes),
-    nothing else."""
+    and buffers and its shards (analytic, no padding), and sharding the tied table saves rank 0
+    its 8 KiB less its shard (row blocks of 5, 5 and 3 chunks, each chunk's slice 80 floats; the
+    last chunk's 128 floats leave rank 0 a full slice: 4,160 bytes), nothing else."""
     on = run_distributed(_static_worker, 2, True, timeout=180)
     off = run_distributed(_static_worker, 2, False, timeout=180)
     for static, analytic, _, _ in on + off:
