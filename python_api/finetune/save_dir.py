@@ -20,7 +20,9 @@ LOCK_FILE = ".elastic-finetune.lock"
 # exit (the kernel drops it when the process ends, however it ends), and writes its pid and
 # host into it. A second run into the same folder is refused: prepare() tries the lock
 # (without writing) to refuse before anything starts, and the lock taken after the process
-# group is up closes the window between two runs that pass prepare() at the same moment. The
+# group is up closes the window between two runs that pass prepare() at the same moment (the
+# test is a shared lock, so that the ranks of one job, probing together, do not refuse each
+# other). The
 # file stays (removing a lock file races with a run that has just opened it) and does not
 # count as content of the folder. flock works across nodes on NFS (Linux emulates it with
 # POSIX locks there).
@@ -38,11 +40,14 @@ def _check_not_locked(save_dir: str) -> None:
     """prepare()'s test of the lock: fails if another run holds it; writes nothing."""
     path = os.path.join(save_dir, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDWR)  # read-write: NFS's emulation of flock needs it for LOCK_EX
+        fd = os.open(path, os.O_RDWR)  # read-write, as lock_save_dir opens it (NFS's flock emulation)
     except OSError:
         return  # no lock file (or unreadable: the write probe tells)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Shared: every rank of a job probes in prepare(), at the same moment on one node; two
+        # exclusive probes refused each other ("in use by another run", seen once in the suite
+        # on an idle machine), shared ones do not, and a run's exclusive lock refuses them all.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         raise FinetuneError(
             f"--save-dir {save_dir} is in use by another {PROG} run{_lock_holder(fd)} (it holds {path}); "

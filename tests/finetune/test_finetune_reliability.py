@@ -376,6 +376,15 @@ def test_save_dir_lock(tmp_path):
     os.close(lock_save_dir(d))
     # The lock file alone does not make the folder "not empty".
     _prepare(TINY + ["--save-dir", d])
+    # The ranks of one job test the lock in prepare() at the same moment: one rank's test (a
+    # shared lock held) must not refuse another's (it did, with exclusive tests: the resume
+    # test failed so once, "in use by another elastic-finetune run").
+    probe = os.open(os.path.join(d, LOCK_FILE), os.O_RDWR)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        _prepare(TINY + ["--save-dir", d, "--overwrite"])
+    finally:
+        os.close(probe)
 
 
 # ------------------------------------------------------------------------------- 4. float16 and NaN
