@@ -94,7 +94,10 @@ def _worker(rank, world_size):
             step()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        measured = measure_peak_bytes(model, step)
+        # The peak of three steps: whether the next layer's prefetch is in flight at the peak
+        # moment follows the ranks' timing (about 3 MiB here, seen both ways from one run to
+        # the next); the model counts it, as a peak it can reach.
+        measured = max(measure_peak_bytes(model, step) for _ in range(3))
         opt.zero_grad(set_to_none=True)
         one_adapter = plan_of(profile, dataclasses.replace(choices, num_adapters=1), memory_bytes=1 << 30,
                               global_batch=world_size)
@@ -103,11 +106,18 @@ def _worker(rank, world_size):
 
 
 def test_memory_model_predicts_the_k_adapter_peak():
+    """The model predicts the peak of the rank that holds the most (the profile's static bytes
+    are the maximum over ranks; since shards hold no padding, a rank whose slices of the ragged
+    last chunks are short holds less: here rank 1, about 1 MiB), so its prediction is set
+    against the largest measured peak of the ranks."""
     reports = run_distributed(_worker, 2, timeout=900)
-    for rank, report in enumerate(reports):
-        for name, (predicted, measured, one) in report.items():
-            err = (predicted - measured) / measured
-            print(f"rank {rank} {name}, {K} adapters: predicted peak {predicted / 2**20:.2f} MiB, measured "
-                  f"{measured / 2**20:.2f} MiB ({err:+.1%}); one adapter predicted {one / 2**20:.2f} MiB")
-            assert predicted > one  # the other adapters' rows and state are counted
-            assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {measured} ({err:+.1%})"
+    for name in reports[0]:
+        predicted, one = reports[0][name][0], reports[0][name][2]
+        assert all(r[name][0] == predicted for r in reports)  # one plan, one prediction on every rank
+        measured = max(r[name][1] for r in reports)
+        err = (predicted - measured) / measured
+        print(f"{name}, {K} adapters: predicted peak {predicted / 2**20:.2f} MiB, measured (the largest of "
+              f"{', '.join(f'{r[name][1] / 2**20:.2f}' for r in reports)} MiB) {measured / 2**20:.2f} MiB "
+              f"({err:+.1%}); one adapter predicted {one / 2**20:.2f} MiB")
+        assert predicted > one  # the other adapters' rows and state are counted
+        assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {measured} ({err:+.1%})"
