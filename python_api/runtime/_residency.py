@@ -155,16 +155,23 @@ class _Residency:
 
     def _run_candidates(self) -> list[ElasticTensor]:
         """The weights to hold as runs: every chunk PERSISTENT, none from the host store, a
-        layout whose padded chunks lie back to back, a device shard, a runtime that gathers;
-        and a cache budget that holds every kept chunk of the model in pages (None, or at
-        least sum(keep_chunks) pages: the condition under which no kept chunk is ever
-        evicted, so a run changes no byte of traffic). Otherwise none."""
+        layout whose padded chunks lie back to back, a device shard, a runtime that gathers.
+        All of them when the cache budget holds every kept chunk of the model in pages (None,
+        or at least sum(keep_chunks) pages: no kept chunk is ever evicted, so the runs change
+        no byte of traffic). A smaller budget holds whole weights in the order of
+        registration, each that still fits (its run_bytes, the same on every rank), and the
+        rest in pages ([Note: resident runs], "Partial budgets")."""
         out = [et for et in self.tensors if self.can_hold_as_run(et) and not any(et.from_host)
                and all(r is Residency.PERSISTENT for r in et.residency)]
         if out and self._cache_budget is not None:
             kept = sum(et.keep_chunks for et in self.tensors) * self.page_bytes()
             if kept > self._cache_budget:
-                return []
+                chosen, used = [], 0
+                for et in out:
+                    if used + et.run_bytes <= self._cache_budget:
+                        chosen.append(et)
+                        used += et.run_bytes
+                return chosen
         return out
 
     def can_hold_as_run(self, et: ElasticTensor) -> bool:

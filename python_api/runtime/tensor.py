@@ -87,8 +87,20 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   cache budget that holds every kept chunk of the model in pages (None, or >= the kept
 #   chunks' pages: exactly when no kept chunk is ever evicted, so traffic is unchanged to the
 #   byte). Budget all and a plan keeping weights whole qualify; partly resident, streamed,
-#   host-tier and quantized weights, and partial budgets under the default ratios, keep the
-#   paged path. At world size 1 without force_pool the shard is already the weight and
+#   host-tier and quantized weights keep the paged path.
+# - Partial budgets: a cache budget below every kept chunk's pages holds whole weights as runs,
+#   in the order of registration, each whose run_bytes still fit beside the runs already
+#   chosen (the full weight's bytes are charged, a rank-independent figure, so every rank
+#   chooses the same weights: [Note: symmetric residency]), and the rest in pages through
+#   what the budget has left (their kept chunks evicted in LRU order as before). A weight
+#   held as a run costs its bytes once; in pages a kept chunk cost a page beside the shard,
+#   which already holds the rank's slice of it. So budget b holds at most the shard plus b,
+#   and less by the shard bytes of the weights held whole: on SmolLM2-135M at 2 ranks the
+#   tensor peaks of budgets 50% and 75% were 826.1 and 927.5 MiB in pages, above budget all's
+#   784.4 (bench/results/2026-12-03_frontier_real.md); held whole they fall between budget 0
+#   and budget all (bench/results/2026-12-04_partial_runs.md). Traffic: a run misses nothing
+#   after its fill, the pages of the rest miss as LRU makes them; budget 0 and budget all are
+#   unchanged to the byte. At world size 1 without force_pool the shard is already the weight and
 #   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
 #   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
 #   with strided views was needed.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.runtime.test_runtime import DIMS, FP32, adapter_params, make_model, reference_of
+from tests.runtime.test_runtime import DIMS, FP32, adapter_params, held_as_runs, make_model, reference_of
 
 pytestmark = [pytest.mark.distributed, pytest.mark.needs_ext]
 
@@ -57,16 +57,17 @@ def _parity_worker(rank, world_size, configs, iters):
     out = []
     for on, hf, keep, persist, budget in configs:
         model = make_model()
-        # Every chunk PERSISTENT at budget all, none from the host: the weights are runs,
+        # Every chunk PERSISTENT, none from the host: the weights the budget holds whole are runs,
         # computed in one GEMM ([Note: resident runs]); the reference follows.
-        whole = on == "device" and not hf and keep == persist == 1.0 and budget is None
+        budget_bytes = None if budget is None else int(budget * frozen)
+        whole = held_as_runs(DIMS, CHUNK, world_size, keep, persist, budget_bytes) if on == "device" and not hf \
+            else [False] * (len(DIMS) - 1)
         ref = reference_of(model, CHUNK, whole=whole)
         policy = ElasticPolicy(chunk_bytes=CHUNK, keep_ratio=keep, persist_ratio=persist, weights_on=on,
-                               host_fraction=hf, all_reduce_grads=False,
-                               pool_budget_bytes=None if budget is None else int(budget * frozen))
+                               host_fraction=hf, all_reduce_grads=False, pool_budget_bytes=budget_bytes)
         elasticize(model, policy)
         _train(model, ref, iters, seed=7 + rank)
-        assert [et.run is not None for et in runtime_of(model).tensors] == [whole] * (len(DIMS) - 1)
+        assert [et.run is not None for et in runtime_of(model).tensors] == whole
         s = stats(model)
         out.append((on, hf, s["allgather_bytes"], s["h2d_bytes"], s["host_store_bytes"]))
     return out

@@ -279,8 +279,8 @@ def _demote_worker(rank, world_size):
     rt = runtime_of(model)
     log = []
     for it in range(7):
-        if it == 2:  # shrinking: a budget that holds a third of the kept pages cannot hold the runs
-            set_pool_budget(model, sum(et.num_chunks for et in rt.tensors) * rt.page_bytes() // 3)
+        if it == 2:  # shrinking: a budget below the smallest weight's bytes holds no run
+            set_pool_budget(model, min(et.run_bytes for et in rt.tensors) - 1)
             log.append(("demoted", rt.run_bytes(), sum(et.shard.dim() == 1 for et in rt.tensors)))
         if it == 4:
             set_pool_budget(model, None)
@@ -353,3 +353,64 @@ def test_a_run_holds_its_share_of_the_ragged_chunk_unpadded(world_size):
         # (40, 24) and (24, 40): full last chunks of 192 and 160 elements, a slice each rank
         assert [last for _, _, last, _ in per_weight] == [192 // world_size, 160 // world_size, 24 if rank == 0 else 0]
         assert all(demoted), (rank, demoted)
+
+
+# ------------------------------------------------------------------------------ partial budgets
+
+PARTIAL_DIMS = (24, 40, 24, 40, 24, 40, 24)  # six frozen weights of 960 elements (3,840 bytes)
+
+
+def _partial_worker(rank, world_size, budget, runs_on, iters):
+    from elastic_kernels.api import ElasticPolicy, elasticize, runtime_of, stats
+    from elastic_kernels.api.planning.peaks import live_tensor_bytes
+
+    base = live_tensor_bytes()
+    model = make_model(PARTIAL_DIMS)
+    elasticize(model, ElasticPolicy(chunk_bytes=CHUNK, pool_budget_bytes=budget, resident_runs=runs_on))
+    rt = runtime_of(model)
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
+        {b.untyped_storage().data_ptr() for b in model.buffers()}
+    traffic, results = [], []
+    for it in range(iters):
+        torch.manual_seed(300 + it)  # the same data on every rank and every run
+        x = torch.randn(3, PARTIAL_DIMS[0], requires_grad=True)
+        before = stats(model)["allgather_bytes"]
+        loss = model(x).square().mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in adapter_params(model)]))
+        for p in adapter_params(model):
+            p.grad = None
+        traffic.append(stats(model)["allgather_bytes"] - before)
+    del x, loss
+    held |= {t.untyped_storage().data_ptr() for loss, grads in results for t in [loss, *grads]}
+    static = live_tensor_bytes(held) - base  # the pool's segment is a tensor too: it counts
+    return (traffic, results, [et.run is not None for et in rt.tensors], static, rt.pool.stats()["reserved_bytes"],
+            rt.run_bytes(), sum(et.shard_bytes for et in rt.tensors if et.run is None))
+
+
+def test_a_partial_budget_holds_whole_weights_that_fit():
+    """A budget below every kept page holds, whole, the weights that fit, in order of
+    registration; the rest stay in pages. Each held weight once (no shard beside it); memory
+    below the same budget in pages, traffic too; results equal budget 0's and repeat bit for
+    bit."""
+    iters, weight = 4, PARTIAL_DIMS[0] * PARTIAL_DIMS[1] * FP32
+    budget = 5 * weight // 2  # two and a half weights: weights 0 and 1 fit whole, weight 2 does not
+    runs = run_distributed(_partial_worker, 2, budget, True, iters, timeout=180)
+    again = run_distributed(_partial_worker, 2, budget, True, iters, timeout=180)
+    paged = run_distributed(_partial_worker, 2, budget, False, iters, timeout=180)
+    zero = run_distributed(_partial_worker, 2, 0, True, iters, timeout=180)
+    for r, r2, p, z in zip(runs, again, paged, zero):
+        traffic, results, held, static, reserved, run_bytes, own_rest = r
+        assert held == [True, True] + [False] * 4 and not any(p[2]) and not any(z[2])
+        assert run_bytes == 2 * weight
+        # No second copy: the two runs, the other weights' shards (half of each), the pool.
+        assert static == run_bytes + own_rest + reserved == 2 * weight + 4 * weight // 2 + reserved, (static, reserved)
+        # In pages the same budget held every shard beside its pages: more memory, and with the
+        # held weights' chunks evicted and gathered again, more traffic once filled.
+        assert static < p[3], (static, p[3])
+        assert traffic[1:] == [traffic[1]] * (iters - 1) and traffic[1] < p[0][1], (traffic, p[0])
+        for (loss, grads), (loss2, grads2), (loss0, grads0) in zip(results, r2[1], z[1]):
+            assert torch.equal(loss, loss2) and all(torch.equal(g, h) for g, h in zip(grads, grads2))
+            torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+            for g, g0 in zip(grads, grads0):
+                torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-6)

@@ -88,32 +88,50 @@ class ChunkedLinear(nn.Module):
 
 
 def reference_of(model, chunk_bytes, whole=False):
-    """`whole`: every frozen linear in one GEMM (the runtime holds every weight as a run)."""
+    """`whole`: every frozen linear in one GEMM (the runtime holds every weight as a run), or
+    per layer, a list of such flags."""
     ref = copy.deepcopy(model)
-    for block in ref:
+    for block, w in zip(ref, _per_layer(whole, len(ref))):
         rows = max(1, chunk_bytes // (block.base.in_features * FP32))
-        block.base = ChunkedLinear(block.base, None if whole else rows)
+        block.base = ChunkedLinear(block.base, None if w else rows)
     return ref
+
+
+def _per_layer(whole, n):
+    return list(whole) if isinstance(whole, (list, tuple)) else [whole] * n
 
 
 def set_whole(ref, whole, chunk_bytes):
     """Switch the reference's chunking (the runtime's runs came or went with a budget change)."""
-    for block in ref:
-        block.base.rows_per_chunk = None if whole else max(1, chunk_bytes // (block.base.weight.shape[1] * FP32))
+    for block, w in zip(ref, _per_layer(whole, len(ref))):
+        block.base.rows_per_chunk = None if w else max(1, chunk_bytes // (block.base.weight.shape[1] * FP32))
 
 
 def held_as_runs(dims, chunk_bytes, world_size, keep, persist, budget):
-    """Analytic: the runtime holds every frozen weight of this model as a run ([Note: resident
-    runs]): all chunks PERSISTENT, a budget holding every kept chunk (here: None), and each
-    full chunk's elements a multiple of the world size (true of every geometry used here)."""
+    """Analytic, per frozen layer: whether the runtime holds the weight as a run ([Note:
+    resident runs] in python_api/runtime/tensor.py): every chunk PERSISTENT (keep = persist =
+    1), and a budget (bytes; None: all) that holds every kept chunk's page (then every
+    weight), or else, in order, each weight whose bytes still fit beside those chosen before
+    it ("Partial budgets"). Each full chunk's elements must be a multiple of the world size
+    (true of every geometry used here)."""
     from elastic_kernels import ChunkLayout
+    from elastic_kernels.api.config import PAGE_ALIGN
 
-    if not (keep == persist == 1.0 and budget is None):
-        return False
+    lays = []
     for d_in, d_out in zip(dims[:-1], dims[1:]):
         lay = ChunkLayout.for_weight((d_out, d_in), max(1, chunk_bytes // (d_in * FP32)), world_size)
         assert lay.num_chunks == 1 or lay.chunk_numel % world_size == 0, "a geometry that is not a run"
-    return True
+        lays.append((lay, d_in * d_out * FP32))
+    if not keep == persist == 1.0:
+        return [False] * len(lays)
+    page = -(-max(lay.chunk_numel * FP32 for lay, _ in lays) // PAGE_ALIGN) * PAGE_ALIGN
+    if budget is None or sum(lay.num_chunks for lay, _ in lays) * page <= budget:
+        return [True] * len(lays)
+    out, used = [], 0
+    for _, nbytes in lays:
+        out.append(used + nbytes <= budget)
+        used += nbytes if out[-1] else 0
+    return out
 
 
 def adapter_params(model):
@@ -147,9 +165,9 @@ def _parity_worker(rank, world_size, configs, iters):
             pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world_size // 2)]
             group = pairs[rank // 2]
         model = make_model()
-        whole = held_as_runs(DIMS, chunk_bytes, dist.get_world_size(group), keep, persist, budget_frac)
-        ref = reference_of(model, chunk_bytes, whole)
         budget = None if budget_frac is None else int(budget_frac * frozen_total)
+        whole = held_as_runs(DIMS, chunk_bytes, dist.get_world_size(group), keep, persist, budget)
+        ref = reference_of(model, chunk_bytes, whole)
         policy = ElasticPolicy(
             chunk_bytes=chunk_bytes, keep_ratio=keep, persist_ratio=persist,
             pool_budget_bytes=budget, all_reduce_grads=False, collective_bytes=3 * chunk_bytes // 2,
@@ -164,7 +182,7 @@ def _parity_worker(rank, world_size, configs, iters):
             ref_loss.backward()
             cfg = f"chunk={chunk_bytes} keep={keep} persist={persist} budget={budget_frac} group={group_kind} depth={depth} iter={it}"
             runs = [et.run is not None for et in runtime_of(model).tensors]
-            assert runs == [whole] * len(runs), f"weights held as runs {runs}, expected {whole} at {cfg}"
+            assert runs == whole, f"weights held as runs {runs}, expected {whole} at {cfg}"
             assert torch.equal(loss, ref_loss), f"loss differs ({loss.item()} vs {ref_loss.item()}) at {cfg}"
             for (name, p), q in zip(
                 ((n, p) for n, p in model.named_parameters() if p.requires_grad), adapter_params(ref)
