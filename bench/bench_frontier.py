@@ -809,7 +809,6 @@ def main(argv=None) -> int:
                      "load_avg_start": round(load[0], 2), "load_avg_end": round(load_end[0], 2),
                      **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}} for r in rows]
         out_dir = results_dir(opts.results)
-        path = append_rows("frontier", csv_rows, out_dir)
         png = opts.png or os.path.join(out_dir, "frontier.png" if name == "demo" else f"frontier_{name}.png")
         caption = (f"{ctx['date']} · {ctx['device']} · {W} ranks ({dist.get_backend()}) · {job.spec.description()} · "
                    f"{tokens_per_step} tokens/step · load {load[0]:.1f}-{load_end[0]:.1f}")
@@ -838,7 +837,9 @@ def main(argv=None) -> int:
                 if c is not anchor:
                     print(f"per-round ratios, {c.label} ({c.system}) vs the anchor, group {r['group']}: "
                           + ", ".join(f"{x:.3f}" for x in c.vs_anchor["ratios"]))
-        print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; {elapsed:.0f} s")
+        print(f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; {elapsed:.0f} s", flush=True)
+        # The rows last: a file of another schema refuses them (append_rows), after the report printed.
+        path = append_rows("frontier", csv_rows, out_dir)
         print(f"rows: {path}\npicture: {png}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -183,9 +183,12 @@ def test_gathered_bytes_are_the_quantized_size(label, policy, fmt, block, nested
 def _pool_worker(rank, world_size, budget, fmt, block, nested):
     out = []
     for f, b, n in ((fmt, block, nested), (None, None, False)):  # quantized, then unquantized
+        # Unquantized, in pages too: a partial budget would hold whole fp32 weights as runs
+        # ([Note: resident runs]); quantized weights are never runs.
         _, _, _, elastic = _train(quant_llama(), dict(keep_ratio=1.0, persist_ratio=1.0, pool_budget_bytes=budget,
                                                       replicate_below_bytes=0, prefetch_depth=0,
-                                                      quant_skip_modules=()), f, b, n)
+                                                      quant_skip_modules=(), resident_runs=f is not None),
+                                  f, b, n)
         rt = elastic._elastic_runtime
         resident = sum(1 for et in rt.tensors for k in et.keys if rt.pool.contains(k))
         blobs = {et.name: (et.layout.rows_per_chunk, et.layout.cols, et.num_chunks) for et in rt.tensors}
