@@ -107,8 +107,10 @@ class ElasticPolicy:
                        exchanges only the rows it reads). False (default): they, and a linear
                        tied to one, stay replicated: on SmolLM2-135M at budget 0 sharding
                        lowers static memory by 54 MiB and the tensor peak by 27-38 MiB per
-                       rank, but moves 30% more all-gather bytes a step (0.87x the replicated
-                       table's tokens/s, pooled over two runs). See [Note: embeddings under
+                       rank at 2 ranks, 81 MiB at 4 (below FSDP2's: 432.7 vs 500.4 MiB), but
+                       moves 30% more all-gather bytes a step (0.87x the replicated table's
+                       tokens/s, pooled over two runs at 2 ranks; 0.85x at 4 ranks,
+                       bench/results/2026-12-04_frontier_real.md). See [Note: embeddings under
                        the runtime] in python_api/nn/embedding.py.
     table_block_bytes  with shard_embeddings, the most bytes of one row block of a table or
                        output layer (each block its own unit, gathered, used and released in

@@ -43,7 +43,12 @@ frozen weight. A lookup exchanges only the rows it reads ([Note: a lookup reads 
   forward and backward, 402.4 -> 525.0 MiB all-gathered per step (+30%), 57 -> 80
   collectives. Not shown to be within noise, so not switched; nor does it beat FSDP2 on
   static memory (+17.8 MiB: the shards' ragged-chunk padding, 13.1, and the replicated
-  adapters, 9.3 against 4.7). Opt-in, for runs that memory binds, not time.
+  adapters, 9.3 against 4.7). Opt-in, for runs that memory binds, not time. At 4 ranks on
+  the idle VM (bench/results/2026-12-04_frontier_real.md): 432.7 MiB of tensor peak against
+  the replicated table's 513.7 and FSDP2's 500.4, at 0.955x FSDP2's tokens/s (the replicated
+  table 1.131x): it moves 788 MiB a step where FSDP2 moves 703, since FSDP2 keeps its root
+  module (the tied table) gathered from forward to backward and the runtime gathers the
+  head's blocks in both.
 
 [Note: a table in row blocks]
 Gathering a whole table for one use (the design before this one) put all of its chunks in

@@ -98,7 +98,7 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   and less by the shard bytes of the weights held whole: on SmolLM2-135M at 2 ranks the
 #   tensor peaks of budgets 50% and 75% were 826.1 and 927.5 MiB in pages, above budget all's
 #   784.4 (bench/results/2026-12-03_frontier_real.md); held whole they fall between budget 0
-#   and budget all (bench/results/2026-12-04_partial_runs.md). Traffic: a run misses nothing
+#   and budget all (bench/results/2026-12-04_frontier_real.md). Traffic: a run misses nothing
 #   after its fill, the pages of the rest miss as LRU makes them; budget 0 and budget all are
 #   unchanged to the byte. At world size 1 without force_pool the shard is already the weight and
 #   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
