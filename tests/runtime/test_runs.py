@@ -388,23 +388,26 @@ def _partial_worker(rank, world_size, budget, runs_on, iters):
             rt.run_bytes(), sum(et.shard_bytes for et in rt.tensors if et.run is None))
 
 
-def test_a_partial_budget_holds_whole_weights_that_fit():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_partial_budget_holds_whole_weights_that_fit(world_size):
     """A budget below every kept page holds, whole, the weights that fit, in order of
     registration; the rest stay in pages. Each held weight once (no shard beside it); memory
     below the same budget in pages, traffic too; results equal budget 0's and repeat bit for
     bit."""
     iters, weight = 4, PARTIAL_DIMS[0] * PARTIAL_DIMS[1] * FP32
     budget = 5 * weight // 2  # two and a half weights: weights 0 and 1 fit whole, weight 2 does not
-    runs = run_distributed(_partial_worker, 2, budget, True, iters, timeout=180)
-    again = run_distributed(_partial_worker, 2, budget, True, iters, timeout=180)
-    paged = run_distributed(_partial_worker, 2, budget, False, iters, timeout=180)
-    zero = run_distributed(_partial_worker, 2, 0, True, iters, timeout=180)
+    runs = run_distributed(_partial_worker, world_size, budget, True, iters, timeout=180)
+    again = run_distributed(_partial_worker, world_size, budget, True, iters, timeout=180)
+    paged = run_distributed(_partial_worker, world_size, budget, False, iters, timeout=180)
+    zero = run_distributed(_partial_worker, world_size, 0, True, iters, timeout=180)
     for r, r2, p, z in zip(runs, again, paged, zero):
         traffic, results, held, static, reserved, run_bytes, own_rest = r
         assert held == [True, True] + [False] * 4 and not any(p[2]) and not any(z[2])
         assert run_bytes == 2 * weight
-        # No second copy: the two runs, the other weights' shards (half of each), the pool.
-        assert static == run_bytes + own_rest + reserved == 2 * weight + 4 * weight // 2 + reserved, (static, reserved)
+        # No second copy: the two runs, the other four weights' shards (1/W of each: 960
+        # elements divide evenly), the pool's pages.
+        assert static == run_bytes + own_rest + reserved == 2 * weight + 4 * weight // world_size + reserved, \
+            (static, reserved)
         # In pages the same budget held every shard beside its pages: more memory, and with the
         # held weights' chunks evicted and gathered again, more traffic once filled.
         assert static < p[3], (static, p[3])
