@@ -34,6 +34,9 @@ BUDGET0 = dict(chunk_bytes=CHUNK, keep_ratio=0.0, persist_ratio=0.0, pool_budget
                shard_embeddings=True, table_block_bytes=BLOCK)
 ALL = dict(chunk_bytes=CHUNK, replicate_below_bytes=0, shard_embeddings=True,
            table_block_bytes=BLOCK)  # every weight a resident run at 2 ranks
+# A budget that holds one 25-row block whole (3,200 bytes) and no other weight beside it: the
+# table's blocks are partly runs, partly pages ([Note: resident runs], "Partial budgets").
+PARTIAL = dict(ALL, pool_budget_bytes=25 * 32 * FP32 + 100)
 
 
 def tiny(kind: str, seed: int = 0) -> nn.Module:
@@ -180,6 +183,10 @@ def _parity_worker(rank, world_size, kind, policy):
             assert {uses[et.name] for et in head.ets} == {2}, uses  # head forward and backward, not the lookup
         for step in per_step[1:]:  # the first step learns the order; every later one is exact
             assert step == expected, (step, expected)
+    elif world_size > 1 and policy == PARTIAL:  # one block of the table whole, the rest in pages
+        runs = [et.run is not None for et in rt.tensors]
+        blocks = [et.run is not None for et in elastic.get_input_embeddings().ets]
+        assert sum(runs) == 1 and sum(blocks) == 1, (runs, blocks)
     elif world_size > 1:  # budget all: the runs are filled once, then nothing moves
         assert all(et.run is not None and et.run.filled for et in rt.tensors)
         # The runs are made at the runtime's first use, after the first lookup (which exchanged
@@ -189,10 +196,10 @@ def _parity_worker(rank, world_size, kind, policy):
 
 
 @pytest.mark.parametrize("kind,world_size,policy", [
-    ("llama_tied", 1, BUDGET0), ("llama_tied", 2, BUDGET0), ("llama_tied", 2, ALL),
+    ("llama_tied", 1, BUDGET0), ("llama_tied", 2, BUDGET0), ("llama_tied", 2, ALL), ("llama_tied", 2, PARTIAL),
     ("llama_untied", 1, ALL), ("llama_untied", 2, BUDGET0),
     ("gpt2", 1, BUDGET0), ("gpt2", 2, BUDGET0), ("gpt2", 2, ALL),
-], ids=lambda v: v if isinstance(v, (str, int)) else ("budget0" if v is BUDGET0 else "all"))
+], ids=lambda v: v if isinstance(v, (str, int)) else {id(BUDGET0): "budget0", id(ALL): "all"}.get(id(v), "partial"))
 def test_matches_peft(kind, world_size, policy):
     results = run_distributed(_parity_worker, world_size, kind, policy, timeout=300)
     assert all(r == results[0] for r in results), results
