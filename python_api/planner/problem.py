@@ -79,6 +79,11 @@ class SearchProblem:
                 if w.run_bytes is not None and host_chunk_count(w.chunks, 0, f) == 0]
         self.all_kept_bytes = (sum(w.run_bytes - w.shard_bytes for w in runs)
                                + (self.total - sum(w.chunks for w in runs)) * self.page)
+        # Per unit, in its keep order: what keeping each weight whole adds (a run: run_bytes -
+        # shard_bytes; None: it stays in pages); empty when no weight can be a run.
+        ids = {id(w) for w in runs}
+        self.run_costs = [[w.run_bytes - w.shard_bytes if id(w) in ids else None for w in u.ws]
+                          for u in self.units] if runs else []
         self.rec_order = _recompute_order(profile, self.rows(1))
         self.run_cache: dict = {}
         self._order: dict = {}  # micro-batch -> (per unit (rec, windows), sorted run entries)
@@ -393,6 +398,34 @@ class SearchProblem:
             if x > x0:
                 kept[i] = x
             break
+        return kept
+
+    def proposal_whole(self, c: Candidate, budget: int) -> list | None:
+        """Chunks kept per unit when kept weights are whole ([Note: the search], "Whole
+        weights"): the candidate's run order with each entry rounded up to the end of the
+        weight it ends in, a weight the runtime holds as a run charged its run_bytes less its
+        shard_bytes, any other chunk a page; the longest prefix within `budget` pages' bytes.
+        None where it is the chunk proposal's business (a given residency, everything kept,
+        or no weight that can be a run)."""
+        if self.keep_only is not None or budget >= self.total or not self.run_costs:
+            return None
+        left = budget * self.page
+        kept = [0] * len(self.units)
+        for _, _, i, _, x1 in self._entries(c):
+            u, costs = self.units[i], self.run_costs[i]
+            if kept[i] >= x1:
+                continue
+            end, cost = kept[i], 0
+            for (x0, n, _, _), run_cost in zip(u.blocks, costs):
+                if x0 + n <= kept[i]:
+                    continue
+                if x0 >= x1:
+                    break
+                cost += run_cost if run_cost is not None else (x0 + n - max(x0, kept[i])) * self.page
+                end = x0 + n
+            if cost > left:
+                break
+            kept[i], left = end, left - cost
         return kept
 
     def exact(self, c: Candidate, kept: list, offload: bool, act: ActivationEvents | None = None) -> float:

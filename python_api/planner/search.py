@@ -47,10 +47,21 @@ runs of all units are sorted by time saved per chunk (ties: run index, then unit
 one order that does not depend on the memory; the proposal is the longest prefix of that
 order with K chunks (the last run cut at a chunk, or at an eighth with
 granularity="eighths").
+Whole weights: a second proposal per candidate (`SearchProblem.proposal_whole`) walks the
+same order but rounds each entry up to the end of the weight it ends in, charging a weight
+the runtime can hold as a run ([Note: resident runs] in python_api/runtime/tensor.py) its
+run_bytes less its shard_bytes (what a run adds to the static shard: the memory model's
+count), any other weight a page per chunk, within the same bytes (the chunk budget's pages);
+both proposals are judged by the model and the faster is kept (ties: the chunk proposal). A
+page per kept chunk duplicates the rank's slice that the shard already holds, so below keeping
+everything the chunk proposal alone left memory unused that whole weights turn into kept
+bytes: on SmolLM2-135M at 2 ranks its plans at caps of 716 and 776 MiB (668.8 and 687.8 MiB of
+tensor peak, 1.03x and 1.13x budget 0's tokens/s) were both dominated by the plain budget 25%
+(666.6 MiB, 1.18x), which holds whole weights (bench/results/2026-12-04_frontier_real.md).
 Monotone: more memory only extends a candidate's prefix (a superset of chunks kept), and the
 model's time is a max-plus expression in which fewer missing bytes never make anything later
 (cost.py), so each candidate's time is non-increasing in the memory; the plan is a minimum
-over a fixed set of such functions, so it is monotone too.
+over a fixed set of such functions (two per candidate), so it is monotone too.
 Pruning, exact (it never changes the result): (1) a candidate's compute alone (every use's
 compute, the outside, the recomputes, x accumulation, + the all-reduce) is a lower bound of
 its step time and grows with R, so once it exceeds the best step time found, larger R are
@@ -251,11 +262,12 @@ def _search(profile, memory_bytes, global_batch, micro_batches, margin, prefetch
                         continue
                     c = s.candidate(m, rec)
                     for oi, off, budget in feasible:
-                        kept = s.proposal(c, budget)
                         key = (di, fi, oi, mi, R)
-                        if best is not None and acc * s.lower_bound(c, kept) + allreduce > best[0] * (1 + 1e-12):
-                            bounded += 1
-                        else:
+                        whole = s.proposal_whole(c, budget)
+                        for kept in [s.proposal(c, budget)] + ([] if whole is None else [whole]):
+                            if best is not None and acc * s.lower_bound(c, kept) + allreduce > best[0] * (1 + 1e-12):
+                                bounded += 1
+                                continue
                             t_step = acc * s.exact(c, kept, off) + allreduce
                             evaluated += 1
                             if best is None or (t_step, key) < best[:2]:

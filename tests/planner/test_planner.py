@@ -961,3 +961,34 @@ def test_search_keeps_everything_where_the_runs_fit():
     less = plan_from_profile(p, need - 1, p.world_size, micro_batches=[1], margin=0.0)
     assert less.predicted_peak_bytes <= need - 1
     assert less.kept_chunks < p.total_chunks or any(lp.recompute for lp in less.layers)
+
+
+# ---------------------------------------------------------------- whole weights
+
+def test_whole_weights_beat_pages_below_keep_all():
+    """[Note: the search], "Whole weights": where weights can be runs, the planner also
+    proposes keeping weights whole (a run adds run_bytes - shard_bytes, a page per chunk adds
+    the chunk beside its slice in the shard). Against the same profile with no runs (every
+    kept chunk a page: the chunk proposal only), at the same memory: never slower, faster
+    somewhere below keep-all, weights kept whole there, and the plan's predicted peak within
+    the memory. 2 ranks: a page duplicates half of its chunk."""
+    import dataclasses
+
+    from elastic_kernels.api.planner.search import least_memory
+
+    p = synthetic_profile("llama2-7b", ranks=2, seq_len=4096)
+    paged = dataclasses.replace(p, layers=tuple(
+        dataclasses.replace(layer, weights=tuple(dataclasses.replace(w, run_bytes=None) for w in layer.weights))
+        for layer in p.layers))
+    G, lo = 8, least_memory(p, 8)
+    faster = []
+    for f in (1.02, 1.05, 1.1, 1.2, 1.3):
+        m = int(lo * f)
+        a, b = plan_from_profile(p, m, G), plan_from_profile(paged, m, G)
+        assert a.predicted_step_time_s <= b.predicted_step_time_s * (1 + 1e-12), (f, a.predicted_step_time_s,
+                                                                                   b.predicted_step_time_s)
+        assert a.predicted_peak_bytes <= m
+        whole = sum(w.keep_chunks == w.chunks for layer in a.layers for w in layer.weights)
+        if a.predicted_step_time_s < b.predicted_step_time_s * (1 - 1e-3):
+            faster.append((f, whole))
+    assert faster and all(whole > 0 for _, whole in faster), faster
