@@ -86,8 +86,12 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   the device, a runtime that gathers (world size > 1 or force_pool), the layout above, and a
 #   cache budget that holds every kept chunk of the model in pages (None, or >= the kept
 #   chunks' pages: exactly when no kept chunk is ever evicted, so traffic is unchanged to the
-#   byte). Budget all and a plan keeping weights whole qualify; partly resident, streamed,
-#   host-tier and quantized weights keep the paged path.
+#   byte; a smaller budget: the next bullet). Budget all and a plan keeping weights whole
+#   qualify; partly resident, streamed, host-tier and quantized weights keep the paged path.
+#   At world size 1 without force_pool the shard is already the weight and nothing changes.
+#   On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks (in_features
+#   576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding with
+#   strided views was needed.
 # - Partial budgets: a cache budget below every kept chunk's pages holds whole weights as runs,
 #   in the order of registration, each whose run_bytes still fit beside the runs already
 #   chosen (the full weight's bytes are charged, a rank-independent figure, so every rank
@@ -100,10 +104,7 @@ def residency_of_counts(num_chunks: int, keep_chunks: int, persist_chunks: int) 
 #   784.4 (bench/results/2026-12-03_frontier_real.md); held whole they fall between budget 0
 #   and budget all (bench/results/2026-12-04_frontier_real.md). Traffic: a run misses nothing
 #   after its fill, the pages of the rest miss as LRU makes them; budget 0 and budget all are
-#   unchanged to the byte. At world size 1 without force_pool the shard is already the weight and
-#   nothing changes. On SmolLM2-135M at 256 KiB chunks every linear qualifies at 2 and 4 ranks
-#   (in_features 576 and 1536 are multiples of 4, so every chunk is), so no per-chunk padding
-#   with strided views was needed.
+#   unchanged to the byte.
 # - The ragged last chunk: the layout (gathers, pages, every byte count) keeps its equal
 #   padded slices; neither a run nor a shard holds the padding ([Note: chunk-major shard
 #   layout]: a shard too, since 2026-12-03). Filling a run sends this rank's slice of the last
