@@ -228,3 +228,24 @@ def test_speed_against_the_anchor_is_taken_round_by_round_in_each_group():
     assert b.vs_anchor["ratios"] == [2.0, 4.0, 0.5] and b.vs_anchor["median"] == 2.0
     assert c.vs_anchor["ratios"] == [0.5, 2.0, 3.0] and (c.vs_anchor["min"], c.vs_anchor["max"]) == (0.5, 3.0)
     assert c.vs_anchor["group"] == 1 and a.vs_anchor["median"] == 1.0 and a.times == a.times_in[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.needs_ext
+def test_profile_script_profiles_each_configuration():
+    """bench/profile_frontier.py on the tiny preset: a table of ops for each configuration it
+    was given (elastic budget all, DDP), with the GEMMs among them; a bad own option is an
+    argument error."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    script = os.path.join(REPO, "bench", "profile_frontier.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script,
+           "--preset", "tiny", "--num-layers", "2", "--budgets", "all", "--host-budgets", "", "--planned-caps", "0",
+           "--peers", "ddp", "--profile-steps", "1", "--top", "5"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("=== ")]
+    assert [h.split(":")[0] for h in heads] == ["=== elastic budget all", "=== ddp replicated"], heads
+    assert proc.stdout.count("Self CPU time total") == 2 and "aten::mm" in proc.stdout
+    bad = subprocess.run([sys.executable, script, "--profile-steps", "0"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--profile-steps and --top must be >= 1" in bad.stderr, bad.stderr
