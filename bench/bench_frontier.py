@@ -716,23 +716,15 @@ def picture(rows: list[dict], path: str, caption: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
-    from elastic_kernels.api.distributed.agree import exchange
+def start_job(opts, rest: list[str], steps: int, tmp: str):
+    """The CLI's job for this bench's model options (--preset, else --model with REAL_OPTIONS)
+    and the finetune options in `rest`, `steps` steps, saving under `tmp`; its process group
+    started. Returns (job, parsed CLI args). One thread per rank."""
     from elastic_kernels.api.finetune.job import prepare
-    from elastic_kernels.api.finetune.measure import AllGatherCounter, fix_mmap_threshold
     from elastic_kernels.api.finetune.options import parse_args
-    from elastic_kernels.api.finetune.report import nf4_gap_bound
-    from elastic_kernels.api.nn import adapter_state_dict
 
-    opts, rest = _parse(sys.argv[1:] if argv is None else argv)
-    mmap_fixed = fix_mmap_threshold()  # before anything is allocated: [Note: what the frontier's memory is]
-    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp(prefix="bench_frontier_")
     if opts.preset is not None:
         model_opts = PRESETS[opts.preset]
     else:
@@ -740,20 +732,41 @@ def main(argv=None) -> int:
 
         model_dir = opts.model if os.path.isdir(opts.model) else str(pretrained_dir(opts.model))
         model_opts = ["--model", model_dir] + REAL_OPTIONS
-    rounds = opts.passes * (opts.steps - 1)
-    args = parse_args(model_opts + rest + ["--steps", str(rounds + 1), "--no-progress", "--overwrite",
+    args = parse_args(model_opts + rest + ["--steps", str(steps), "--no-progress", "--overwrite",
                                            "--save-dir", os.path.join(tmp, f"rank{rank}")])
-    job = prepare(args, rank, W, local)
+    job = prepare(args, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
     os.makedirs(job.save_dir, exist_ok=True)  # the planned runs write plan.json there (rank 0)
-    device = job.device
     start_group(job, args.timeout_s)
+    return job, args
+
+
+def seed_adapters(job) -> None:
+    """Every configuration starts from the same adapters: those of one elastic build."""
+    from elastic_kernels.api.finetune.engines import ElasticEngine
+    from elastic_kernels.api.nn import adapter_state_dict
+
+    seed = ElasticEngine(job, None)
+    job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(seed.model).items()}
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+    from elastic_kernels.api.distributed.agree import exchange
+    from elastic_kernels.api.finetune.measure import AllGatherCounter, fix_mmap_threshold
+    from elastic_kernels.api.finetune.report import nf4_gap_bound
+
+    opts, rest = _parse(sys.argv[1:] if argv is None else argv)
+    mmap_fixed = fix_mmap_threshold()  # before anything is allocated: [Note: what the frontier's memory is]
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tmp = tempfile.mkdtemp(prefix="bench_frontier_")
+    rounds = opts.passes * (opts.steps - 1)
+    job, args = start_job(opts, rest, rounds + 1, tmp)
+    device = job.device
     load = os.getloadavg()
     with AllGatherCounter() as counter:
-        from elastic_kernels.api.finetune.engines import ElasticEngine
-
-        seed = ElasticEngine(job, None)
-        job.initial_adapters = {k: v.clone() for k, v in adapter_state_dict(seed.model).items()}
-        del seed
+        seed_adapters(job)
         configs = configurations(opts, job, counter)
         if rank == 0:
             print(f"bench_frontier: {len(configs)} configurations, memory each alone (3 steps), then 1 + {rounds} "

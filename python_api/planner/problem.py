@@ -421,7 +421,7 @@ class SearchProblem:
                     continue
                 if x0 >= x1:
                     break
-                cost += run_cost if run_cost is not None else (x0 + n - max(x0, kept[i])) * self.page
+                cost += run_cost if run_cost is not None else n * self.page  # kept[i] ends a weight
                 end = x0 + n
             if cost > left:
                 break

@@ -58,6 +58,8 @@ everything the chunk proposal alone left memory unused that whole weights turn i
 bytes: on SmolLM2-135M at 2 ranks its plans at caps of 716 and 776 MiB (668.8 and 687.8 MiB of
 tensor peak, 1.03x and 1.13x budget 0's tokens/s) were both dominated by the plain budget 25%
 (666.6 MiB, 1.18x), which holds whole weights (bench/results/2026-12-04_frontier_real.md).
+With this proposal the intermediate cap there was still dominated (703.3 MiB, 1.09x: same
+file): the memory bound above, not the proposal, leaves it few bytes to keep.
 Monotone: more memory only extends a candidate's prefix (a superset of chunks kept), and the
 model's time is a max-plus expression in which fewer missing bytes never make anything later
 (cost.py), so each candidate's time is non-increasing in the memory; the plan is a minimum
