@@ -147,6 +147,8 @@ def _parse(argv):
     p.add_argument("--host-budgets", default="0,50%,all", help="pool budgets with the weights in the host store ('' none)")
     p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
+    p.add_argument("--fresh-buffer-budgets", default="",
+                   help="pool budgets run with a new receive buffer for every gather (A/B)")
     p.add_argument("--other-embedding-budgets", default="",
                    help="pool budgets run with ElasticPolicy.shard_embeddings flipped from its default (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
@@ -299,6 +301,10 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"paged budget {budget_label(budget)}",
                           lambda budget=budget: paged_only(ElasticEngine(job, budget)), fmt))
+    for b in (x for x in opts.fresh_buffer_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"fresh buffers budget {budget_label(budget)}",
+                          lambda budget=budget: fresh_buffers(ElasticEngine(job, budget)), fmt))
     flipped = not ElasticPolicy().shard_embeddings
     for b in (x for x in opts.other_embedding_budgets.split(",") if x.strip()):
         budget = _budget(b)
@@ -356,6 +362,13 @@ def paged_only(engine):
     rt = engine.runtime
     rt.policy = dataclasses.replace(rt.policy, resident_runs=False)
     rt._sync_runs(promote=False)
+    return engine
+
+
+def fresh_buffers(engine):
+    """Every gather receives into a new tensor (before [Note: receive buffers are reused] in
+    python_api/distributed/collectives.py), for an A/B in one run."""
+    engine.runtime._recv_buffers = None
     return engine
 
 

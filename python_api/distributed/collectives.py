@@ -40,6 +40,23 @@ its tensors need, and gloo's threads then abort the process at exit ("terminate 
 without an active exception", pytorch#190489), even after `destroy_process_group`
 (tests/runtime/test_clean_exit.py runs a user's 2-rank script twice per variant and expects exit code 0).
 
+[Note: receive buffers are reused]
+On the host-waited (gloo) path a gather's receive buffer (world_size x its send buffer, 13.5
+MiB for a decoder layer of SmolLM2-135M) was a new tensor each time. With glibc's mmap
+threshold fixed (as the benchmarks fix it: [Note: a fixed mmap threshold] in
+python_api/finetune/measure.py) every such allocation is a fresh mapping that the kernel
+zero-fills page by page as gloo writes it, and is unmapped when freed. So the runtime keeps
+the receive buffers of completed gathers (`ReceiveBuffers`, one per runtime, CPU only: on
+CUDA the caching allocator already reuses memory in stream order) and hands one to the next
+gather of the same size (a decoder layer's gather is the same size at every layer), at most
+two per size. Its memory is what the runtime's gathers had in flight anyway, but it would
+outlive them: so the runtime drops every kept buffer at the end of the last use of a
+phase's learned order (the end of forward comes right before the loss, where activations
+peak) and when a phase ends or the runtime closes. A buffer is kept only after its gather
+completed and was unpacked (a failed gather's buffer is dropped with it), so no collective
+can still write it, and it holds no work handle ([Note: nothing outlives its step]).
+Measured on SmolLM2-135M, 2 gloo ranks, budget 0, interleaved with FSDP2: see NOTES.md.
+
 [Note: collective headers]
 On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
 all-gathers 4 int64 (magic, sequence number of the collective on this runtime, crc32 of the
@@ -171,6 +188,35 @@ class HeaderChannel:
             self.pending.remove(work)
 
 
+class ReceiveBuffers:
+    """Receive buffers of the host-waited (gloo) gathers kept for the next gather of the same
+    size ([Note: receive buffers are reused]): at most `per_size` free buffers of each (elements,
+    dtype), all dropped by `clear()`."""
+
+    def __init__(self, per_size: int = 2):
+        self.per_size = per_size
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.reused = 0  # buffers handed out again (tests, NOTES.md)
+
+    def take(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        free = self._free.get((numel, like.dtype))
+        if free:
+            self.reused += 1
+            return free.pop()
+        return like.new_empty(numel)
+
+    def give(self, buf: torch.Tensor) -> None:
+        free = self._free.setdefault((buf.numel(), buf.dtype), [])
+        if len(free) < self.per_size:
+            free.append(buf)
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
+    def clear(self) -> None:
+        self._free = {}
+
+
 _CHANNELS: dict[int, HeaderChannel] = {}
 
 
@@ -197,8 +243,10 @@ class GatherWork:
     """One all-gather in flight. `wait()` makes its pages hold the gathered chunks."""
 
     def __init__(self, runs: list[ChunkRun], group, world_size: int, comm_stream=None, timeout_s=None,
-                 seq: int = 0, device: torch.device | None = None, channel: HeaderChannel | None = None):
+                 seq: int = 0, device: torch.device | None = None, channel: HeaderChannel | None = None,
+                 buffers: ReceiveBuffers | None = None):
         self.runs = runs
+        self.buffers = None if comm_stream is not None else buffers  # host-waited path only
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.done = False
@@ -244,8 +292,12 @@ class GatherWork:
             else:
                 self._check_headers(runs, group, seq, shards[0].device)
                 send = pack_shards(shards, *packing)
-                self.output = send.new_empty(world_size * send.numel())
+                self.output = self._receive_buffer(send)
                 self.work = all_gather_into(self.output, send, group, async_op=True)
+
+    def _receive_buffer(self, send: torch.Tensor) -> torch.Tensor:
+        numel = self.world_size * send.numel()
+        return send.new_empty(numel) if self.buffers is None else self.buffers.take(send, numel)
 
     @property
     def received_bytes(self) -> int:
@@ -275,7 +327,7 @@ class GatherWork:
         try:
             self._wait_header(work, every, self._header, self.runs)
             del work
-            self.output = send.new_empty(self.world_size * send.numel())
+            self.output = self._receive_buffer(send)
             self.work = all_gather_into(self.output, send, self.channel.data_group, async_op=True)
         except RuntimeError as exc:
             self.error = exc
@@ -350,6 +402,8 @@ class GatherWork:
                     self.work = None
                     raise self.error from exc
                 self._unpack()
+                if self.buffers is not None:  # [Note: receive buffers are reused]
+                    self.buffers.give(self.output)
         self.output = None  # the pages hold the data now
         self.work = None  # it holds the send buffer: drop both now, not when the use ends
         self.done = True
