@@ -114,6 +114,43 @@ def test_autocast_bf16_over_fp32_model_matches_peft():
     assert run_distributed(_autocast_worker, 1, timeout=300) == [True]
 
 
+def _partial_budget_worker(rank, world_size):
+    """2 ranks, a partial budget (the first weights held whole as runs, the rest in pages),
+    bf16 autocast over the fp32 model and HF gradient checkpointing (non-reentrant: each layer
+    recomputed inside backward) at once, against PEFT under the same autocast."""
+    from elastic_kernels.api import ElasticPolicy, runtime_of
+    from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic, lora_layers
+
+    base = tiny_llama()
+    peft_model = _peft_of(base, 4, 8, TARGETS)
+    ref = _peft_of(base, 4, 8, TARGETS)
+    policy = ElasticPolicy(**CHUNKED)
+    elastic = convert_to_elastic(base, LoRAConfig(r=4, alpha=8, target_modules=TARGETS), policy)
+    rt = runtime_of(elastic)
+    # A budget holding the first third of the weights whole ([Note: resident runs], "Partial
+    # budgets"): the same on every rank (run_bytes is the whole weight's).
+    budget = sum(et.run_bytes for et in rt.tensors[: len(rt.tensors) // 3])
+    rt.set_pool_budget(budget)
+    _copy_adapters_into_peft(elastic, peft_model)
+    _copy_adapters_into_peft(elastic, ref)
+    elastic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elastic.train()
+    names = [n for n, _ in lora_layers(elastic)]
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the first step fills the runs
+        elastic(input_ids=ids, labels=ids).loss.backward()
+    elastic.zero_grad(set_to_none=True)
+    held = [et.run is not None and et.run.filled for et in rt.tensors]
+    assert any(held) and not all(held), held
+    _bf16_vs_peft(elastic, peft_model, ref, names, ids, autocast=True)
+    return held
+
+
+def test_partial_budget_with_autocast_and_checkpointing_matches_peft():
+    helds = run_distributed(_partial_budget_worker, 2, timeout=300)
+    assert helds[0] == helds[1]  # every rank holds the same weights whole
+
+
 def _conversion_worker(rank, world_size):
     from elastic_kernels.api import ElasticPolicy
     from elastic_kernels.api.nn import LoRAConfig, convert_to_elastic
