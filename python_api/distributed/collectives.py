@@ -49,13 +49,17 @@ zero-fills page by page as gloo writes it, and is unmapped when freed. So the ru
 the receive buffers of completed gathers (`ReceiveBuffers`, one per runtime, CPU only: on
 CUDA the caching allocator already reuses memory in stream order) and hands one to the next
 gather of the same size (a decoder layer's gather is the same size at every layer), at most
-two per size. Its memory is what the runtime's gathers had in flight anyway, but it would
-outlive them: so the runtime drops every kept buffer at the end of the last use of a
-phase's learned order (the end of forward comes right before the loss, where activations
-peak) and when a phase ends or the runtime closes. A buffer is kept only after its gather
-completed and was unpacked (a failed gather's buffer is dropped with it), so no collective
-can still write it, and it holds no work handle ([Note: nothing outlives its step]).
-Measured on SmolLM2-135M, 2 gloo ranks, budget 0, interleaved with FSDP2: see NOTES.md.
+two per size. Memory: while a use computes, its own gather's buffer is now kept beside the
+next use's in flight (before, only the latter was alive), at most two per size beyond the
+gathers in flight; the planner's memory model already counts both ([Note: what the memory
+model counts], `window_buffers` in python_api/planner/memory.py). None of it may reach the
+peak: the runtime drops every kept buffer at the end of the last use of a phase's learned
+order (the end of forward comes right before the loss, where activations peak) and when a
+phase ends or the runtime closes. A buffer is kept only after its gather completed and was unpacked (a
+failed gather's buffer is dropped with it), so no collective can still write it, and it
+holds no work handle ([Note: nothing outlives its step]). Measured on SmolLM2-135M at 2 and
+4 gloo ranks, budget 0, interleaved with FSDP2: 1.21x against 1.13x with a new buffer per
+gather, the same tensor peak (NOTES.md; bench/results/2026-12-04_buffers.md).
 
 [Note: collective headers]
 On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
