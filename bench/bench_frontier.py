@@ -368,7 +368,7 @@ def paged_only(engine):
 def fresh_buffers(engine):
     """Every gather receives into a new tensor (before [Note: receive buffers are reused] in
     python_api/distributed/collectives.py), for an A/B in one run."""
-    engine.runtime._recv_buffers = None
+    engine.runtime._gather_buffers = None
     return engine
 
 

@@ -60,15 +60,31 @@ def pack_shards(
     chunk_ends: Sequence[int],
     *,
     impl: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The send buffer of one (possibly coalesced) chunked all-gather: for each weight i in
     order, ``shards[i][chunk_begins[i]*slice_numels[i] : chunk_ends[i]*slice_numels[i]]``,
-    concatenated into a new 1-D tensor."""
+    concatenated into a new 1-D tensor, or into ``out`` (1-D, contiguous, exactly that many
+    elements of the shards' dtype on their device: a buffer the caller reuses; never resized)
+    with one copy per weight (``impl`` is then not used)."""
     op = "elastic_kernels.pack_shards"
     shards = tensor_list(op, "shards", shards)
     slice_numels = int_list(op, "slice_numels", slice_numels)
     chunk_begins = int_list(op, "chunk_begins", chunk_begins)
     chunk_ends = int_list(op, "chunk_ends", chunk_ends)
+    if out is not None:
+        total, _ = check_pack_args(shards, slice_numels, chunk_begins, chunk_ends, op=op)
+        if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError(f"{op}: out must be a 1-D contiguous tensor")
+        if out.dtype != shards[0].dtype or out.device != shards[0].device or out.numel() != total:
+            raise ValueError(f"{op}: out must hold {total} elements of {shards[0].dtype} on {shards[0].device}, "
+                             f"got {out.numel()} of {out.dtype} on {out.device}")
+        offset = 0
+        for t, s, cb, ce in zip(shards, slice_numels, chunk_begins, chunk_ends):
+            n = (ce - cb) * s
+            out[offset : offset + n].copy_(t[cb * s : ce * s])
+            offset += n
+        return out
     which = _resolve(impl, _device_of(shards))
     if which == "cpp":
         _ext.require()

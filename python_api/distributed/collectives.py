@@ -42,14 +42,16 @@ without an active exception", pytorch#190489), even after `destroy_process_group
 
 [Note: receive buffers are reused]
 On the host-waited (gloo) path a gather's receive buffer (world_size x its send buffer, 13.5
-MiB for a decoder layer of SmolLM2-135M) was a new tensor each time. With glibc's mmap
+MiB for a decoder layer of SmolLM2-135M) and its packed send buffer were new tensors each
+time. With glibc's mmap
 threshold fixed (as the benchmarks fix it: [Note: a fixed mmap threshold] in
 python_api/finetune/measure.py) every such allocation is a fresh mapping that the kernel
-zero-fills page by page as gloo writes it, and is unmapped when freed. So the runtime keeps
-the receive buffers of completed gathers (`ReceiveBuffers`, one per runtime, CPU only: on
-CUDA the caching allocator already reuses memory in stream order) and hands one to the next
-gather of the same size (a decoder layer's gather is the same size at every layer), at most
-two per size. Memory: while a use computes, its own gather's buffer is now kept beside the
+zero-fills page by page as it is written, and is unmapped when freed. So the runtime keeps
+the receive and send buffers of completed gathers (`GatherBuffers`, one per runtime, CPU
+only: on CUDA the caching allocator already reuses memory in stream order) and hands them to
+the next gather of the same size (a decoder layer's gather is the same size at every layer),
+at most two per size; the send buffer is packed into its kept buffer (`pack_shards(...,
+out=)`). Memory: while a use computes, its own gather's buffer is now kept beside the
 next use's in flight (before, only the latter was alive), at most two per size beyond the
 gathers in flight; the planner's memory model already counts both ([Note: what the memory
 model counts], `window_buffers` in python_api/planner/memory.py). None of it may reach the
@@ -58,8 +60,9 @@ order (the end of forward comes right before the loss, where activations peak) a
 phase ends or the runtime closes. A buffer is kept only after its gather completed and was unpacked (a
 failed gather's buffer is dropped with it), so no collective can still write it, and it
 holds no work handle ([Note: nothing outlives its step]). Measured on SmolLM2-135M at 2 and
-4 gloo ranks, budget 0, interleaved with FSDP2: 1.21x against 1.13x with a new buffer per
-gather, the same tensor peak (NOTES.md; bench/results/2026-12-04_buffers.md).
+4 gloo ranks, budget 0, interleaved with FSDP2, receive buffers kept: 1.21x against 1.13x with
+new buffers, the same tensor peak; send buffers kept too: NOTES.md
+(bench/results/2026-12-04_buffers.md).
 
 [Note: collective headers]
 On the host-waited (gloo) path every gather is preceded by a header exchange: each rank
@@ -192,10 +195,10 @@ class HeaderChannel:
             self.pending.remove(work)
 
 
-class ReceiveBuffers:
-    """Receive buffers of the host-waited (gloo) gathers kept for the next gather of the same
-    size ([Note: receive buffers are reused]): at most `per_size` free buffers of each (elements,
-    dtype), all dropped by `clear()`."""
+class GatherBuffers:
+    """Send and receive buffers of the host-waited (gloo) gathers kept for the next gather of
+    the same size ([Note: receive buffers are reused]): at most `per_size` free buffers of each
+    (elements, dtype), all dropped by `clear()`."""
 
     def __init__(self, per_size: int = 2):
         self.per_size = per_size
@@ -248,9 +251,10 @@ class GatherWork:
 
     def __init__(self, runs: list[ChunkRun], group, world_size: int, comm_stream=None, timeout_s=None,
                  seq: int = 0, device: torch.device | None = None, channel: HeaderChannel | None = None,
-                 buffers: ReceiveBuffers | None = None):
+                 buffers: GatherBuffers | None = None):
         self.runs = runs
         self.buffers = None if comm_stream is not None else buffers  # host-waited path only
+        self._send_kept = None  # the send buffer taken from `buffers`, given back after the collective
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.done = False
@@ -286,7 +290,7 @@ class GatherWork:
                 self.output = None
             elif channel is not None:
                 # [Note: headers off the prefetch path]: the header now, the data once it compared equal.
-                self._send = pack_shards(shards, *packing)
+                self._send = self._send_buffer(shards, packing)
                 self._header = self._header_of(runs, seq, shards[0].device)
                 self._every = [torch.empty_like(self._header) for _ in range(world_size)]
                 self.header_work = dist.all_gather(self._every, self._header, group=channel.header_group,
@@ -295,9 +299,19 @@ class GatherWork:
                 channel.advance()
             else:
                 self._check_headers(runs, group, seq, shards[0].device)
-                send = pack_shards(shards, *packing)
+                send = self._send_buffer(shards, packing)
                 self.output = self._receive_buffer(send)
                 self.work = all_gather_into(self.output, send, group, async_op=True)
+
+    def _send_buffer(self, shards: list[torch.Tensor], packing) -> torch.Tensor:
+        """The packed send buffer: into a kept buffer on the host-waited path ([Note: receive
+        buffers are reused]), remembered to be given back once the collective completed."""
+        if self.buffers is None:
+            return pack_shards(shards, *packing)
+        slices, begins, ends = packing
+        numel = sum((e - b) * s for s, b, e in zip(slices, begins, ends))
+        self._send_kept = pack_shards(shards, *packing, out=self.buffers.take(shards[0], numel))
+        return self._send_kept
 
     def _receive_buffer(self, send: torch.Tensor) -> torch.Tensor:
         numel = self.world_size * send.numel()
@@ -335,7 +349,7 @@ class GatherWork:
             self.work = all_gather_into(self.output, send, self.channel.data_group, async_op=True)
         except RuntimeError as exc:
             self.error = exc
-            self.output = None
+            self.output = self._send_kept = None
             self.work = None
 
     def _check_headers(self, runs: list[ChunkRun], group, seq: int, device) -> None:
@@ -375,7 +389,7 @@ class GatherWork:
         its data collective is never issued (every rank cancels the same gathers)."""
         if self.channel is not None and self.work is None and not self.done and self.error is None:
             self.channel.cancel(self)
-            self.header_work = self._every = self._send = None
+            self.header_work = self._every = self._send = self._send_kept = None
             self.error = RuntimeError("elastic: a gather cancelled before it was waited on")
 
     def wait(self, what: str) -> None:
@@ -402,12 +416,13 @@ class GatherWork:
                     )
                     self.error.__cause__ = exc
                     # [Note: nothing outlives its step]: the failed work and its buffers go now.
-                    self.output = None
+                    self.output = self._send_kept = None
                     self.work = None
                     raise self.error from exc
                 self._unpack()
                 if self.buffers is not None:  # [Note: receive buffers are reused]
                     self.buffers.give(self.output)
-        self.output = None  # the pages hold the data now
+                    self.buffers.give(self._send_kept)
+        self.output = self._send_kept = None  # the pages hold the data now
         self.work = None  # it holds the send buffer: drop both now, not when the use ends
         self.done = True

@@ -238,7 +238,7 @@ class _Gathers:
                 chunk_runs.append(ChunkRun(et, run[0], run[-1] + 1, pages))
             work = GatherWork(
                 chunk_runs, self.group, self.world_size, self.comm_stream, self.policy.collective_timeout_s,
-                seq=self._seq, device=self.device, channel=self._header_channel(), buffers=self._recv_buffers,
+                seq=self._seq, device=self.device, channel=self._header_channel(), buffers=self._gather_buffers,
             )
             self._seq += 1
             self._stats["allgather_calls"] += 1

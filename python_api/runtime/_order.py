@@ -113,8 +113,8 @@ class _Order:
         finally:
             self._observed = []
             self._cursor = 0
-            if self._recv_buffers is not None:
-                self._recv_buffers.clear()  # [Note: receive buffers are reused]
+            if self._gather_buffers is not None:
+                self._gather_buffers.clear()  # [Note: receive buffers are reused]
             if self.pool is not None and self.phase is not Phase.IDLE:
                 keep = Residency.PEAK if self.phase is Phase.FORWARD else Residency.PERSISTENT
                 self._sweep(keep)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from elastic_kernels import PagePool
 
 from ..config import ElasticPolicy
-from ..distributed.collectives import ReceiveBuffers
+from ..distributed.collectives import GatherBuffers
 from ..quant import DequantWorkspace
 from ._gathers import Resident, _Gathers, _Use
 from ._grads import _GradReduction
@@ -117,7 +117,7 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
         self._segments: dict[Phase, list[tuple[int, int]] | None] = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self._seq = 0  # collectives issued (carried in each one's header)
         # [Note: receive buffers are reused] in python_api/distributed/collectives.py
-        self._recv_buffers = ReceiveBuffers() if self.device.type == "cpu" else None
+        self._gather_buffers = GatherBuffers() if self.device.type == "cpu" else None
         # gloo on the default group: the private header and data groups of its gathers
         # ([Note: headers off the prefetch path] in python_api/distributed/collectives.py)
         self._channel = None
@@ -232,8 +232,8 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
             pass  # a failed gather: its pages are freed with the pool below
         finally:
             self._prefetched = {}
-            if self._recv_buffers is not None:
-                self._recv_buffers.clear()
+            if self._gather_buffers is not None:
+                self._gather_buffers.clear()
             for h in self._grad_hooks:
                 h.remove()
             self._grad_hooks = []
@@ -304,6 +304,6 @@ class ElasticRuntime(_Registration, _Residency, _Gathers, _Order, _GradReduction
                     if self.pool is not None:
                         self._end_use(use, keep)
                     order = self._order[self.phase]
-                    if self._recv_buffers is not None and order is not None and self._cursor >= len(order):
+                    if self._gather_buffers is not None and order is not None and self._cursor >= len(order):
                         # the phase's last use: nothing more to receive before the peak
-                        self._recv_buffers.clear()
+                        self._gather_buffers.clear()

@@ -573,3 +573,20 @@ def test_unpadded_shard_sends_what_the_padded_shard_sent(impl, world_size, shape
     assert bits_equal(lay.assemble(shards), weight)
     with pytest.raises(ValueError, match="expected"):
         lay.pad_shard(shards[0][:-1] if shards[0].numel() else shards[0].new_zeros(1), 0)
+
+
+def test_pack_into_a_kept_buffer():
+    """pack_shards(..., out=buf): the same bits as a new send buffer, written into buf (the
+    gathers' kept buffers, [Note: receive buffers are reused]); a buffer of another size,
+    dtype or layout is refused, never resized."""
+    g = torch.Generator().manual_seed(7)
+    shards = [torch.randn(40, generator=g), torch.randn(24, generator=g), torch.randn(9, generator=g)]
+    args = ([4, 6, 3], [1, 0, 1], [10, 4, 3])
+    want = pack_shards_reference(shards, *args)
+    buf = torch.full((want.numel(),), float("nan"))
+    got = pack.pack_shards(shards, *args, out=buf)
+    assert got is buf and torch.equal(buf, want)
+    for bad in (torch.empty(want.numel() + 1), torch.empty(want.numel(), dtype=torch.float64),
+                torch.empty(2 * want.numel())[::2], torch.empty(want.numel(), 1)):
+        with pytest.raises(ValueError, match="out must"):
+            pack.pack_shards(shards, *args, out=bad)
