@@ -31,8 +31,9 @@ them (`GatherWork.failed`), so a caller that catches the error and retries gathe
 
 [Note: nothing outlives its step]
 No collective work handle (and so none of its tensors, nor the process group it belongs to)
-is kept past the use that consumed it: `wait()` drops the work and the receive buffer once
-the pages hold the data, and also when the gather failed; the header exchange's work is a
+is kept past the use that consumed it: `wait()` drops the work and its buffers once the
+pages hold the data (the buffers go to the runtime's `GatherBuffers` until the phase's last
+use ends: [Note: receive buffers are reused]), and also when the gather failed; the header exchange's work is a
 local that an exception's traceback does not keep (it is cleared before raising); the
 runtime's prefetched uses are consumed or released by the end of their phase. A gloo work
 still referenced when the interpreter shuts down is destroyed without the Python runtime that
