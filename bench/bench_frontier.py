@@ -148,7 +148,7 @@ def _parse(argv):
     p.add_argument("--legacy-budgets", default="", help="pool budgets run with the pre-issue-27 synchronization (A/B)")
     p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
     p.add_argument("--fresh-buffer-budgets", default="",
-                   help="pool budgets run with a new receive buffer for every gather (A/B)")
+                   help="pool budgets run with new send and receive buffers for every gather (A/B)")
     p.add_argument("--other-embedding-budgets", default="",
                    help="pool budgets run with ElasticPolicy.shard_embeddings flipped from its default (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
@@ -366,8 +366,8 @@ def paged_only(engine):
 
 
 def fresh_buffers(engine):
-    """Every gather receives into a new tensor (before [Note: receive buffers are reused] in
-    python_api/distributed/collectives.py), for an A/B in one run."""
+    """Every gather packs and receives into new tensors (before [Note: receive buffers are
+    reused] in python_api/distributed/collectives.py), for an A/B in one run."""
     engine.runtime._gather_buffers = None
     return engine
 

@@ -33,8 +33,9 @@ them (`GatherWork.failed`), so a caller that catches the error and retries gathe
 No collective work handle (and so none of its tensors, nor the process group it belongs to)
 is kept past the use that consumed it: `wait()` drops the work and its buffers once the
 pages hold the data (the buffers go to the runtime's `GatherBuffers` until the phase's last
-use ends: [Note: receive buffers are reused]), and also when the gather failed; the header exchange's work is a
-local that an exception's traceback does not keep (it is cleared before raising); the
+use ends: [Note: receive buffers are reused]), and also when the gather failed; the header
+exchange's work is a local that an exception's traceback does not keep (it is cleared before
+raising); the
 runtime's prefetched uses are consumed or released by the end of their phase. A gloo work
 still referenced when the interpreter shuts down is destroyed without the Python runtime that
 its tensors need, and gloo's threads then abort the process at exit ("terminate called
@@ -44,9 +45,8 @@ without an active exception", pytorch#190489), even after `destroy_process_group
 [Note: receive buffers are reused]
 On the host-waited (gloo) path a gather's receive buffer (world_size x its send buffer, 13.5
 MiB for a decoder layer of SmolLM2-135M) and its packed send buffer were new tensors each
-time. With glibc's mmap
-threshold fixed (as the benchmarks fix it: [Note: a fixed mmap threshold] in
-python_api/finetune/measure.py) every such allocation is a fresh mapping that the kernel
+time. With glibc's mmap threshold fixed (as the benchmarks fix it: [Note: a fixed mmap
+threshold] in python_api/finetune/measure.py) every such allocation is a fresh mapping that the kernel
 zero-fills page by page as it is written, and is unmapped when freed. So the runtime keeps
 the receive and send buffers of completed gathers (`GatherBuffers`, one per runtime, CPU
 only: on CUDA the caching allocator already reuses memory in stream order) and hands them to
@@ -58,9 +58,9 @@ gathers in flight; the planner's memory model already counts both ([Note: what t
 model counts], `window_buffers` in python_api/planner/memory.py). None of it may reach the
 peak: the runtime drops every kept buffer at the end of the last use of a phase's learned
 order (the end of forward comes right before the loss, where activations peak) and when a
-phase ends or the runtime closes. A buffer is kept only after its gather completed and was unpacked (a
-failed gather's buffer is dropped with it), so no collective can still write it, and it
-holds no work handle ([Note: nothing outlives its step]). Measured on SmolLM2-135M at 2 and
+phase ends or the runtime closes. A buffer is kept only after its gather completed and was
+unpacked (a failed gather's buffers are dropped with it), so no collective can still write
+it, and it holds no work handle ([Note: nothing outlives its step]). Measured on SmolLM2-135M at 2 and
 4 gloo ranks, budget 0, interleaved with FSDP2, receive buffers kept: 1.21x against 1.13x with
 new buffers, the same tensor peak; send buffers kept too: NOTES.md
 (bench/results/2026-12-04_buffers.md).
