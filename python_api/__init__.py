@@ -20,6 +20,7 @@ if __name__ != "elastic_kernels.api":
 
 from . import hf  # noqa: F401 - registers the transformers integration's conversion hook
 from .config import ElasticPolicy
+from .distributed.zero import ShardedOptimizer
 from .loading import load_elastic
 from .nn import (
     ElasticLinear,
@@ -68,6 +69,7 @@ __all__ = [
     "ElasticTensor",
     "Phase",
     "Residency",
+    "ShardedOptimizer",
     "elasticize",
     "no_sync",
     "reset_stats",

@@ -9,7 +9,8 @@ then per step sets the step's learning rate, calls `before_step(step)` and `batc
 (untimed) and times `run_step(job, batch, opt)`; it writes checkpoints at the cadence, and at
 the end evaluates the held-out probe and returns one result. What an engine provides:
   built      its constructor sets `model`, `name`, `kind`, `micro_batch` and `grad_accum`;
-             `optimizer` is the AdamW its framework owns (DeepSpeed), else None and the loop
+             `optimizer` is the AdamW its framework owns (DeepSpeed) or its own (the
+             elastic engine's ShardedOptimizer below a full cache), else None and the loop
              builds one (`adamw` in loop.py)
   a step     `set_learning_rate(opt, training, step)`: the step's learning rate on `opt`;
              `batch`: the step's input on the device; `run_step`: forward and backward over
@@ -47,7 +48,7 @@ class Engine:
     kind = "engine"
     name = "engine"
     weight_format = "none"  # the numerics its losses are compared within
-    optimizer = None  # an AdamW the engine's framework steps itself ([Note: engines that own their optimizer step])
+    optimizer = None  # the engine's own optimizer, else the loop's AdamW ([Note: engines that own their optimizer step])
     measures_tensor_peak = True  # the tensor peak of [Note: what "peak memory" means here] in measure.py
     sequence_copies = 1  # adapters trained on each sequence (a sweep's K): the tokens a step trains, per sequence
 

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..distributed.zero import ShardedOptimizer
 from ..loading import LoadError, SafetensorsSource, empty_model
 from ..nn import PEFT_PREFIX, adapter_state_dict, convert_to_elastic, runtime_of
 from ..planner import PlanningError, least_memory
@@ -33,6 +34,7 @@ from .checkpoints import nonfinite
 from .engine import Engine
 from .errors import FinetuneError
 from .job import Job
+from .loop import adamw
 from .models import ModelSpec, lora_config, target_list
 from .option_values import budget_label, fmt_bytes
 from .planning import JobPlanner
@@ -77,6 +79,16 @@ class ElasticEngine(Engine):
         # The micro-batch split of each step: the job's, or the plan's (python_api/finetune/planning.py).
         self.micro_batch, self.grad_accum = job.cfg.training.micro_batch, job.cfg.training.grad_accum
         self.planner = None
+        if (job.world_size > 1 and self.kind == "elastic" and not planned
+                and self.budget_bytes is not None and self.budget_bytes < frozen):
+            # Below a full cache each rank holds the AdamW moments of its share of the adapters
+            # ([Note: sharded optimizer state] in python_api/distributed/zero.py). A full cache
+            # keeps DDP's replicated optimizer (no all-gather a step); a planned run too (the
+            # planner's memory model counts the moments on every rank); a sweep has its own.
+            training = job.cfg.training
+            self.optimizer = ShardedOptimizer([p for _, p in self.params()], lambda ps: adamw(ps, training),
+                                              self.runtime.group)
+            self._optimizer_gathered = 0  # its all-gathers' bytes up to the last step (step_figures)
         if planned:
             self.kind = "planned"
             self.planner = JobPlanner(job, self)
@@ -93,14 +105,28 @@ class ElasticEngine(Engine):
         return contextlib.nullcontext() if is_last else self.runtime.no_sync()
 
     def gathered_bytes(self) -> int:
-        return self.runtime.stats()["allgather_bytes"]
+        """The frozen weights' all-gathers, and the updated adapters' of a sharded optimizer."""
+        shared = self.optimizer.allgather_bytes if isinstance(self.optimizer, ShardedOptimizer) else 0
+        return self.runtime.stats()["allgather_bytes"] + shared
 
     def h2d_bytes(self) -> int:
         return self.runtime.stats()["h2d_bytes"]
 
+    def step_figures(self) -> dict:
+        """A sharded optimizer's all-gather of the updated adapters in the step just run (part
+        of the step's gathered bytes)."""
+        if not isinstance(self.optimizer, ShardedOptimizer):
+            return {}
+        step = self.optimizer.allgather_bytes - self._optimizer_gathered
+        self._optimizer_gathered = self.optimizer.allgather_bytes
+        return {"optimizer_gathered": step}
+
     def run_figures(self, per_step: dict[str, list], tensor_peak: int | None, memory) -> dict:
         out = super().run_figures(per_step, tensor_peak, memory)
         out.update(budget_bytes=self.budget_bytes, frozen_bytes=self.frozen_bytes, runtime_stats=self.runtime.stats())
+        if isinstance(self.optimizer, ShardedOptimizer):  # [Note: sharded optimizer state]
+            out.update(optimizer_allgather_bytes_per_step=per_step.get("optimizer_gathered", []),
+                       optimizer_state_bytes=self.optimizer.state_bytes())
         if self.planner is not None:
             out.update(self.planner.report())
         return out

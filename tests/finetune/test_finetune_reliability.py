@@ -93,12 +93,12 @@ import elastic_kernels.api.finetune as ft
 fault, rank = os.environ["FT_FAULT"], int(os.environ["RANK"])
 
 
-def fail_on_call(module, name, nth, exc):
+def fail_on_call(module, name, nth, exc, counts=lambda *a, **k: True):
     real, calls = getattr(module, name), [0]
 
     def patched(*a, **k):
-        calls[0] += 1
-        if calls[0] == nth:
+        calls[0] += counts(*a, **k)
+        if counts(*a, **k) and calls[0] == nth:
             raise exc
         return real(*a, **k)
 
@@ -108,7 +108,9 @@ def fail_on_call(module, name, nth, exc):
 full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 if fault == "rng-rank1" and rank == 1:  # rank 1 saves only its RNG state: call 2 = checkpoint of step 2
     import torch
-    fail_on_call(torch, "save", 2, full)
+    # Writes to a file only: pickling a tensor (an exchange across ranks) calls torch.save
+    # into a BytesIO too.
+    fail_on_call(torch, "save", 2, full, counts=lambda obj, f, *a, **k: isinstance(getattr(f, "name", None), str))
 elif fault == "adapter-rank0" and rank == 0:  # the adapter of the checkpoint of step 2
     import safetensors.torch
     fail_on_call(safetensors.torch, "save_file", 2, full)

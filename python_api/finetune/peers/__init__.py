@@ -22,7 +22,10 @@ interface]): `accumulate(is_last)` around each micro-step's forward and
 opt.zero_grad()`. An engine whose framework owns the step (DeepSpeed: ZeRO-3 steps its own
 partitions) carries `optimizer`, the torch AdamW it handed over (the loop's learning-rate
 schedule writes its param_groups, and the loop steps no other), and overrides
-`optimizer_step`. The others carry None and get the loop's AdamW.
+`optimizer_step`. The elastic engine below a full cache carries a ShardedOptimizer (each rank
+steps its share of the adapters: [Note: sharded optimizer state] in
+python_api/distributed/zero.py) and keeps the default `optimizer_step`. The others carry None
+and get the loop's AdamW.
 """
 
 from __future__ import annotations
