@@ -149,6 +149,8 @@ def _parse(argv):
     p.add_argument("--paged-budgets", default="", help="pool budgets run with no weight held as a run (A/B)")
     p.add_argument("--fresh-buffer-budgets", default="",
                    help="pool budgets run with new send and receive buffers for every gather (A/B)")
+    p.add_argument("--replicated-optimizer-budgets", default="",
+                   help="pool budgets run with every rank holding all the adapters' AdamW state (A/B)")
     p.add_argument("--other-embedding-budgets", default="",
                    help="pool budgets run with ElasticPolicy.shard_embeddings flipped from its default (A/B)")
     p.add_argument("--planned-caps", type=int, default=3, help="planned runs at this many memory caps (0: none)")
@@ -177,7 +179,8 @@ def _parse(argv):
     # process group or model exists (not a traceback once the runs are being built).
     from elastic_kernels.api.finetune.option_values import PEERS, _budget, _reshard
 
-    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets", "other_embedding_budgets"):
+    for flag in ("budgets", "host_budgets", "legacy_budgets", "paged_budgets", "fresh_buffer_budgets",
+                 "replicated_optimizer_budgets", "other_embedding_budgets"):
         for b in (x for x in getattr(opts, flag).split(",") if x.strip()):
             try:
                 _budget(b)
@@ -305,6 +308,10 @@ def configurations(opts, job, counter) -> list[Config]:
         budget = _budget(b)
         out.append(Config(elastic, f"fresh buffers budget {budget_label(budget)}",
                           lambda budget=budget: fresh_buffers(ElasticEngine(job, budget)), fmt))
+    for b in (x for x in opts.replicated_optimizer_budgets.split(",") if x.strip()):
+        budget = _budget(b)
+        out.append(Config(elastic, f"replicated optimizer budget {budget_label(budget)}",
+                          lambda budget=budget: replicated_optimizer(ElasticEngine(job, budget)), fmt))
     flipped = not ElasticPolicy().shard_embeddings
     for b in (x for x in opts.other_embedding_budgets.split(",") if x.strip()):
         budget = _budget(b)
@@ -369,6 +376,13 @@ def fresh_buffers(engine):
     """Every gather packs and receives into new tensors (before [Note: receive buffers are
     reused] in python_api/distributed/collectives.py), for an A/B in one run."""
     engine.runtime._gather_buffers = None
+    return engine
+
+
+def replicated_optimizer(engine):
+    """The loop's AdamW over every adapter on every rank (before [Note: sharded optimizer
+    state] in python_api/distributed/zero.py), for an A/B in one run."""
+    engine.optimizer = None
     return engine
 
 
@@ -718,6 +732,7 @@ def picture(rows: list[dict], path: str, caption: str) -> None:
 
     from elastic_kernels.api.finetune.peers.frontier import plot_frontier
 
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # a new --results folder (the CSV's too)
     fig, ax = plt.subplots(figsize=(10, 6))
     plot_frontier(ax, [{"system": r["system"], "label": r["config"].split(" (")[0],
                         "memory": None if r["peak_memory_mib"] is None else r["peak_memory_mib"] * 2**20,
