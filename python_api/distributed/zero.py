@@ -62,6 +62,44 @@ def partition(numels: list[int], world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _local_error(params: list) -> str | None:
+    if not params:
+        return "no parameters"
+    if len({id(p) for p in params}) != len(params):
+        return "a parameter is given twice"
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        return f"the parameters are on several devices {sorted(map(str, devices))}"
+    return None
+
+
+def _check_params(params: list, world_size: int, group) -> None:
+    """Every rank must pass the same parameter list (shapes and dtypes, in order): the
+    partition and the all-gathers are computed from it. Checked on every rank at once, so a
+    rank's bad input fails every rank with the same message instead of a hang in a peer's
+    next collective."""
+    err = _local_error(params)
+    if world_size == 1:
+        if err:
+            raise ValueError(f"ShardedOptimizer: {err}")
+        return
+    signature = [(tuple(p.shape), str(p.dtype)) for p in params]
+    every = exchange((err, signature), group, what="ShardedOptimizer: checking the parameters")
+    errors = [(r, e) for r, (e, _) in enumerate(every) if e]
+    if errors:
+        raise ValueError("ShardedOptimizer: " + "; ".join(f"{e} (on rank {r})" for r, e in errors))
+    first = every[0][1]
+    for r, (_, sig) in enumerate(every[1:], start=1):
+        if sig != first:
+            if len(sig) != len(first):
+                where = f"{len(sig)} parameters on rank {r}, {len(first)} on rank 0"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(sig, first)) if a != b)
+                where = f"parameter {i} is {sig[i][0]} {sig[i][1]} on rank {r}, {first[i][0]} {first[i][1]} on rank 0"
+            raise ValueError(f"ShardedOptimizer: the ranks pass different parameters ({where}); every rank must "
+                             f"pass the same replicated parameters in the same order")
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 over `params` (replicated, their gradients averaged before each step):
     `make(owned)` builds the inner optimizer on this rank's share ([Note: sharded optimizer
@@ -71,17 +109,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], group=None):
         self.params = list(params)
-        if not self.params:
-            raise ValueError("ShardedOptimizer: no parameters")
-        if len({id(p) for p in self.params}) != len(self.params):
-            raise ValueError("ShardedOptimizer: a parameter is given twice")
-        devices = {p.device for p in self.params}
-        if len(devices) != 1:
-            raise ValueError(f"ShardedOptimizer: the parameters are on several devices {sorted(map(str, devices))}")
         self.group = group
         one = not dist.is_initialized()  # a single process without a process group owns everything
         self.world_size = 1 if one else dist.get_world_size(group)
         self.rank = 0 if one else dist.get_rank(group)
+        _check_params(self.params, self.world_size, group)
         self.bounds = partition([p.numel() for p in self.params], self.world_size)
         begin, end = self.bounds[self.rank]
         self.owned = self.params[begin:end]

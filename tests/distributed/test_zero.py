@@ -144,3 +144,30 @@ def test_one_process_without_a_process_group_is_the_plain_adamw():
     with pytest.raises(ValueError, match="partitioned at construction"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     assert opt.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+
+
+def _mismatch_worker(rank, world_size, case):
+    from elastic_kernels.api.distributed.zero import ShardedOptimizer
+
+    shapes = list(SHAPES)
+    if rank == 1:
+        shapes = {"shape": SHAPES[:2] + [(34,)] + SHAPES[3:], "count": SHAPES[:-1], "none": []}[case]
+    try:
+        ShardedOptimizer(_params(shapes), _adamw)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case,message", [
+    ("shape", r"parameter 2 is \(34,\) torch.float32 on rank 1, \(33,\) torch.float32 on rank 0"),
+    ("count", r"5 parameters on rank 1, 6 on rank 0"),
+    ("none", r"no parameters \(on rank 1\)"),
+])
+def test_ranks_that_pass_different_parameters_fail_together(case, message):
+    """A rank's different parameter list fails every rank at construction, naming it (not a
+    hang or a size error in the first step's all-gather)."""
+    import re
+
+    for err in run_distributed(_mismatch_worker, 2, case, timeout=120):
+        assert err is not None and re.search(message, err), err
