@@ -214,7 +214,7 @@ def csv_text(rows: list[dict]) -> str:
 # its level before the model was built; on GPU: torch's allocated tensors above that level).
 MEMORY_HOLDS = {
     "elastic": "its shard of every frozen weight, the pool (up to its budget), activations, adapters, their "
-               "gradients and AdamW state",
+               "gradients and AdamW state (below a full cache its share of the state)",
     "planned": "what the plan keeps: shards, the pool at the plan's budget, the activations it does not recompute, "
                "adapters, gradients, AdamW state",
     "sweep": "its shard of every frozen weight, the pool (up to its budget), the activations of every adapter's "
