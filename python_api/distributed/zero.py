@@ -128,10 +128,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = probe.param_groups if self.owned else [
             {k: v for k, v in probe.param_groups[0].items() if k != "params"} | {"params": []}]
         self.allgather_bytes = 0  # received from the peers by step()'s all-gathers, cumulative
-        self.allgather_calls = 0
-        self._by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(self.params):
-            self._by_dtype.setdefault(p.dtype, []).append(i)
+        # Per dtype, what step() shares: each rank's owned parameters of that dtype, their
+        # element counts, and the padded width of one rank's part of the all-gather.
+        self._shares = []
+        for dtype in dict.fromkeys(p.dtype for p in self.params):
+            per_rank = [[p for p in self.params[b:e] if p.dtype == dtype] for b, e in self.bounds]
+            counts = [sum(p.numel() for p in ps) for ps in per_rank]
+            if max(counts) > 0:
+                self._shares.append((dtype, per_rank, counts, max(counts)))
 
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError("ShardedOptimizer: parameters are partitioned at construction; build a new one "
@@ -162,29 +166,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _share_updated(self) -> None:
         """Every rank's owned parameters into every rank's copies: one all-gather per dtype."""
-        for dtype, indices in self._by_dtype.items():
-            per_rank = [[i for i in indices if b <= i < e] for b, e in self.bounds]
-            counts = [sum(self.params[i].numel() for i in ix) for ix in per_rank]
-            width = max(counts)
-            if width == 0:
-                continue
-            mine = per_rank[self.rank]
+        for dtype, per_rank, counts, width in self._shares:
             send = self.params[0].new_zeros(width, dtype=dtype)
+            mine = per_rank[self.rank]
             if mine:
-                torch.cat([self.params[i].detach().reshape(-1) for i in mine], out=send[: counts[self.rank]])
+                torch.cat([p.detach().reshape(-1) for p in mine], out=send[: counts[self.rank]])
             out = send.new_empty(self.world_size * width)
             all_gather_into(out, send, self.group, async_op=False)
             self.allgather_bytes += (self.world_size - 1) * send.numel() * send.element_size()
-            self.allgather_calls += 1
-            for r, ix in enumerate(per_rank):
-                if r == self.rank or not ix:
+            for r, ps in enumerate(per_rank):
+                if r == self.rank or not ps:
                     continue
                 flat = out[r * width : r * width + counts[r]]
-                offset = 0
-                for i in ix:
-                    p = self.params[i]
-                    p.detach().copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, value in zip(ps, flat.split([p.numel() for p in ps])):
+                    p.detach().copy_(value.view_as(p))
 
     def state_dict(self) -> dict:
         """The replicated optimizer's state dict over every parameter (a collective)."""
